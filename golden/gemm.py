@@ -1,0 +1,262 @@
+"""The BFP matrix product, bit for bit (docs/numerics.md, section 3).
+
+``C = act(A @ B + bias)``: for every output, an exact integer partial sum per K-tile, scaled
+by the two tile exponents into fp32 (RNE/FTZ), accumulated in fp32 in ascending K-tile order,
+then the bias, the activation and the output format.
+
+Two implementations of the same contract, chosen per call:
+- ``_accumulate_exact``: integer partial sums through float64 BLAS (exact below 2**53),
+  explicit rounding and flushing after every step. Correct for every input.
+- ``_accumulate_fast``: the codes are scaled into fp32 operands and each K-tile's product
+  is one fp32 BLAS call whose result, under checked preconditions, *is* ``p`` exactly (all
+  partial sums are integers times one power of two, below 2**24), and every sum stays a
+  multiple of 2**-126 so that no flush can ever be needed. Used when those preconditions
+  hold, which is the ordinary case in training.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+from . import bf16
+from .bfp import EXP_BIAS, EXP_NAN, BFPTensor, Format, quantize
+
+__all__ = ["gemm", "OUTPUTS"]
+
+#: Output formats besides a BFP ``Format``.
+OUTPUTS = ("fp32", "bf16")
+
+# Exponent of the smallest fp32 normal, and of fp32's largest power of two.
+_MIN_NORMAL_EXP = -126
+_MAX_EXP = 127
+
+
+def _check_operands(a: BFPTensor, b: BFPTensor):
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, BFPTensor):
+            raise TypeError(f"gemm operand {name} must be a BFPTensor (see hbfp.golden.quantize), got {type(t).__name__}")
+        if t.codes.ndim != 2:
+            raise ValueError(f"gemm operand {name} must be a matrix, got shape {t.shape}")
+    (m, k), (k2, n) = a.shape, b.shape
+    if k != k2:
+        raise ValueError(f"gemm shapes do not agree: A is {m}x{k}, B is {k2}x{n}")
+    if a.fmt.tile[1] != b.fmt.tile[0]:
+        raise ValueError(
+            f"the tiles of A and B must agree along K: A's tile {a.fmt.tile} has {a.fmt.tile[1]} "
+            f"columns, B's tile {b.fmt.tile} has {b.fmt.tile[0]} rows (store an operand "
+            "transposed, e.g. MXINT8 B as N x K with transpose_b=True)"
+        )
+    return m, k, n
+
+
+def _pad_k(codes: np.ndarray, kp: int, axis: int) -> np.ndarray:
+    pad = kp - codes.shape[axis]
+    if pad == 0:
+        return codes
+    widths = [(0, 0), (0, 0)]
+    widths[axis] = (0, pad)
+    return np.pad(codes, widths)
+
+
+def _nonzero_range(t: BFPTensor) -> tuple[int, int] | None:
+    """(min, max) of ``E - frac_bits`` over the tiles that hold a nonzero, finite value."""
+    live = (t.exponents != 0) & (t.exponents != EXP_NAN)
+    if not live.any():
+        return None
+    s = t.scale_exponents()[live]
+    return int(s.min()), int(s.max())
+
+
+def _fast_path_ok(a: BFPTensor, b: BFPTensor, tk: int, c: np.ndarray | None) -> bool:
+    # Every product term is code_a * code_b * 2**(sa + sb); a K-tile sum is an integer below
+    # tk * qmax_a * qmax_b times that power of two. In fp32 BLAS it is exact, whatever the
+    # summation order, when the integer fits 24 bits, when 2**(sa + sb) is a normal number,
+    # and when the largest possible sum stays below 2**128.
+    bound = tk * a.fmt.qmax * b.fmt.qmax
+    if bound >= 2**24:
+        return False
+    ra, rb = _nonzero_range(a), _nonzero_range(b)
+    if ra is None or rb is None:
+        return True  # every product is zero
+    if ra[0] < _MIN_NORMAL_EXP or rb[0] < _MIN_NORMAL_EXP:
+        return False  # a scaled operand would be subnormal (DAZ hardware would read 0)
+    if ra[0] + rb[0] < _MIN_NORMAL_EXP:
+        return False
+    if ra[1] + rb[1] + int(bound).bit_length() > _MAX_EXP:
+        return False
+    if c is not None:
+        # Sums stay multiples of 2**-126 (so never subnormal) only if C's values are: a
+        # normal fp32 with exponent e is a multiple of 2**(e - 23).
+        mag = np.abs(c[np.isfinite(c) & (c != 0)])
+        if mag.size and mag.min() < 2.0 ** (_MIN_NORMAL_EXP + 23):
+            return False
+    return True
+
+
+# The fast path holds all K-tile products of one block of outputs at once, sized to stay in
+# a core's cache while they are summed; blocks are shared out to one worker per core, each
+# running single-threaded BLAS (many small products scale badly on BLAS's own threads).
+_FAST_BLOCK_BYTES = 1 << 20
+_FAST_BLOCK_COLS = 1024
+_FAST_PARALLEL_MIN = 1 << 20  # K-tile products (elements) below which one thread is faster
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_pool: ThreadPoolExecutor | None = None
+_blas: ThreadpoolController | None = None
+
+
+def _run_blocks(work, blocks, parallel: bool) -> None:
+    global _pool, _blas
+    if not parallel or _WORKERS == 1:
+        work(blocks)
+        return
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="hbfp-gemm")
+        _blas = ThreadpoolController()
+    with _blas.limit(limits=1, user_api="blas"):
+        futures = [_pool.submit(work, blocks[i::_WORKERS]) for i in range(_WORKERS)]
+        for f in futures:
+            f.result()
+
+
+def _scaled(codes: np.ndarray, scale_exp: np.ndarray, tile: tuple[int, int], padded: tuple[int, int]) -> np.ndarray:
+    """Codes times their tile's power of two, as fp32, padded to whole tiles (exact under
+    the fast path's preconditions; tiles that hold only zeros get any normal scale)."""
+    th, tw = tile
+    out = np.zeros(padded, dtype=np.float32)
+    out[: codes.shape[0], : codes.shape[1]] = codes
+    scale = np.ldexp(np.float32(1), np.clip(scale_exp, _MIN_NORMAL_EXP, _MAX_EXP)).astype(np.float32)
+    tiles = out.reshape(padded[0] // th, th, padded[1] // tw, tw)
+    tiles *= scale[:, None, :, None]
+    return out
+
+
+def _accumulate_fast(a: BFPTensor, b: BFPTensor, acc: np.ndarray, tk: int, kt_count: int) -> np.ndarray:
+    m, n = acc.shape
+    kp = kt_count * tk
+    ma = a.exponents.shape[0] * a.fmt.tile[0]
+    nb = b.exponents.shape[1] * b.fmt.tile[1]
+    # Operands laid out K-tile-major: A as (KT, M, tk), B as (KT, tk, N).
+    a_f = _scaled(a.codes, a.scale_exponents(), a.fmt.tile, (ma, kp))[:m]
+    a_f = np.ascontiguousarray(a_f.reshape(m, kt_count, tk).transpose(1, 0, 2))
+    b_f = _scaled(b.codes, b.scale_exponents(), b.fmt.tile, (kp, nb))[:, :n].reshape(kt_count, tk, n)
+    cols = min(n, _FAST_BLOCK_COLS)
+    rows = max(1, min(m, _FAST_BLOCK_BYTES // (4 * kt_count * cols)))
+    blocks = [(r, c) for r in range(0, m, rows) for c in range(0, n, cols)]
+
+    def work(my_blocks):
+        p = np.empty((kt_count, rows, cols), dtype=np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            for r0, c0 in my_blocks:
+                r1, c1 = min(m, r0 + rows), min(n, c0 + cols)
+                pb = p[:, : r1 - r0, : c1 - c0]
+                np.matmul(a_f[:, r0:r1], b_f[:, :, c0:c1], out=pb)  # every K-tile's p, exact
+                np.add(pb[0], acc[r0:r1, c0:c1], out=pb[0])
+                # A reduction over the outer axis adds in index order: acc + p0 + p1 + ...
+                np.add.reduce(pb, axis=0, out=acc[r0:r1, c0:c1])
+
+    _run_blocks(work, blocks, parallel=m * n * kt_count >= _FAST_PARALLEL_MIN)
+    return acc
+
+
+def _accumulate_exact(a: BFPTensor, b: BFPTensor, acc: np.ndarray, tk: int, kt_count: int) -> np.ndarray:
+    kp = kt_count * tk
+    qa = _pad_k(a.codes, kp, 1).astype(np.float64)
+    qb = _pad_k(b.codes, kp, 0).astype(np.float64)
+    sa, sb = a.scale_exponents(), b.scale_exponents()  # (MT, KT), (KT, NT)
+    th, tw = a.fmt.tile[0], b.fmt.tile[1]
+    m, n = acc.shape
+    for kt in range(kt_count):
+        ks = slice(kt * tk, (kt + 1) * tk)
+        # + 0.0: an exact integer zero is +0 (a product like 0 * -3 would give -0).
+        s = qa[:, ks] @ qb[ks, :] + 0.0
+        scale = sa[:, kt][:, None] + sb[kt, :][None, :]
+        scale = np.repeat(np.repeat(scale, th, axis=0), tw, axis=1)[:m, :n]
+        p = bf16.round_f32(np.ldexp(s, scale))  # exact in fp64, then one rounding
+        acc = bf16.add_f32(acc, p)
+    return acc
+
+
+def gemm(
+    a: BFPTensor,
+    b: BFPTensor,
+    *,
+    c=None,
+    bias=None,
+    activation: str | None = None,
+    out: str | Format = "fp32",
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    seed: int | None = None,
+):
+    """``act(op(A) @ op(B) + C + bias)`` in HBFP, bit for bit as the device computes it.
+
+    ``a``, ``b``: BFPTensors; ``transpose_a``/``transpose_b`` use the transposed matrix
+    (the tiles transpose with it; square tiles are reused unchanged). The tiles must agree
+    along K. ``c``: an fp32 M x N matrix to accumulate onto (``acc`` starts there instead
+    of +0). ``bias``: fp32, N values, added after the K-tiles. ``activation``: a name from
+    ``hbfp.golden.activations`` (applied in bf16: the fp32 sum is rounded to bf16 first).
+    ``out``: ``"fp32"`` (float32 array), ``"bf16"`` (``ml_dtypes.bfloat16`` array) or a
+    BFP ``Format`` (a BFPTensor; ``seed`` for stochastic rounding).
+    """
+    if transpose_a:
+        a = a.transpose() if isinstance(a, BFPTensor) else a
+    if transpose_b:
+        b = b.transpose() if isinstance(b, BFPTensor) else b
+    m, k, n = _check_operands(a, b)
+    if not (isinstance(out, Format) or out in OUTPUTS):
+        raise ValueError(f"out must be one of {OUTPUTS} or a BFP Format, got {out!r}")
+    act = None
+    if activation is not None:
+        from . import activations
+
+        act = activations.get(activation)
+
+    tk = a.fmt.tile[1]
+    kt_count = -(-k // tk)
+
+    if c is None:
+        acc = np.zeros((m, n), dtype=np.float32)
+    else:
+        c = np.asarray(c)
+        if c.shape != (m, n):
+            raise ValueError(f"c must have the output's shape {(m, n)}, got {c.shape}")
+        if c.dtype != np.float32:
+            raise TypeError(f"c must be float32 (the fp32 accumulator), got {c.dtype}")
+        acc = bf16.flush_f32(c).copy()
+    if bias is not None:
+        bias = np.asarray(bias)
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have N = {n} values, got shape {bias.shape}")
+        if bias.dtype != np.float32:
+            raise TypeError(f"bias must be float32, got {bias.dtype}")
+
+    if kt_count and _fast_path_ok(a, b, tk, c):
+        # -0 + p and +0 + p agree on every p the contract can produce (p = +0 for a zero).
+        acc += np.float32(0)
+        acc = _accumulate_fast(a, b, acc, tk, kt_count)
+    else:
+        acc = _accumulate_exact(a, b, acc, tk, kt_count)
+
+    # A NaN tile on either side makes every p it meets NaN, and NaN absorbs all later sums.
+    nan_rows = a.expand(a.nan_tiles).any(axis=1)
+    nan_cols = b.expand(b.nan_tiles).any(axis=0)
+    if nan_rows.any() or nan_cols.any():
+        acc = np.where(nan_rows[:, None] | nan_cols[None, :], np.float32(np.nan), acc)
+
+    if bias is not None:
+        acc = bf16.add_f32(acc, bias[None, :])
+
+    if act is not None:
+        y = act(bf16.from_f32(acc))
+        if out == "bf16":
+            return bf16.to_dtype(y)
+        acc = bf16.to_f32(y)
+    elif out == "bf16":
+        return bf16.to_dtype(bf16.from_f32(acc))
+    if isinstance(out, Format):
+        return quantize(acc, out, seed=seed)
+    return acc
