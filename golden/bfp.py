@@ -181,15 +181,16 @@ class BFPTensor:
 def mix32(x) -> np.ndarray:
     """A 32-bit integer hash (xorshift-multiply, two constant multiplies), the mixing
     function of the stochastic rounding generator. ``uint32`` in, ``uint32`` out."""
-    # Products are taken in 64 bits and masked: the same as 32-bit wrap-around, without
-    # NumPy's overflow warnings on scalars.
-    m32 = np.uint64(0xFFFF_FFFF)
-    x = np.asarray(x, dtype=np.uint32).astype(np.uint64)
-    x = x ^ (x >> np.uint64(16))
-    x = (x * np.uint64(0x7FEB352D)) & m32
-    x = x ^ (x >> np.uint64(15))
-    x = (x * np.uint64(0x846CA68B)) & m32
-    return (x ^ (x >> np.uint64(16))).astype(np.uint32)
+    # Arrays wrap around modulo 2**32 silently (NumPy warns only on scalar overflow, so a
+    # scalar goes through a one-element array).
+    a = np.asarray(x, dtype=np.uint32)
+    x = a.reshape(-1) if a.ndim else a.reshape(1)
+    x = x ^ (x >> np.uint32(16))
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x.reshape(a.shape)
 
 
 def stream_index(grid_shape: tuple[int, ...], tile: tuple[int, int]) -> np.ndarray:
@@ -261,25 +262,39 @@ def quantize(x, fmt: Format = HBFP8, *, seed: int | None = None) -> BFPTensor:
     *lead, m, n = x.shape
     th, tw = fmt.tile
     tr, tc = _tiles(m, th), _tiles(n, tw)
-    xp = np.zeros((*lead, tr * th, tc * tw), dtype=np.float32)
-    xp[..., :m, :n] = x
-    u = xp.view(np.uint32)
-    field = ((u >> np.uint32(23)) & np.uint32(0xFF)).astype(np.uint8)
-    tiled = field.reshape(*lead, tr, th, tc, tw)
+    if (m, n) == (tr * th, tc * tw):
+        xp = np.ascontiguousarray(x)
+    else:
+        xp = np.zeros((*lead, tr * th, tc * tw), dtype=np.float32)
+        xp[..., :m, :n] = x
+    field = ((xp.view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF)).astype(np.uint8)
+    tiled_shape = (*lead, tr, th, tc, tw)
     # The shared exponent is the largest exponent field of the tile: floor(log2(amax)) + 127,
-    # and 0 for an all-zero tile (E = -127). Subnormals have field 0, so DAZ comes for free.
-    expo = tiled.max(axis=(-3, -1))
-    grid = np.repeat(np.repeat(expo, th, axis=-2), tw, axis=-1)
-    nan_elem = grid == EXP_NAN
-    daz = np.where((field == 0) | nan_elem, np.float32(0), xp).astype(np.float64)
-    shift = fmt.frac_bits + EXP_BIAS - grid.astype(np.int32)
-    y = np.ldexp(daz, shift)  # exact: a power-of-two scaling in fp64
-    rand = None
+    # 0 for an all-zero tile (E = -127), 0xFF when the tile holds a NaN or an inf.
+    expo = field.reshape(tiled_shape).max(axis=(-3, -1))
+    # DAZ: subnormals (field 0) count as zeros; so do the elements of NaN tiles.
+    drop = field == 0
+    if (expo == EXP_NAN).any():
+        drop |= np.repeat(np.repeat(expo == EXP_NAN, th, axis=-2), tw, axis=-1)
+    xz = np.where(drop, np.float32(0), xp)
+    # y = x * 2**(frac_bits - E): a power-of-two scaling, exact in fp32 while the scale is a
+    # normal fp32 number (a y that lands subnormal is below 2**-126, a code of 0 in any
+    # rounding); tiles with exponents at the very ends of the range go through fp64.
+    shift = fmt.frac_bits + EXP_BIAS - expo.astype(np.int32)
+    live = (expo != 0) & (expo != EXP_NAN)
+    dtype = np.float32 if not live.any() or (shift[live].min() >= -126 and shift[live].max() <= 127) else np.float64
+    scale = np.ldexp(dtype(1), np.clip(shift, -126, 127) if dtype is np.float32 else shift).astype(dtype)
+    y = xz.astype(dtype).reshape(tiled_shape) * scale[..., :, None, :, None]
+    y = y.reshape(xp.shape)
     if fmt.rounding == "stochastic":
-        rand = random_bits(seed, stream_index(expo.shape, fmt.tile))
-    q = np.clip(_round(y, fmt.rounding, rand), -fmt.qmax, fmt.qmax)
+        q = _round(y.astype(np.float64), fmt.rounding, random_bits(seed, stream_index(expo.shape, fmt.tile)))
+    elif fmt.rounding == "nearest_even":
+        q = np.rint(y, out=y)
+    else:
+        q = np.trunc(y, out=y)
+    q = np.clip(q, -fmt.qmax, fmt.qmax, out=q)
     codes = q[..., :m, :n].astype(fmt.code_dtype)
-    return BFPTensor(np.ascontiguousarray(codes), np.ascontiguousarray(expo.astype(np.uint8)), fmt)
+    return BFPTensor(np.ascontiguousarray(codes), np.ascontiguousarray(expo), fmt)
 
 
 def requantize(t: BFPTensor, fmt: Format, *, seed: int | None = None) -> BFPTensor:

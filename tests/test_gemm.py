@@ -204,3 +204,20 @@ def test_errors_are_clear():
         gemm(a, good, c=np.ones((3, 3), np.float32))
     with pytest.raises(ValueError, match="bias"):
         gemm(a, good, bias=np.ones(4, np.float32))
+
+
+@pytest.mark.parametrize("name", ["relu", "gelu", "sigmoid", "tanh", "exp", "leaky_relu"])
+def test_activation_epilogue_runs_in_bf16(name):
+    from hbfp.golden import activations
+
+    rng = np.random.default_rng(9)
+    a, b = quantize(random_matrix(rng, (20, 30))), quantize(random_matrix(rng, (30, 10)))
+    bias = random_matrix(rng, (1, 10))[0]
+    acc = gemm(a, b, bias=bias)
+    want = activations.get(name)(bf16.from_f32(acc))
+    assert np.array_equal(gemm(a, b, bias=bias, activation=name, out="bf16").view(np.uint16), want)
+    assert bits_equal(gemm(a, b, bias=bias, activation=name), bf16.to_f32(want))
+    t = gemm(a, b, bias=bias, activation=name, out=MXINT8)
+    assert np.array_equal(t.codes, quantize(bf16.to_f32(want), MXINT8).codes)
+    with pytest.raises(ValueError, match="relu"):
+        gemm(a, b, activation="softmax")
