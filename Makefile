@@ -6,7 +6,7 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test bench clean distclean venv
+.PHONY: demo test bench accuracy clean distclean venv
 
 venv: $(STAMP)
 
@@ -27,6 +27,10 @@ test: $(STAMP)
 ## bench: performance figures of the golden model against NumPy fp32
 bench: $(STAMP)
 	$(PY) benchmarks/bench_golden.py
+
+## accuracy: measure the bf16 activation units over all inputs; rewrites docs/activations.md
+accuracy: $(STAMP)
+	$(PY) benchmarks/activation_accuracy.py
 
 ## clean: remove build outputs (keeps the environment)
 clean:
