@@ -25,7 +25,7 @@ from threadpoolctl import ThreadpoolController
 from . import bf16
 from .bfp import EXP_BIAS, EXP_NAN, BFPTensor, Format, quantize
 
-__all__ = ["gemm", "OUTPUTS"]
+__all__ = ["gemm", "partial_sums", "normalize", "OUTPUTS"]
 
 #: Output formats besides a BFP ``Format``.
 OUTPUTS = ("fp32", "bf16")
@@ -162,21 +162,44 @@ def _accumulate_fast(a: BFPTensor, b: BFPTensor, acc: np.ndarray, tk: int, kt_co
     return acc
 
 
-def _accumulate_exact(a: BFPTensor, b: BFPTensor, acc: np.ndarray, tk: int, kt_count: int) -> np.ndarray:
-    kp = kt_count * tk
-    qa = _pad_k(a.codes, kp, 1).astype(np.float64)
-    qb = _pad_k(b.codes, kp, 0).astype(np.float64)
-    sa, sb = a.scale_exponents(), b.scale_exponents()  # (MT, KT), (KT, NT)
-    th, tw = a.fmt.tile[0], b.fmt.tile[1]
-    m, n = acc.shape
+def partial_sums(a_codes: np.ndarray, b_codes: np.ndarray, tk: int) -> np.ndarray:
+    """The MAC array's results: for every K-tile ``kt``, the exact integer sums
+    ``sum(a[i, k] * b[k, j] for k in kt)``, shape (KT, M, N), int64. K is padded with zeros
+    to whole tiles of ``tk``."""
+    m, k = a_codes.shape
+    n = b_codes.shape[1]
+    kt_count = -(-k // tk)
+    qa = _pad_k(np.asarray(a_codes), kt_count * tk, 1).astype(np.float64)
+    qb = _pad_k(np.asarray(b_codes), kt_count * tk, 0).astype(np.float64)
+    out = np.empty((kt_count, m, n), dtype=np.int64)
     for kt in range(kt_count):
         ks = slice(kt * tk, (kt + 1) * tk)
-        # + 0.0: an exact integer zero is +0 (a product like 0 * -3 would give -0).
-        s = qa[:, ks] @ qb[ks, :] + 0.0
-        scale = sa[:, kt][:, None] + sb[kt, :][None, :]
-        scale = np.repeat(np.repeat(scale, th, axis=0), tw, axis=1)[:m, :n]
-        p = bf16.round_f32(np.ldexp(s, scale))  # exact in fp64, then one rounding
-        acc = bf16.add_f32(acc, p)
+        out[kt] = qa[:, ks] @ qb[ks, :]  # exact in float64 below 2**53
+    return out
+
+
+def normalize(s, exp_a, exp_b, mantissa_bits_a: int = 8, mantissa_bits_b: int = 8) -> np.ndarray:
+    """The normalizer: an integer K-tile sum ``s`` and the E8M0 exponent codes of its two
+    tiles to the fp32 ``p = s * 2**(E_A + E_B - (m_A - 2) - (m_B - 2))`` (RNE, FTZ after
+    rounding, overflow to inf; an integer zero is +0; NaN when either code is 0xFF)."""
+    s = np.asarray(s, dtype=np.int64)
+    ea = np.asarray(exp_a, dtype=np.int32)
+    eb = np.asarray(exp_b, dtype=np.int32)
+    scale = ea + eb - 2 * EXP_BIAS - (mantissa_bits_a - 2) - (mantissa_bits_b - 2)
+    # |s| < 2**53 and the scale lies in [-284, 254]: the fp64 product is exact.
+    p = bf16.round_f32(np.ldexp(s.astype(np.float64), scale))
+    return np.where((ea == EXP_NAN) | (eb == EXP_NAN), np.float32(np.nan), p).astype(np.float32)
+
+
+def _accumulate_exact(a: BFPTensor, b: BFPTensor, acc: np.ndarray, tk: int, kt_count: int) -> np.ndarray:
+    th, tw = a.fmt.tile[0], b.fmt.tile[1]
+    m, n = acc.shape
+    sums = partial_sums(a.codes, b.codes, tk)
+    for kt in range(kt_count):
+        # Exponent codes of the two tiles that meet in each output, for this K-tile.
+        ea = np.repeat(a.exponents[:, kt], th)[:m, None]
+        eb = np.repeat(b.exponents[kt, :], tw)[None, :n]
+        acc = bf16.add_f32(acc, normalize(sums[kt], ea, eb, a.fmt.mantissa_bits, b.fmt.mantissa_bits))
     return acc
 
 

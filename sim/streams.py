@@ -1,0 +1,113 @@
+"""cocotb drivers for ``amaranth.lib.stream`` ports, with random stalls on both sides.
+
+Amaranth flattens a stream port ``name`` into ``name__valid``, ``name__ready`` and
+``name__payload`` (a packed vector; a ``data.Struct`` payload packs its fields from the LSB
+in declaration order). Payloads travel here as Python ints; ``pack``/``unpack`` convert
+lanes of fixed width.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+
+import cocotb
+from cocotb.clock import Clock
+from cocotb.triggers import ReadOnly, RisingEdge
+
+
+def pack(values: Iterable[int], width: int) -> int:
+    """Lanes (lane 0 in the LSBs) of ``width`` bits each, two's complement for negatives."""
+    word = 0
+    mask = (1 << width) - 1
+    for i, v in enumerate(values):
+        word |= (int(v) & mask) << (i * width)
+    return word
+
+
+def unpack(word: int, width: int, count: int, signed: bool = False) -> list[int]:
+    mask = (1 << width) - 1
+    out = []
+    for i in range(count):
+        v = (word >> (i * width)) & mask
+        if signed and v >> (width - 1):
+            v -= 1 << width
+        out.append(v)
+    return out
+
+
+async def start_clock_and_reset(dut, cycles: int = 2, period_ns: int = 10) -> None:
+    cocotb.start_soon(Clock(dut.clk, period_ns, unit="ns").start())
+    dut.rst.value = 1
+    for _ in range(cycles):
+        await RisingEdge(dut.clk)
+    dut.rst.value = 0
+
+
+class StreamSource:
+    """Drives ``name__valid``/``name__payload``; holds a beat until ``name__ready``.
+
+    ``stall`` is the probability of an idle cycle before each beat."""
+
+    def __init__(self, dut, name: str, *, stall: float = 0.0, rng: random.Random | None = None):
+        self.dut = dut
+        self.valid = getattr(dut, f"{name}__valid")
+        self.ready = getattr(dut, f"{name}__ready")
+        self.payload = getattr(dut, f"{name}__payload")
+        self.stall = stall
+        self.rng = rng or random.Random(0)
+        self.valid.value = 0
+        self.sent = 0
+
+    async def send(self, beats: Sequence[int]) -> None:
+        clk = self.dut.clk
+        for beat in beats:
+            while self.stall and self.rng.random() < self.stall:
+                self.valid.value = 0
+                await RisingEdge(clk)
+            self.payload.value = beat
+            self.valid.value = 1
+            while True:
+                await ReadOnly()
+                accepted = bool(self.ready.value)
+                await RisingEdge(clk)
+                if accepted:
+                    break
+            self.sent += 1
+        self.valid.value = 0
+
+
+class StreamSink:
+    """Drives ``name__ready`` (randomly low with probability ``stall``) and collects payloads."""
+
+    def __init__(self, dut, name: str, *, stall: float = 0.0, rng: random.Random | None = None):
+        self.dut = dut
+        self.valid = getattr(dut, f"{name}__valid")
+        self.ready = getattr(dut, f"{name}__ready")
+        self.payload = getattr(dut, f"{name}__payload")
+        self.stall = stall
+        self.rng = rng or random.Random(1)
+        self.ready.value = 0
+        self.beats: list[int] = []
+
+    async def receive(self, count: int, *, timeout_cycles: int | None = None) -> list[int]:
+        """Collect ``count`` beats; raises TimeoutError after ``timeout_cycles`` without one."""
+        clk = self.dut.clk
+        got: list[int] = []
+        idle = 0
+        while len(got) < count:
+            ready = not (self.stall and self.rng.random() < self.stall)
+            self.ready.value = int(ready)
+            await ReadOnly()
+            fire = ready and bool(self.valid.value)
+            if fire:
+                got.append(int(self.payload.value))
+                idle = 0
+            else:
+                idle += 1
+                if timeout_cycles is not None and idle > timeout_cycles:
+                    raise TimeoutError(f"no beat on the output for {timeout_cycles} cycles ({len(got)}/{count} received)")
+            await RisingEdge(clk)
+        self.ready.value = 0
+        self.beats.extend(got)
+        return got
