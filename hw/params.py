@@ -7,6 +7,9 @@ the host and the tests.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 from hbfp.golden.bfp import EXP_BIAS, EXP_NAN, RANDOM_BITS, SEED_SALT
 
 __all__ = [
@@ -20,6 +23,7 @@ __all__ = [
     "ROUNDING_CODES",
     "psum_width",
     "product_width",
+    "CoreConfig",
 ]
 
 FP32_WIDTH = 32
@@ -39,3 +43,59 @@ def psum_width(mantissa_bits_a: int, mantissa_bits_b: int, tk: int) -> int:
     """Bits of a signed K-tile sum of ``tk`` products: exact, never wraps."""
     bound = tk * (2 ** (mantissa_bits_a - 1) - 1) * (2 ** (mantissa_bits_b - 1) - 1)
     return bound.bit_length() + 1
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """One configuration of the GEMM core, decided at elaboration time.
+
+    ``rows`` x ``cols``: the MAC array (powers of two). ``mantissa_bits`` and ``tile``: the BFP
+    format of both stored operands and of BFP outputs (the tile's column side is the K-tile
+    ``tk``; a non-square tile, such as MXINT8's 1 x 32, needs A stored M x K and B stored N x K).
+    ``size``: the buffers hold ``size`` x ``size`` operands and outputs (a multiple of the
+    tile sides and of the array sides). ``functions``: the activation units built.
+    """
+
+    rows: int = 8
+    cols: int = 8
+    mantissa_bits: int = 8
+    tile: tuple[int, int] = (24, 24)
+    size: int = 96
+    functions: tuple[str, ...] | None = None  # None: every function of hw.activation.FUNCTIONS
+    leaky_shift: int = 7
+
+    def __post_init__(self):
+        object.__setattr__(self, "tile", tuple(self.tile))
+        for name in ("rows", "cols"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        th, tw = self.tile
+        for side in (th, tw, self.rows, self.cols):
+            if self.size % side:
+                raise ValueError(f"size {self.size} must be a multiple of the tile sides {self.tile} and the array sides")
+        if tw % self.cols:
+            raise ValueError(f"the tile's columns ({tw}) must be a multiple of cols ({self.cols}) for BFP output")
+        if self.tk < max(self.rows, self.cols):
+            raise ValueError(f"the K-tile ({self.tk}) must be at least as long as the array's sides")
+
+    @property
+    def tk(self) -> int:
+        """The K-tile: the tile's column side (K runs along the stored rows of A and B^T)."""
+        return self.tile[1]
+
+    @property
+    def square(self) -> bool:
+        return self.tile[0] == self.tile[1]
+
+    def fmt(self, rounding: str = "nearest_even"):
+        from hbfp.golden.bfp import Format
+
+        return Format(self.mantissa_bits, self.tile, rounding)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["tile"] = list(self.tile)
+        d["tk"] = self.tk
+        d["psum_width"] = psum_width(self.mantissa_bits, self.mantissa_bits, self.tk)
+        return d
