@@ -1,0 +1,445 @@
+"""The bf16 activation unit: every activation function and gradient of
+``hbfp.golden.activations``, one result per cycle (docs/numerics.md, section 4).
+
+Structure (one pipeline, every stage advancing together):
+
+- stage 0 (comb): the ROM address of every table unit, from the input's sign, exponent field
+  and mantissa (``TableUnit`` indexing, out-of-window fields clamped as the golden model does);
+- stage 1 (ROM read, synchronous): the table words, and the input registered beside them;
+  the function's output (``y``) is chosen from the table word or a rule (``small_rule``,
+  ``large_rule_pos``/``large_rule_neg``), or from comparators (relu, leaky_relu and their
+  derivatives), with NaN inputs overriding everything;
+- stage 2: ``y`` and the multiplier's second operand (the upstream gradient ``g`` for a
+  gradient function, 1.0 for a unary one) are registered;
+- stages 3-4: ``MulBF16Datapath`` computes ``bf16.mul(y, operand)``.
+
+A unary function goes through the multiplier too, times 1.0: every unit output is a normal,
+a zero, an inf or ``QNAN | sign`` (never a subnormal), and the multiplier returns each of
+those unchanged (the product of an 8-bit significand with 1.0 is exact, and a NaN times +1.0
+keeps its sign), so no bypass registers or output multiplexer are needed.
+
+The table contents, the windows and the rules are read from ``hbfp.golden.activations`` at
+elaboration time (``table_unit(name)``): the gateware cannot drift from the golden model.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from amaranth import Cat, Const, Module, Mux, Signal
+from amaranth.lib import data, stream, wiring
+from amaranth.lib.memory import Memory
+from amaranth.lib.wiring import In, Out
+
+from hbfp.golden import activations
+from hbfp.golden.activations import FIELD_INF, LEAKY_SHIFT, MANT_BITS
+from hbfp.golden.bf16 import QNAN
+
+from .params import BF16_WIDTH, EXP_BIAS
+
+__all__ = [
+    "FUNCTIONS",
+    "UNARY_FUNCTIONS",
+    "GRADIENT_FUNCTIONS",
+    "FUNC_WIDTH",
+    "BF16",
+    "ACTIVATION_INPUT",
+    "function_code",
+    "table_of",
+    "rom_bits",
+    "MulBF16Datapath",
+    "ActivationDatapath",
+    "Activation",
+]
+
+#: Runtime function codes: the code of a function is its index here.
+FUNCTIONS = (
+    "relu",
+    "leaky_relu",
+    "gelu",
+    "sigmoid",
+    "tanh",
+    "exp",
+    "relu_grad",
+    "leaky_relu_grad",
+    "gelu_grad",
+    "sigmoid_grad",
+    "tanh_grad",
+)
+#: Functions of ``x`` alone (``hbfp.golden.activations.UNARY``); ``g`` is ignored.
+UNARY_FUNCTIONS = tuple(n for n in FUNCTIONS if not n.endswith("_grad"))
+#: Functions of ``(x, g)``: ``bf16.mul(<name>_deriv(x), g)`` (``activations.GRADIENTS``).
+GRADIENT_FUNCTIONS = tuple(n for n in FUNCTIONS if n.endswith("_grad"))
+#: Width of the ``func`` field.
+FUNC_WIDTH = (len(FUNCTIONS) - 1).bit_length()
+
+#: A bf16 pattern's fields (packed from the LSB, as in the IEEE format).
+BF16 = data.StructLayout({"mantissa": MANT_BITS, "field": BF16_WIDTH - MANT_BITS - 1, "sign": 1})
+#: One input beat of the activation unit.
+ACTIVATION_INPUT = data.StructLayout({"x": BF16_WIDTH, "g": BF16_WIDTH, "func": FUNC_WIDTH})
+
+_SIGN = 1 << (BF16_WIDTH - 1)
+_INF = FIELD_INF << MANT_BITS
+_ONE = EXP_BIAS << MANT_BITS
+
+
+def function_code(name: str) -> int:
+    """The runtime code of function ``name`` (its index in ``FUNCTIONS``)."""
+    try:
+        return FUNCTIONS.index(name)
+    except ValueError:
+        raise ValueError(f"unknown function {name!r}; known: {', '.join(FUNCTIONS)}") from None
+
+
+def table_of(name: str) -> str | None:
+    """The table unit (``activations.TABLE_NAMES``) function ``name`` reads, or None for the
+    comparator functions (relu, leaky_relu and their gradients)."""
+    function_code(name)
+    unit = name[: -len("_grad")] + "_deriv" if name.endswith("_grad") else name
+    return unit if unit in activations.TABLE_NAMES else None
+
+
+def _check_functions(functions) -> tuple[str, ...]:
+    if isinstance(functions, str):
+        raise TypeError("functions must be a collection of names, not a string")
+    names = tuple(functions)
+    for n in names:
+        function_code(n)
+    if not names:
+        raise ValueError("functions must name at least one function")
+    # Canonical order, duplicates dropped: the hardware does not depend on the caller's order.
+    return tuple(n for n in FUNCTIONS if n in names)
+
+
+def _check_shift(shift) -> int:
+    if isinstance(shift, bool):
+        raise TypeError("leaky_shift must be a non-negative int, not bool")
+    s = operator.index(shift)
+    if s < 0:
+        raise ValueError(f"leaky_shift must be non-negative, got {s}")
+    return s
+
+
+def rom_bits(functions=FUNCTIONS) -> int:
+    """ROM bits an ``Activation(functions=...)`` holds (16 per table word)."""
+    units = {table_of(n) for n in _check_functions(functions)} - {None}
+    return sum(activations.table_unit(u).rom_bits for u in units)
+
+
+def _classes(v: data.View):
+    """(zero after DAZ, inf, NaN) of a bf16 view."""
+    top = v.field == FIELD_INF
+    return v.field == 0, top & (v.mantissa == 0), top & (v.mantissa != 0)
+
+
+class MulBF16Datapath(wiring.Component):
+    """bf16 x bf16 -> bf16 product, equal to ``hbfp.golden.bf16.mul``: DAZ on both inputs,
+    the exact product of the 8-bit significands rounded once (RNE), overflow to +-inf, FTZ
+    after rounding; NaN when an input is NaN or for 0 * inf, as ``QNAN`` with the sign
+    ``sign(a) ^ sign(b)`` (the golden model's NaN sign is the host FPU's: compare by class).
+
+    Advance/valid pipeline: every register moves when ``advance`` is high; ``o_valid``
+    follows ``i_valid`` ``LATENCY`` advances later. Latency 2 cycles, one product per cycle.
+
+    Ports: ``advance``, ``i_valid``, ``a``, ``b`` (bf16 patterns) in; ``o_valid``, ``o`` out.
+    """
+
+    #: Register stages between ``a``/``b`` and ``o``.
+    LATENCY = 2
+
+    def __init__(self):
+        super().__init__(
+            {
+                "advance": In(1),
+                "i_valid": In(1),
+                "a": In(BF16_WIDTH),
+                "b": In(BF16_WIDTH),
+                "o_valid": Out(1),
+                "o": Out(BF16_WIDTH),
+            }
+        )
+
+    def elaborate(self, platform):
+        m = Module()
+        sig_bits = MANT_BITS + 1
+        a = data.View(BF16, self.a)
+        b = data.View(BF16, self.b)
+        a_zero, a_inf, a_nan = _classes(a)
+        b_zero, b_inf, b_nan = _classes(b)
+
+        # Stage 1: the 8x8 significand product (one DSP multiplier; its output register is
+        # this stage's register), the exponent-field sum and the special classes.
+        prod = Signal(2 * sig_bits, reset_less=True)
+        field_sum = Signal(a.field.shape().width + 1, reset_less=True)
+        sign = Signal(reset_less=True)
+        nan = Signal(reset_less=True)
+        inf = Signal(reset_less=True)
+        zero = Signal(reset_less=True)
+        valid = Signal()
+        with m.If(self.advance):
+            m.d.sync += [
+                prod.eq(Cat(a.mantissa, Const(1, 1)) * Cat(b.mantissa, Const(1, 1))),
+                field_sum.eq(a.field + b.field),
+                sign.eq(a.sign ^ b.sign),
+                nan.eq(a_nan | b_nan | (a_zero & b_inf) | (a_inf & b_zero)),
+                inf.eq(a_inf | b_inf),
+                zero.eq(a_zero | b_zero),
+                valid.eq(self.i_valid),
+            ]
+
+        # Stage 2: normalize (the product of two significands in [1, 2) lies in [1, 4): at
+        # most one right shift), round to nearest even on the dropped bits, then range checks.
+        top = prod[-1]
+        kept = Mux(top, prod[sig_bits:], prod[sig_bits - 1 : -1])
+        guard = Mux(top, prod[sig_bits - 1], prod[sig_bits - 2])
+        sticky = Mux(top, prod[: sig_bits - 1] != 0, prod[: sig_bits - 2] != 0)
+        rounded = Signal(sig_bits + 1)
+        m.d.comb += rounded.eq(kept + (guard & (sticky | kept[0])))
+        # The result's biased field plus EXP_BIAS, kept unsigned (no negative range to
+        # handle): the sum of two biased fields counts the bias twice; the normalizing shift
+        # and a rounding carry (which leaves the mantissa bits at 0) each add one.
+        biased2 = Signal(field_sum.shape().width + 1)
+        m.d.comb += biased2.eq(field_sum + top + rounded[-1])
+        overflow = biased2 >= FIELD_INF + EXP_BIAS
+        underflow = biased2 <= EXP_BIAS
+        sign_bit = Cat(Const(0, BF16_WIDTH - 1), sign)
+        normal = Cat(rounded[:MANT_BITS], (biased2 - EXP_BIAS)[: a.field.shape().width], sign)
+        out = Signal(BF16_WIDTH)
+        with m.If(nan):
+            m.d.comb += out.eq(sign_bit | QNAN)
+        with m.Elif(inf | overflow):
+            m.d.comb += out.eq(sign_bit | _INF)
+        with m.Elif(zero | underflow):
+            m.d.comb += out.eq(sign_bit)
+        with m.Else():
+            m.d.comb += out.eq(normal)
+
+        o = Signal(BF16_WIDTH, reset_less=True)
+        o_valid = Signal()
+        with m.If(self.advance):
+            m.d.sync += [o.eq(out), o_valid.eq(valid)]
+        m.d.comb += [self.o.eq(o), self.o_valid.eq(o_valid)]
+        return m
+
+
+class ActivationDatapath(wiring.Component):
+    """The activation pipeline in advance/valid form (``Activation`` puts streams around it).
+
+    Computes, for the function whose code (``function_code``) is ``i.func``,
+    ``hbfp.golden.activations.<name>(i.x)`` for a unary function (``i.g`` ignored) or
+    ``<name>(i.x, i.g)`` for a gradient; leaky_relu's slope is ``2**-leaky_shift``. A code of
+    a function left out of ``functions`` (or an unassigned code) gives ``0x7FC0`` (NaN).
+
+    Every register moves when ``advance`` is high; ``o_valid`` follows ``i_valid`` ``LATENCY``
+    advances later. Latency 4 cycles, one result per cycle.
+
+    Ports: ``advance``, ``i_valid``, ``i`` (``ACTIVATION_INPUT``) in; ``o_valid``, ``o`` out.
+    """
+
+    #: ROM read, function select, then the multiplier.
+    LATENCY = 2 + MulBF16Datapath.LATENCY
+
+    def __init__(self, *, functions=FUNCTIONS, leaky_shift: int = LEAKY_SHIFT):
+        self.functions = _check_functions(functions)
+        self.leaky_shift = _check_shift(leaky_shift)
+        #: Table units built, in ``activations.TABLE_NAMES`` order.
+        self.tables = tuple(
+            u for u in activations.TABLE_NAMES if u in {table_of(n) for n in self.functions}
+        )
+        super().__init__(
+            {
+                "advance": In(1),
+                "i_valid": In(1),
+                "i": In(ACTIVATION_INPUT),
+                "o_valid": Out(1),
+                "o": Out(BF16_WIDTH),
+            }
+        )
+
+    @property
+    def rom_bits(self) -> int:
+        """ROM bits of the built table units."""
+        return rom_bits(self.functions)
+
+    def elaborate(self, platform):
+        m = Module()
+        advance = self.advance
+        x0 = data.View(BF16, self.i.x)
+        field_width = x0.field.shape().width
+
+        # Stage 0 -> 1: one synchronous ROM per table unit (a block RAM each), read every
+        # cycle the pipeline moves and holding its word while it stalls, like the registers.
+        words = {}
+        for name in self.tables:
+            unit = activations.table_unit(name)
+            rom = Memory(shape=BF16_WIDTH, depth=unit.rom_entries, init=[int(w) for w in unit.rom])
+            m.submodules[f"rom_{name}"] = rom
+            port = rom.read_port(domain="sync")
+            # Out-of-window fields read a clamped (in-range) word that the rules replace.
+            offset = Mux(
+                x0.field < unit.f_lo,
+                0,
+                Mux(x0.field > unit.f_hi, unit.fields - 1, (x0.field - unit.f_lo)[:field_width]),
+            )
+            row = Mux(x0.sign, offset + unit.fields, offset)
+            m.d.comb += [port.addr.eq(Cat(x0.mantissa, row)), port.en.eq(advance)]
+            words[name] = port.data
+
+        x1 = Signal(BF16, reset_less=True)
+        g1 = Signal(BF16_WIDTH, reset_less=True)
+        func1 = Signal(FUNC_WIDTH, reset_less=True)
+        v1 = Signal()
+        with m.If(advance):
+            m.d.sync += [
+                x1.eq(self.i.x),
+                g1.eq(self.i.g),
+                func1.eq(self.i.func),
+                v1.eq(self.i_valid),
+            ]
+
+        # Stage 1: the unit outputs. Shared input decodes first.
+        sign16 = Cat(Const(0, BF16_WIDTH - 1), x1.sign)
+        x_zero, _, x_nan = _classes(x1)
+        positive = ~x1.sign & ~x_zero  # x > 0 after DAZ (NaN is overridden below)
+        x_daz = Mux(x_zero, sign16, x1.as_value())
+        # x * 0.5 by exponent decrement; fields 1 and 0 flush to a zero of x's sign.
+        x_half = Mux(
+            x1.field <= 1,
+            sign16,
+            Mux(x1.field == FIELD_INF, x1.as_value(), x1.as_value() - (1 << MANT_BITS)),
+        )
+
+        def rule(r):
+            kind = r[0]
+            if kind == "const":
+                return Const(r[1], BF16_WIDTH)
+            if kind == "x":
+                return x_daz
+            if kind == "half":
+                return x_half
+            raise ValueError(f"unknown rule {r!r}")
+
+        def table(name):
+            unit = activations.table_unit(name)
+            return Mux(
+                x1.field < unit.f_lo,
+                rule(unit.small_rule),
+                Mux(
+                    x1.field > unit.f_hi,
+                    Mux(x1.sign, rule(unit.large_rule_neg), rule(unit.large_rule_pos)),
+                    words[name],
+                ),
+            )
+
+        # leaky_relu: shifts past the field range flush every finite negative input (as the
+        # golden model's clamp to 255 does).
+        s = min(self.leaky_shift, FIELD_INF)
+        leaky_neg = Mux(
+            x1.field == FIELD_INF,
+            x1.as_value(),
+            Mux(x1.field <= s, sign16, Cat(x1.mantissa, (x1.field - s)[:field_width], x1.sign)),
+        )
+        slope = (EXP_BIAS - self.leaky_shift) << MANT_BITS if self.leaky_shift < EXP_BIAS else 0
+
+        def unit_output(name):
+            if name == "relu":
+                return Mux(positive, x1.as_value(), 0)
+            if name == "leaky_relu":
+                return Mux(x1.sign & ~x_zero, leaky_neg, x_daz)
+            if name == "relu_grad":
+                return Mux(positive, _ONE, 0)
+            if name == "leaky_relu_grad":
+                return Mux(positive, _ONE, slope)
+            return table(table_of(name))
+
+        y = Signal(BF16_WIDTH)
+        operand = Signal(BF16_WIDTH)
+        built = Signal()
+        with m.Switch(func1):
+            for name in self.functions:
+                with m.Case(function_code(name)):
+                    m.d.comb += [
+                        y.eq(unit_output(name)),
+                        operand.eq(g1 if name in GRADIENT_FUNCTIONS else _ONE),
+                        built.eq(1),
+                    ]
+            with m.Default():
+                m.d.comb += [y.eq(QNAN), operand.eq(_ONE), built.eq(0)]
+
+        # Stage 2: the multiplier's operands, so that the ROM's clock-to-out and the function
+        # multiplexer are not in front of the multiplier.
+        y2 = Signal(BF16_WIDTH, reset_less=True)
+        operand2 = Signal(BF16_WIDTH, reset_less=True)
+        v2 = Signal()
+        with m.If(advance):
+            m.d.sync += [
+                y2.eq(Mux(x_nan & built, sign16 | QNAN, y)),
+                operand2.eq(operand),
+                v2.eq(v1),
+            ]
+
+        # Stages 3-4: y times g (gradients) or times 1.0 (unary functions: exact identity).
+        m.submodules.mul = mul = MulBF16Datapath()
+        m.d.comb += [
+            mul.advance.eq(advance),
+            mul.i_valid.eq(v2),
+            mul.a.eq(y2),
+            mul.b.eq(operand2),
+            self.o.eq(mul.o),
+            self.o_valid.eq(mul.o_valid),
+        ]
+        return m
+
+
+class Activation(wiring.Component):
+    """The bf16 activation unit with stream ports.
+
+    Input ``i``: ``ACTIVATION_INPUT`` beats ``{x, g, func}`` (bf16 patterns and a code from
+    ``function_code``). Output ``o``: one bf16 pattern per beat, in order, equal to
+    ``hbfp.golden.activations.<name>(x)`` for a unary function (relu, leaky_relu with slope
+    ``2**-leaky_shift``, gelu, sigmoid, tanh, exp; ``g`` ignored) and to
+    ``<name>(x, g) = bf16.mul(<name>_deriv(x), g)`` for a gradient. Unary outputs match the
+    golden patterns exactly, NaN included (``QNAN | sign(x)``); a gradient's NaN is ``QNAN``
+    with the sign ``sign(deriv) ^ sign(g)`` (golden NaN signs follow the host FPU: compare
+    by class).
+
+    ``functions``: the subset of ``FUNCTIONS`` to build (small FPGAs leave out table units:
+    see ``rom_bits``); a code of a function not built, or an unassigned code, gives ``0x7FC0``
+    (NaN). ``leaky_shift``: the leaky_relu slope exponent.
+
+    Latency 4 cycles (``LATENCY``); throughput one beat per cycle, any mix of functions;
+    ``i.ready`` follows ``~o.valid | o.ready`` (all stages move together).
+    """
+
+    LATENCY = ActivationDatapath.LATENCY
+
+    def __init__(self, *, functions=FUNCTIONS, leaky_shift: int = LEAKY_SHIFT):
+        self.functions = _check_functions(functions)
+        self.leaky_shift = _check_shift(leaky_shift)
+        super().__init__(
+            {
+                "i": In(stream.Signature(ACTIVATION_INPUT)),
+                "o": Out(stream.Signature(BF16_WIDTH)),
+            }
+        )
+
+    @property
+    def rom_bits(self) -> int:
+        """ROM bits of the built table units."""
+        return rom_bits(self.functions)
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.datapath = dp = ActivationDatapath(
+            functions=self.functions, leaky_shift=self.leaky_shift
+        )
+        advance = ~self.o.valid | self.o.ready
+        m.d.comb += [
+            dp.advance.eq(advance),
+            self.i.ready.eq(advance),
+            dp.i_valid.eq(self.i.valid),
+            dp.i.eq(self.i.payload),
+            self.o.valid.eq(dp.o_valid),
+            self.o.payload.eq(dp.o),
+        ]
+        return m
