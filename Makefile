@@ -6,11 +6,16 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test bench accuracy clean distclean venv
+.PHONY: demo test bench accuracy sim sim-full verilog clean distclean venv
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@# Icarus Verilog and ccache come from Debian; CI runs as root and installs them here.
+	@if ! command -v iverilog >/dev/null || ! command -v ccache >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq iverilog ccache >/dev/null; \
+	  else echo "note: apt-get install iverilog ccache (as root) for the Icarus runs and faster Verilator builds"; fi; \
+	fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
@@ -23,6 +28,18 @@ demo: $(STAMP)
 ## test: the whole test suite (unit tests of every package and the simulator runs)
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+## sim: the cocotb regression only (Icarus and Verilator); also part of `make test`
+sim: $(STAMP)
+	$(PY) -m pytest -q tests/test_hw_*.py
+
+## sim-full: the long cocotb regression (more vectors, exhaustive on both simulators)
+sim-full: $(STAMP)
+	HBFP_SIM_FULL=1 $(PY) -m pytest -q tests/test_hw_*.py
+
+## verilog: the default core (8x8, HBFP8, 96x96 buffers) and its components into build/verilog
+verilog: $(STAMP)
+	$(VENV)/bin/hbfp verilog -o build/verilog
 
 ## bench: performance figures of the golden model against NumPy fp32
 bench: $(STAMP)

@@ -42,6 +42,52 @@ def _golden_demo(args) -> int:
     return 0
 
 
+FORMATS = {"HBFP8": (8, (24, 24)), "HBFP16": (16, (24, 24)), "MXINT8": (8, (1, 32))}
+
+
+def _config_from_args(args):
+    from hbfp.hw.params import CoreConfig
+
+    bits, tile = FORMATS[args.format]
+    if args.mantissa_bits is not None:
+        bits = args.mantissa_bits
+    if args.tile is not None:
+        tile = tuple(args.tile)
+    return CoreConfig(
+        rows=args.rows, cols=args.cols, mantissa_bits=bits, tile=tile, size=args.size,
+        functions=tuple(args.functions) if args.functions else None,
+    )
+
+
+def _verilog(args) -> int:
+    from pathlib import Path
+
+    from hbfp.hw.generate import generate
+
+    try:
+        cfg = _config_from_args(args)
+    except ValueError as e:
+        print(f"hbfp verilog: {e}", file=sys.stderr)
+        return 2
+    print(f"GEMM core {cfg.rows}x{cfg.cols}, {cfg.mantissa_bits}-bit codes, tile {cfg.tile[0]}x{cfg.tile[1]}, "
+          f"buffers {cfg.size}x{cfg.size} -> {args.output}")
+    generate(cfg, Path(args.output), only=args.only)
+    return 0
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """The core configuration options (shared by the commands that build a core)."""
+    from hbfp.hw.activation import FUNCTIONS
+
+    p.add_argument("--rows", type=int, default=8, help="MAC array rows (a power of two; default 8)")
+    p.add_argument("--cols", type=int, default=8, help="MAC array columns (a power of two; default 8)")
+    p.add_argument("--format", choices=sorted(FORMATS), default="HBFP8", help="BFP format of operands and BFP outputs (default HBFP8)")
+    p.add_argument("--mantissa-bits", type=int, help="override the format's mantissa bits")
+    p.add_argument("--tile", type=int, nargs=2, metavar=("ROWS", "COLS"), help="override the format's tile")
+    p.add_argument("--size", type=int, default=96, help="buffer side: operands and outputs up to SIZE x SIZE (default 96)")
+    p.add_argument("--functions", nargs="+", choices=FUNCTIONS, help="activation units to build (default: all)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from hbfp import __version__
 
@@ -57,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--n", type=int, default=192, help="columns of B (default 192)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_golden_demo)
+
+    vl = sub.add_parser("verilog", help="write the Verilog of the GEMM core and its components, and params.json")
+    add_config_arguments(vl)
+    vl.add_argument("-o", "--output", default="build/verilog", help="output folder (default build/verilog)")
+    vl.add_argument("--only", nargs="+", help="write only these components (e.g. gemm_core mac_array)")
+    vl.set_defaults(func=_verilog)
     return p
 
 

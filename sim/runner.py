@@ -59,7 +59,11 @@ def _environment() -> None:
         os.environ["PATH"] = str(vbin) + os.pathsep + os.environ.get("PATH", "")
     flags = os.environ.get("MAKEFLAGS", "")
     if "CFG_CXXFLAGS_PCH_I" not in flags:
-        os.environ["MAKEFLAGS"] = f"{flags} {_VERILATOR_MAKE_VARS}".strip()
+        extra = _VERILATOR_MAKE_VARS
+        # Every Verilator build compiles the same runtime library: ccache makes that once.
+        if shutil.which("ccache"):
+            extra += " OBJCACHE=ccache"
+        os.environ["MAKEFLAGS"] = f"{flags} {extra}".strip()
 
 
 def config_key(config: dict) -> str:
@@ -157,7 +161,33 @@ def run(
     except SystemExit:
         # cocotb's runner exits when a test fails; the results file still tells which.
         results = build_dir / "results.xml"
-    return get_results(results)
+    outcome = get_results(results)
+    _record_speed(Path(results), toplevel, sim, config_key(config))
+    return outcome
+
+
+#: Simulation speed of every run, one JSON line each (``python -m hbfp.sim.speed`` sums it).
+SPEED_LOG = BUILD_ROOT / "speed.jsonl"
+CLOCK_PERIOD_NS = 10  # the testbenches' clock (sim.streams.start_clock_and_reset)
+
+
+def _record_speed(results: Path, toplevel: str, sim: str, key: str) -> None:
+    from xml.etree import ElementTree
+
+    if not results.is_file():
+        return
+    rows = []
+    for case in ElementTree.parse(results).getroot().iter("testcase"):
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        if "sim_time_duration" not in props:
+            continue
+        cycles = float(props["sim_time_duration"]) / CLOCK_PERIOD_NS
+        rows.append({"toplevel": toplevel, "config": key, "sim": sim, "test": case.get("name"),
+                     "cycles": cycles, "seconds": float(case.get("time", 0))})
+    SPEED_LOG.parent.mkdir(parents=True, exist_ok=True)
+    with SPEED_LOG.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
 
 
 def tb_config() -> dict:

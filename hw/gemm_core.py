@@ -1,0 +1,522 @@
+"""The GEMM core: buffers, MAC array, normalizers, fp32 accumulators and the epilogue.
+
+Given A and B of at most ``size`` x ``size`` in the operand buffers, a command computes
+``act(op(A) @ op(B) + C + bias)`` exactly as ``hbfp.golden.gemm.gemm`` does, and streams the
+result out in fp32, bf16 or the core's BFP format. docs/architecture.md draws the dataflow.
+
+Phases of a command:
+
+1. MAC: for each R x C output block, for each K-tile, ``tk`` beats of operand chunks go from
+   the buffers to the MAC array; each K-tile's sums drain row by row through ``cols``
+   normalizer lanes (with the tile exponents, prefetched while the K-tile streams) into
+   ``cols`` fp32 adder lanes that read, add and write back the accumulator buffer. This part
+   never stalls: the accumulator is read ``LATENCY`` cycles after a row drains and written
+   back before the same row drains again ``tk`` cycles later.
+2. Epilogue: the accumulator buffer streams out, ``cols`` values a beat, row-major (fp32,
+   bf16) or tile-major (BFP), through the bias adders, the activation units and the output
+   format, under the output stream's backpressure.
+"""
+
+from __future__ import annotations
+
+from amaranth import Array, Cat, Const, Module, Mux, Signal, signed, unsigned
+from amaranth.lib import data, fifo, memory, stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from . import convert
+from .activation import ACTIVATION_INPUT, FUNC_WIDTH, ActivationDatapath, function_code
+from .add_f32 import AddF32Datapath
+from .buffers import READ_COLUMN, READ_ROW, OperandBuffer
+from .mac_array import MacArray
+from .normalize import NormalizeDatapath
+from .params import EXP_WIDTH, FP32_WIDTH, ROUNDING_CODES, CoreConfig
+from .quantize import Quantize
+
+__all__ = ["GemmCore", "TARGETS", "OUT_FORMATS", "write_layout", "command_layout", "output_layout"]
+
+#: Write-port targets.
+TARGETS = {"a_codes": 0, "b_codes": 1, "a_exponents": 2, "b_exponents": 3, "acc": 4, "bias": 5}
+#: Output formats of a command.
+OUT_FORMATS = {"fp32": 0, "bf16": 1, "bfp": 2}
+
+
+def write_layout(cfg: CoreConfig) -> data.StructLayout:
+    return data.StructLayout({
+        "target": 3,
+        "row": range(cfg.size),
+        "col": range(cfg.size),
+        "data": data.ArrayLayout(FP32_WIDTH, max(cfg.rows, cfg.cols)),
+    })
+
+
+def command_layout(cfg: CoreConfig) -> data.StructLayout:
+    return data.StructLayout({
+        "m": range(cfg.size + 1),
+        "n": range(cfg.size + 1),
+        "k": range(cfg.size + 1),
+        "transpose_a": 1,
+        "transpose_b": 1,
+        "accumulate": 1,
+        "bias": 1,
+        "act_en": 1,
+        "act_func": FUNC_WIDTH,
+        "out_format": 2,
+        "rounding": 2,
+        "seed": 32,
+    })
+
+
+def output_layout(cfg: CoreConfig) -> data.StructLayout:
+    return data.StructLayout({
+        "lanes": data.ArrayLayout(FP32_WIDTH, cfg.cols),
+        "exponent": EXP_WIDTH,
+        "last": 1,
+    })
+
+
+def _ceil_div(value, divisor: int, shift: int | None = None):
+    return (value + divisor - 1) // divisor if shift is None else (value + divisor - 1) >> shift
+
+
+class GemmCore(wiring.Component):
+    """``act(op(A) @ op(B) + C + bias)`` for operands up to ``cfg.size`` square.
+
+    Ports:
+
+    - ``w`` (stream in, ``write_layout``): loads a buffer while idle. ``a_codes``/``b_codes``:
+      the row chunk (``row``, ``col`` .. ``col`` + lanes - 1) of the stored operand (lanes =
+      ``rows`` for A, ``cols`` for B; codes in the low bits of each 32-bit lane). The stored
+      operand is A (M x K) or, with ``transpose_a``, A^T (K x M); B (K x N) or, with
+      ``transpose_b``, B^T (N x K). Regions beyond the product's K need not be cleared.
+      ``a_exponents``/``b_exponents``: the E8M0 code of stored tile (``row``, ``col``) in lane 0.
+      ``acc``: C (fp32) for row ``row``, columns ``col`` .. ``col`` + cols - 1.
+      ``bias``: bias values for columns ``col`` .. ``col`` + cols - 1.
+    - ``cmd`` (stream in, ``command_layout``): starts a product; accepted while idle.
+    - ``o`` (stream out, ``output_layout``): the result, ``cols`` values a beat; fp32 and bf16
+      row-major over ``ceil(N / cols)`` beats a row; BFP tile-major, ``exponent`` carrying the
+      tile's code and the codes sign-extended in ``lanes``. Values outside M x N are zero.
+      ``last`` marks the final beat.
+    - ``busy``, ``error`` (a command with a zero or too large side, or transposes a
+      non-square tile cannot serve; it produces no output), ``cycles`` (length of the last
+      command, from acceptance to its last output beat).
+    """
+
+    def __init__(self, cfg: CoreConfig = CoreConfig()):
+        self.cfg = cfg
+        self.functions = cfg.functions
+        super().__init__({
+            "w": In(stream.Signature(write_layout(cfg))),
+            "cmd": In(stream.Signature(command_layout(cfg))),
+            "o": Out(stream.Signature(output_layout(cfg))),
+            "busy": Out(1),
+            "error": Out(1),
+            "cycles": Out(32),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg = self.cfg
+        R, C, D, tk = cfg.rows, cfg.cols, cfg.size, cfg.tk
+        th, tw = cfg.tile
+        mb = cfg.mantissa_bits
+        grid_cols = D // tw  # tile-grid pitch of the exponent buffers
+        words_per_row = D // C  # accumulator words of a row
+
+        # ---- storage -------------------------------------------------------------------
+        m.submodules.buf_a = buf_a = OperandBuffer(R, mb, D, D)
+        m.submodules.buf_b = buf_b = OperandBuffer(C, mb, D, D)
+        exp_depth = (D // th) * grid_cols
+        m.submodules.exp_a = exp_a = memory.Memory(shape=EXP_WIDTH, depth=exp_depth, init=[])
+        m.submodules.exp_b = exp_b = memory.Memory(shape=EXP_WIDTH, depth=exp_depth, init=[])
+        acc_word = data.ArrayLayout(FP32_WIDTH, C)
+        m.submodules.acc_mem = acc_mem = memory.Memory(shape=acc_word, depth=D * words_per_row, init=[])
+        m.submodules.bias_mem = bias_mem = memory.Memory(shape=acc_word, depth=words_per_row, init=[])
+        exp_a_rd, exp_b_rd = exp_a.read_port(), exp_b.read_port()
+        exp_a_wr, exp_b_wr = exp_a.write_port(), exp_b.write_port()
+        acc_rd, acc_wr = acc_mem.read_port(), acc_mem.write_port()
+        bias_rd, bias_wr = bias_mem.read_port(), bias_mem.write_port()
+
+        # ---- command registers and the phase machine ---------------------------------
+        desc = Signal(command_layout(cfg))
+        busy = Signal()
+        mac_phase = Signal()
+        epi_phase = Signal()
+        m.d.comb += [self.busy.eq(busy)]
+
+        # Host writes (only while idle).
+        w = self.w.payload
+        m.d.comb += self.w.ready.eq(~busy)
+        w_fire = self.w.valid & ~busy
+        m.d.comb += [
+            buf_a.w_en.eq(w_fire & (w.target == TARGETS["a_codes"])),
+            buf_a.w_row.eq(w.row),
+            buf_a.w_col.eq(w.col),
+            buf_b.w_en.eq(w_fire & (w.target == TARGETS["b_codes"])),
+            buf_b.w_row.eq(w.row),
+            buf_b.w_col.eq(w.col),
+            exp_a_wr.en.eq(w_fire & (w.target == TARGETS["a_exponents"])),
+            exp_a_wr.addr.eq(w.row * grid_cols + w.col),
+            exp_a_wr.data.eq(w.data[0]),
+            exp_b_wr.en.eq(w_fire & (w.target == TARGETS["b_exponents"])),
+            exp_b_wr.addr.eq(w.row * grid_cols + w.col),
+            exp_b_wr.data.eq(w.data[0]),
+            bias_wr.en.eq(w_fire & (w.target == TARGETS["bias"])),
+            bias_wr.addr.eq(w.col // C),
+        ]
+        for t in range(R):
+            m.d.comb += buf_a.w_data[t].eq(w.data[t])
+        for t in range(C):
+            m.d.comb += [buf_b.w_data[t].eq(w.data[t]), bias_wr.data[t].eq(w.data[t])]
+
+        # Command acceptance and validation.
+        cmd = self.cmd.payload
+        bad = (cmd.m == 0) | (cmd.n == 0) | (cmd.k == 0) | (cmd.m > D) | (cmd.n > D) | (cmd.k > D)
+        if not cfg.square:
+            bad = bad | cmd.transpose_a | ~cmd.transpose_b
+        m.d.comb += self.cmd.ready.eq(~busy & ~self.w.valid)
+        start = Signal()
+        m.d.comb += start.eq(self.cmd.valid & self.cmd.ready & ~bad)
+        with m.If(self.cmd.valid & self.cmd.ready):
+            m.d.sync += self.error.eq(bad)
+            with m.If(~bad):
+                m.d.sync += [desc.eq(cmd), busy.eq(1), mac_phase.eq(1), self.cycles.eq(0)]
+        with m.If(busy):
+            m.d.sync += self.cycles.eq(self.cycles + 1)
+
+        blocks_m = Signal(range(D // R + 1))
+        blocks_n = Signal(range(D // C + 1))
+        ktiles = Signal(range(D // tk + 1))
+        m.d.comb += [
+            blocks_m.eq(_ceil_div(desc.m, R, R.bit_length() - 1)),
+            blocks_n.eq(_ceil_div(desc.n, C, C.bit_length() - 1)),
+            ktiles.eq((desc.k + tk - 1) // tk),
+        ]
+
+        # ---- MAC phase: operand beats ----------------------------------------------------
+        m.submodules.mac = mac = MacArray(R, C, tk, mb, mb)
+        beat_layout = mac.i.payload.shape()
+        m.submodules.beats = beats = fifo.SyncFIFO(width=beat_layout.size, depth=4)
+        exps_layout = data.StructLayout({
+            "ea": data.ArrayLayout(EXP_WIDTH, R),
+            "eb": data.ArrayLayout(EXP_WIDTH, C),
+            "ib": range(D // R),
+            "jb": range(D // C),
+            "first": 1,
+        })
+        m.submodules.exps = exps = fifo.SyncFIFO(width=exps_layout.size, depth=4)
+
+        ib = Signal(range(D // R))
+        jb = Signal(range(D // C))
+        kt = Signal(range(D // tk))
+        kk = Signal(range(tk))
+        issuing = Signal()  # the issue loop has beats left
+        k = Signal(range(D + tk))
+        m.d.comb += k.eq(kt * tk + kk)
+        # One beat is in flight between the buffer read and the FIFO.
+        issue = Signal()
+        prefetch_busy = Signal()
+        m.d.comb += issue.eq(issuing & (beats.level < 3) & ~((kk == 0) & (prefetch_busy | (exps.level >= 3))))
+        with m.If(start):
+            m.d.sync += [issuing.eq(1), ib.eq(0), jb.eq(0), kt.eq(0), kk.eq(0)]
+        with m.If(issue):
+            m.d.sync += kk.eq(kk + 1)
+            with m.If(kk == tk - 1):
+                m.d.sync += [kk.eq(0), kt.eq(kt + 1)]
+                with m.If(kt == ktiles - 1):
+                    m.d.sync += [kt.eq(0), jb.eq(jb + 1)]
+                    with m.If(jb == blocks_n - 1):
+                        m.d.sync += [jb.eq(0), ib.eq(ib + 1)]
+                        with m.If(ib == blocks_m - 1):
+                            m.d.sync += issuing.eq(0)
+
+        # A column chunk of A (rows ib*R.., column k) is read as such, or as a row chunk of
+        # the stored A^T; a row chunk of B (row k, columns jb*C..) likewise from B or B^T.
+        m.d.comb += [
+            buf_a.r_en.eq(issue),
+            buf_a.r_mode.eq(Mux(desc.transpose_a, READ_ROW, READ_COLUMN)),
+            buf_a.r_row.eq(Mux(desc.transpose_a, k, ib * R)),
+            buf_a.r_col.eq(Mux(desc.transpose_a, ib * R, k)),
+            buf_b.r_en.eq(issue),
+            buf_b.r_mode.eq(Mux(desc.transpose_b, READ_COLUMN, READ_ROW)),
+            buf_b.r_row.eq(Mux(desc.transpose_b, jb * C, k)),
+            buf_b.r_col.eq(Mux(desc.transpose_b, k, jb * C)),
+        ]
+        read_valid = Signal()
+        read_pad = Signal()  # k beyond K: the buffer may hold stale codes there
+        m.d.sync += [read_valid.eq(issue), read_pad.eq(k >= desc.k)]
+        beat = Signal(beat_layout)
+        for t in range(R):
+            m.d.comb += beat.a[t].eq(Mux(read_pad, 0, buf_a.r_data[t]))
+        for t in range(C):
+            m.d.comb += beat.b[t].eq(buf_b.r_data[t])
+        m.d.comb += [
+            beats.w_en.eq(read_valid),
+            beats.w_data.eq(beat),
+            mac.i.valid.eq(beats.r_rdy),
+            mac.i.payload.eq(beats.r_data),
+            beats.r_en.eq(mac.i.ready),
+        ]
+
+        # Exponent prefetch: while a K-tile streams, read the R exponents of A's rows and the
+        # C exponents of B's columns for it (max(R, C) <= tk cycles), then queue them.
+        p = Signal(range(max(R, C) + 2))
+        pf_ib = Signal.like(ib)
+        pf_jb = Signal.like(jb)
+        pf_kt = Signal.like(kt)
+        stage = Signal(exps_layout)
+        with m.If(issue & (kk == 0)):
+            m.d.sync += [prefetch_busy.eq(1), p.eq(0), pf_ib.eq(ib), pf_jb.eq(jb), pf_kt.eq(kt),
+                         stage.ib.eq(ib), stage.jb.eq(jb), stage.first.eq(kt == 0)]
+        with m.Elif(prefetch_busy):
+            m.d.sync += p.eq(p + 1)
+        row_tile = Array(Const(i // th, range(D // th)) for i in range(D))
+        col_tile = Array(Const(i // tw, range(D // tw)) for i in range(D))
+        ia = Signal(range(D))
+        jbv = Signal(range(D))
+        m.d.comb += [ia.eq(pf_ib * R + p), jbv.eq(pf_jb * C + p)]
+        # Exponent of A's row i in K-tile kt: tile (i // th, kt) of A, or (kt, i // tw) of A^T;
+        # of B's column j: tile (kt, j // tw) of B, or (j // th, kt) of B^T.
+        m.d.comb += [
+            exp_a_rd.addr.eq(Mux(desc.transpose_a, pf_kt * grid_cols + col_tile[ia], row_tile[ia] * grid_cols + pf_kt)),
+            exp_b_rd.addr.eq(Mux(desc.transpose_b, row_tile[jbv] * grid_cols + pf_kt, pf_kt * grid_cols + col_tile[jbv])),
+        ]
+        p_prev = Signal.like(p)
+        m.d.sync += p_prev.eq(p)
+        with m.If(prefetch_busy & (p >= 1)):
+            for t in range(R):
+                with m.If(p_prev == t):
+                    m.d.sync += stage.ea[t].eq(exp_a_rd.data)
+            for t in range(C):
+                with m.If(p_prev == t):
+                    m.d.sync += stage.eb[t].eq(exp_b_rd.data)
+        pf_end = max(R, C) + 1
+        with m.If(prefetch_busy & (p == pf_end)):
+            m.d.sync += prefetch_busy.eq(0)
+        m.d.comb += [exps.w_en.eq(prefetch_busy & (p == pf_end)), exps.w_data.eq(stage)]
+
+        # ---- MAC phase: drain, normalize, accumulate ----------------------------------
+        head = Signal(exps_layout)
+        m.d.comb += [head.eq(exps.r_data), mac.o.ready.eq(1)]
+        drain = mac.o.valid
+        m.d.comb += exps.r_en.eq(drain & (mac.o.payload.row == R - 1))
+        ea_row = Signal(EXP_WIDTH)
+        ea_lanes = Array(head.ea[t] for t in range(R))
+        m.d.comb += ea_row.eq(ea_lanes[mac.o.payload.row])
+
+        norms, adders = [], []
+        for j in range(C):
+            nd = NormalizeDatapath(mac.psum_width, mb, mb)
+            ad = AddF32Datapath()
+            m.submodules[f"normalize{j}"] = nd
+            m.submodules[f"add{j}"] = ad
+            norms.append(nd)
+            adders.append(ad)
+        Ln, La = NormalizeDatapath.LATENCY, AddF32Datapath.LATENCY
+        assert Ln + La + 2 <= tk, "the accumulator's read-modify-write must finish within a K-tile"
+
+        # Side channel beside the normalizers: the accumulator address and "start from +0".
+        side = data.StructLayout({"valid": 1, "addr": range(D * words_per_row), "zero": 1})
+        side_line = [Signal(side, name=f"side{s}") for s in range(Ln + La + 1)]
+        drain_row = Signal(range(D))
+        m.d.comb += drain_row.eq(head.ib * R + mac.o.payload.row)
+        m.d.sync += [
+            side_line[0].valid.eq(drain),
+            side_line[0].addr.eq(drain_row * words_per_row + head.jb),
+            side_line[0].zero.eq(head.first & ~desc.accumulate),
+        ]
+        for s in range(1, len(side_line)):
+            m.d.sync += side_line[s].eq(side_line[s - 1])
+
+        # Epilogue read requests share the accumulator read port (the phases never overlap).
+        epi_addr = Signal(range(D * words_per_row))
+        epi_read = Signal()
+        at_norm_out = side_line[Ln - 1]  # aligned with the normalizers' outputs
+        mac_read = side_line[Ln - 2]  # the read is issued one cycle before its data is used
+        m.d.comb += [
+            acc_rd.en.eq(Mux(mac_phase, 1, epi_read)),
+            acc_rd.addr.eq(Mux(mac_phase, mac_read.addr, epi_addr)),
+        ]
+        for j in range(C):
+            nd, ad = norms[j], adders[j]
+            m.d.comb += [
+                nd.advance.eq(1),
+                nd.i_valid.eq(drain),
+                nd.i_s.eq(mac.o.payload.sums[j]),
+                nd.i_exp_a.eq(ea_row),
+                nd.i_exp_b.eq(head.eb[j]),
+            ]
+
+        # ---- epilogue ----------------------------------------------------------------
+        epi_advance = Signal()
+        # e0: the read issued in the previous advancing cycle; aligned with the read data.
+        e0 = Signal(data.StructLayout({"valid": 1, "row": range(D + 1), "col": range(D + C), "last": 1}))
+        bias_en = desc.bias
+        # Adders: the MAC phase's accumulation, then the epilogue's bias.
+        for j in range(C):
+            nd, ad = norms[j], adders[j]
+            m.d.comb += [
+                ad.advance.eq(Mux(mac_phase, 1, epi_advance)),
+                ad.in_valid.eq(Mux(mac_phase, nd.o_valid, e0.valid)),
+                ad.a.eq(Mux(mac_phase, nd.o_result, acc_rd.data[j])),
+                ad.b.eq(Mux(mac_phase, Mux(at_norm_out.zero, 0, acc_rd.data[j]), bias_rd.data[j])),
+            ]
+        wb = side_line[Ln - 1 + La]
+        m.d.comb += [
+            acc_wr.en.eq(Mux(busy, mac_phase & wb.valid, w_fire & (w.target == TARGETS["acc"]))),
+            acc_wr.addr.eq(Mux(busy, wb.addr, w.row * words_per_row + w.col // C)),
+        ]
+        for j in range(C):
+            m.d.comb += acc_wr.data[j].eq(Mux(busy, adders[j].result, w.data[j]))
+
+        # MAC phase ends when every K-tile has drained and the last write-back is done.
+        flush = Signal(range(Ln + La + 4))
+        with m.If(mac_phase & ~issuing & ~beats.r_rdy & ~exps.r_rdy & ~mac.o.valid & ~read_valid & ~prefetch_busy):
+            m.d.sync += flush.eq(flush + 1)
+            with m.If(flush == Ln + La + 2):
+                m.d.sync += [mac_phase.eq(0), epi_phase.eq(1), flush.eq(0)]
+        with m.Else():
+            m.d.sync += flush.eq(0)
+
+        # Epilogue issue order: row-major (i, word) for fp32/bf16; tile-major for BFP.
+        bfp_out = desc.out_format == OUT_FORMATS["bfp"]
+        e_i = Signal(range(D + 1))
+        e_c = Signal(range(D // C + 1))  # column word within the row (fp32/bf16)
+        t_i = Signal(range(D // th + 1))  # BFP: tile row, tile col, row in tile, word in tile row
+        t_j = Signal(range(D // tw + 1))
+        t_r = Signal(range(th))
+        t_w = Signal(range(tw // C))
+        epi_issuing = Signal()
+        tiles_m = Signal(range(D // th + 1))
+        tiles_n = Signal(range(D // tw + 1))
+        m.d.comb += [tiles_m.eq((desc.m + th - 1) // th), tiles_n.eq((desc.n + tw - 1) // tw)]
+        with m.If(mac_phase & (flush == Ln + La + 2)):
+            m.d.sync += [epi_issuing.eq(1), e_i.eq(0), e_c.eq(0), t_i.eq(0), t_j.eq(0), t_r.eq(0), t_w.eq(0)]
+        row_now = Signal(range(D + 1))
+        word_now = Signal(range(D // C + 1))
+        last_now = Signal()
+        m.d.comb += [
+            row_now.eq(Mux(bfp_out, t_i * th + t_r, e_i)),
+            word_now.eq(Mux(bfp_out, t_j * (tw // C) + t_w, e_c)),
+            last_now.eq(Mux(
+                bfp_out,
+                (t_i == tiles_m - 1) & (t_j == tiles_n - 1) & (t_r == th - 1) & (t_w == tw // C - 1),
+                (e_i == desc.m - 1) & (e_c == blocks_n - 1),
+            )),
+        ]
+        m.d.comb += [
+            epi_read.eq(epi_issuing & epi_advance),
+            epi_addr.eq(row_now * words_per_row + word_now),
+            bias_rd.en.eq(epi_advance),
+            bias_rd.addr.eq(word_now),
+        ]
+        with m.If(epi_read):
+            with m.If(bfp_out):
+                m.d.sync += t_w.eq(t_w + 1)
+                with m.If(t_w == tw // C - 1):
+                    m.d.sync += [t_w.eq(0), t_r.eq(t_r + 1)]
+                    with m.If(t_r == th - 1):
+                        m.d.sync += [t_r.eq(0), t_j.eq(t_j + 1)]
+                        with m.If(t_j == tiles_n - 1):
+                            m.d.sync += [t_j.eq(0), t_i.eq(t_i + 1)]
+            with m.Else():
+                m.d.sync += e_c.eq(e_c + 1)
+                with m.If(e_c == blocks_n - 1):
+                    m.d.sync += [e_c.eq(0), e_i.eq(e_i + 1)]
+            with m.If(last_now):
+                m.d.sync += epi_issuing.eq(0)
+        with m.If(epi_advance):
+            m.d.sync += [
+                e0.valid.eq(epi_read),
+                e0.row.eq(row_now),
+                e0.col.eq(word_now * C),
+                e0.last.eq(last_now),
+            ]
+
+        # Bias stage: the adders (La cycles) or a bypass delay line of the same length.
+        meta = data.StructLayout({"row": range(D + 1), "col": range(D + C), "last": 1})
+        by_line = [Signal(data.StructLayout({"meta": meta, "acc": acc_word}), name=f"bypass{s}") for s in range(La)]
+        with m.If(epi_advance):
+            m.d.sync += [by_line[0].meta.row.eq(e0.row), by_line[0].meta.col.eq(e0.col), by_line[0].meta.last.eq(e0.last)]
+            m.d.sync += by_line[0].acc.eq(acc_rd.data)
+            for s in range(1, La):
+                m.d.sync += by_line[s].eq(by_line[s - 1])
+        b_valid = adders[0].out_valid
+        b_meta = by_line[La - 1].meta
+        b_vals = [Mux(bias_en, adders[j].result, by_line[La - 1].acc[j]) for j in range(C)]
+
+        # Activation stage: C units (or a bypass line), bf16 in and out.
+        act_en = desc.act_en
+        acts = []
+        for j in range(C):
+            kw = {} if self.functions is None else {"functions": self.functions}
+            ad = ActivationDatapath(leaky_shift=cfg.leaky_shift, **kw)
+            m.submodules[f"act{j}"] = ad
+            acts.append(ad)
+        Lact = ActivationDatapath.LATENCY
+        a_line = [Signal(data.StructLayout({"meta": meta, "val": acc_word}), name=f"act_bypass{s}") for s in range(Lact)]
+        with m.If(epi_advance):
+            m.d.sync += [a_line[0].meta.eq(b_meta)]
+            for j in range(C):
+                m.d.sync += a_line[0].val[j].eq(b_vals[j])
+            for s in range(1, Lact):
+                m.d.sync += a_line[s].eq(a_line[s - 1])
+        for j in range(C):
+            m.d.comb += [
+                acts[j].advance.eq(epi_advance),
+                # The adders also run during the MAC phase: only epilogue values go on.
+                acts[j].i_valid.eq(b_valid & epi_phase),
+                acts[j].i.x.eq(convert.from_f32(b_vals[j])),
+                acts[j].i.g.eq(0),
+                acts[j].i.func.eq(desc.act_func),
+            ]
+        f_valid = acts[0].o_valid
+        f_meta = a_line[Lact - 1].meta
+        fp32_vals, bf16_vals = [], []
+        for j in range(C):
+            acc32 = a_line[Lact - 1].val[j]
+            fp32_vals.append(Mux(act_en, convert.to_f32(acts[j].o), acc32))
+            bf16_vals.append(Mux(act_en, acts[j].o, convert.from_f32(acc32)))
+
+        # Output stage: a register for fp32/bf16, the quantizer for BFP.
+        out_reg = Signal(output_layout(cfg))
+        out_valid = Signal()
+        m.submodules.quantize = qz = Quantize(mb, cfg.tile, C, "fp32")
+        m.d.comb += [qz.rounding.eq(desc.rounding), qz.seed.eq(desc.seed), qz.clear.eq(start)]
+        sink_ready = Signal()
+        m.d.comb += sink_ready.eq(Mux(bfp_out, qz.i.ready, self.o.ready))
+        m.d.comb += epi_advance.eq(~out_valid | sink_ready)
+        with m.If(epi_advance):
+            m.d.sync += out_valid.eq(f_valid & epi_phase)
+            m.d.sync += [out_reg.last.eq(f_meta.last), out_reg.exponent.eq(0)]
+            for j in range(C):
+                inside = (f_meta.row < desc.m) & (f_meta.col + j < desc.n)
+                val = Mux(desc.out_format == OUT_FORMATS["bf16"], bf16_vals[j], fp32_vals[j])
+                m.d.sync += out_reg.lanes[j].eq(Mux(inside, val, 0))
+        for j in range(C):
+            m.d.comb += qz.i.payload[j].eq(out_reg.lanes[j])
+        m.d.comb += qz.i.valid.eq(out_valid & bfp_out)
+
+        # BFP output: count tiles so that the last beat of the last tile carries ``last``.
+        tiles_left = Signal(range((D // th) * (D // tw) + 1))
+        with m.If(start):
+            m.d.sync += tiles_left.eq(0)
+        with m.If(mac_phase & (flush == Ln + La + 2)):
+            m.d.sync += tiles_left.eq(tiles_m * tiles_n)
+        q_last = qz.o.payload.last & (tiles_left == 1)
+        with m.If(bfp_out):
+            m.d.comb += [
+                self.o.valid.eq(qz.o.valid),
+                qz.o.ready.eq(self.o.ready),
+                self.o.payload.exponent.eq(qz.o.payload.exponent),
+                self.o.payload.last.eq(q_last),
+            ]
+            for j in range(C):
+                m.d.comb += self.o.payload.lanes[j].eq(qz.o.payload.codes[j].as_signed())
+        with m.Else():
+            m.d.comb += [self.o.valid.eq(out_valid), self.o.payload.eq(out_reg)]
+        out_fire = self.o.valid & self.o.ready
+        with m.If(out_fire & bfp_out & qz.o.payload.last):
+            m.d.sync += tiles_left.eq(tiles_left - 1)
+        with m.If(out_fire & self.o.payload.last):
+            m.d.sync += [busy.eq(0), epi_phase.eq(0)]
+        return m

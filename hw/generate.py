@@ -1,0 +1,95 @@
+"""Verilog of the GEMM core and of each component, plus the parameters file (``hbfp verilog``).
+
+The parameters file (``params.json``) is what the host and the tests read about a build:
+the configuration, every derived width and latency, and the codes of the runtime ports.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from amaranth.back import verilog
+
+from hbfp import __version__
+
+from . import activation, add_f32, buffers, gemm_core, mac_array, normalize, quantize
+from .params import EXP_BIAS, EXP_NAN, RANDOM_BITS, ROUNDING_CODES, SEED_SALT, CoreConfig, psum_width
+
+__all__ = ["components", "parameters", "generate"]
+
+
+def components(cfg: CoreConfig) -> dict:
+    """Name -> constructor of every component of the core, as configured in ``cfg``."""
+    m, tk = cfg.mantissa_bits, cfg.tk
+    functions = cfg.functions or activation.FUNCTIONS
+    return {
+        "gemm_core": lambda: gemm_core.GemmCore(cfg),
+        "mac_array": lambda: mac_array.MacArray(cfg.rows, cfg.cols, tk, m, m),
+        "normalize": lambda: normalize.Normalize(psum_width(m, m, tk), m, m),
+        "add_f32": lambda: add_f32.AddF32(),
+        "activation": lambda: activation.Activation(functions=functions, leaky_shift=cfg.leaky_shift),
+        "quantize": lambda: quantize.Quantize(m, cfg.tile, cfg.cols, "fp32"),
+        "operand_buffer_a": lambda: buffers.OperandBuffer(cfg.rows, m, cfg.size, cfg.size),
+        "operand_buffer_b": lambda: buffers.OperandBuffer(cfg.cols, m, cfg.size, cfg.size),
+    }
+
+
+def parameters(cfg: CoreConfig) -> dict:
+    """Everything a host or a test needs to know about a build of ``cfg``."""
+    core = gemm_core
+    return {
+        "hbfp_version": __version__,
+        "config": cfg.to_dict(),
+        "formats": {"exp_bias": EXP_BIAS, "exp_nan": EXP_NAN, "random_bits": RANDOM_BITS, "seed_salt": SEED_SALT},
+        "latency": {
+            "normalize": normalize.NormalizeDatapath.LATENCY,
+            "add_f32": add_f32.AddF32Datapath.LATENCY,
+            "activation": activation.ActivationDatapath.LATENCY,
+        },
+        "codes": {
+            "write_targets": core.TARGETS,
+            "out_formats": core.OUT_FORMATS,
+            "rounding": ROUNDING_CODES,
+            "functions": {name: i for i, name in enumerate(activation.FUNCTIONS)},
+            "functions_built": list(cfg.functions or activation.FUNCTIONS),
+        },
+        "ports": {
+            "w": {name: _width(f.shape) for name, f in core.write_layout(cfg)},
+            "cmd": {name: _width(f.shape) for name, f in core.command_layout(cfg)},
+            "o": {name: _width(f.shape) for name, f in core.output_layout(cfg)},
+        },
+        "rom_bits": activation.rom_bits(cfg.functions or activation.FUNCTIONS),
+    }
+
+
+def _width(shape) -> int:
+    from amaranth import Shape
+    from amaranth.lib import data
+
+    if isinstance(shape, data.Layout):
+        return shape.size
+    return Shape.cast(shape).width
+
+
+def generate(cfg: CoreConfig, outdir: Path, *, only: list[str] | None = None, log=print) -> dict:
+    """Write ``<name>.v`` for the core and every component (or the ``only`` ones) and
+    ``params.json`` into ``outdir``; returns the parameters."""
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    params = parameters(cfg)
+    made = {}
+    for name, make in components(cfg).items():
+        if only and name not in only:
+            continue
+        t0 = time.perf_counter()
+        text = verilog.convert(make(), name=name)
+        path = outdir / f"{name}.v"
+        path.write_text(text)
+        made[name] = path.name
+        log(f"  {path} ({len(text) / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s)")
+    params["verilog"] = made
+    (outdir / "params.json").write_text(json.dumps(params, indent=2) + "\n")
+    log(f"  {outdir / 'params.json'}")
+    return params
