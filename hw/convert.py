@@ -6,7 +6,7 @@ from amaranth import Cat, Const, Mux, Value
 
 from hbfp.golden.bf16 import QNAN
 
-__all__ = ["from_f32", "to_f32"]
+__all__ = ["from_f32", "to_f32", "flush_f32"]
 
 
 def from_f32(u: Value) -> Value:
@@ -22,3 +22,9 @@ def from_f32(u: Value) -> Value:
 def to_f32(b: Value) -> Value:
     """bf16 pattern -> fp32 pattern: 16 zero bits appended; a subnormal reads as a signed zero."""
     return Mux(b[7:15] == 0, Cat(Const(0, 31), b[15]), Cat(Const(0, 16), b[:16]))
+
+
+def flush_f32(u: Value) -> Value:
+    """DAZ/FTZ of an fp32 pattern (``hbfp.golden.bf16.flush_f32``): a subnormal becomes a zero
+    of its sign."""
+    return Mux(u[23:31] == 0, Cat(Const(0, 31), u[31]), u)

@@ -96,9 +96,12 @@ class GemmCore(wiring.Component):
       row-major over ``ceil(N / cols)`` beats a row; BFP tile-major, ``exponent`` carrying the
       tile's code and the codes sign-extended in ``lanes``. Values outside M x N are zero.
       ``last`` marks the final beat.
-    - ``busy``, ``error`` (a command with a zero or too large side, or transposes a
-      non-square tile cannot serve; it produces no output), ``cycles`` (length of the last
+    - ``busy``, ``error`` (a command with a zero M or N, a side above ``size``, or transposes
+      a non-square tile cannot serve; it produces no output), ``cycles`` (length of the last
       command, from acceptance to its last output beat).
+
+    A command with K = 0 runs the epilogue alone: it reads the accumulator (C), with bias,
+    activation and output format, which is how the host reads results back.
     """
 
     def __init__(self, cfg: CoreConfig = CoreConfig()):
@@ -170,16 +173,17 @@ class GemmCore(wiring.Component):
 
         # Command acceptance and validation.
         cmd = self.cmd.payload
-        bad = (cmd.m == 0) | (cmd.n == 0) | (cmd.k == 0) | (cmd.m > D) | (cmd.n > D) | (cmd.k > D)
+        # K = 0 reads the accumulator through the epilogue (no MAC phase).
+        bad = (cmd.m == 0) | (cmd.n == 0) | (cmd.m > D) | (cmd.n > D) | (cmd.k > D)
         if not cfg.square:
-            bad = bad | cmd.transpose_a | ~cmd.transpose_b
+            bad = bad | ((cmd.k != 0) & (cmd.transpose_a | ~cmd.transpose_b))
         m.d.comb += self.cmd.ready.eq(~busy & ~self.w.valid)
         start = Signal()
         m.d.comb += start.eq(self.cmd.valid & self.cmd.ready & ~bad)
         with m.If(self.cmd.valid & self.cmd.ready):
             m.d.sync += self.error.eq(bad)
             with m.If(~bad):
-                m.d.sync += [desc.eq(cmd), busy.eq(1), mac_phase.eq(1), self.cycles.eq(0)]
+                m.d.sync += [desc.eq(cmd), busy.eq(1), mac_phase.eq(cmd.k != 0), self.cycles.eq(0)]
         with m.If(busy):
             m.d.sync += self.cycles.eq(self.cycles + 1)
 
@@ -217,7 +221,7 @@ class GemmCore(wiring.Component):
         prefetch_busy = Signal()
         m.d.comb += issue.eq(issuing & (beats.level < 3) & ~((kk == 0) & (prefetch_busy | (exps.level >= 3))))
         with m.If(start):
-            m.d.sync += [issuing.eq(1), ib.eq(0), jb.eq(0), kt.eq(0), kk.eq(0)]
+            m.d.sync += [issuing.eq(cmd.k != 0), ib.eq(0), jb.eq(0), kt.eq(0), kk.eq(0)]
         with m.If(issue):
             m.d.sync += kk.eq(kk + 1)
             with m.If(kk == tk - 1):
@@ -368,8 +372,16 @@ class GemmCore(wiring.Component):
         for j in range(C):
             m.d.comb += acc_wr.data[j].eq(Mux(busy, adders[j].result, w.data[j]))
 
-        # MAC phase ends when every K-tile has drained and the last write-back is done.
+        # MAC phase ends when every K-tile has drained and the last write-back is done; a
+        # command with K = 0 goes to the epilogue one cycle after it is accepted (once the
+        # descriptor is in its register).
         flush = Signal(range(Ln + La + 4))
+        epi_kick = Signal()
+        m.d.sync += epi_kick.eq(start & (cmd.k == 0))
+        epi_start = Signal()
+        m.d.comb += epi_start.eq((mac_phase & (flush == Ln + La + 2)) | epi_kick)
+        with m.If(epi_kick):
+            m.d.sync += epi_phase.eq(1)
         with m.If(mac_phase & ~issuing & ~beats.r_rdy & ~exps.r_rdy & ~mac.o.valid & ~read_valid & ~prefetch_busy):
             m.d.sync += flush.eq(flush + 1)
             with m.If(flush == Ln + La + 2):
@@ -389,7 +401,7 @@ class GemmCore(wiring.Component):
         tiles_m = Signal(range(D // th + 1))
         tiles_n = Signal(range(D // tw + 1))
         m.d.comb += [tiles_m.eq((desc.m + th - 1) // th), tiles_n.eq((desc.n + tw - 1) // tw)]
-        with m.If(mac_phase & (flush == Ln + La + 2)):
+        with m.If(epi_start):
             m.d.sync += [epi_issuing.eq(1), e_i.eq(0), e_c.eq(0), t_i.eq(0), t_j.eq(0), t_r.eq(0), t_w.eq(0)]
         row_now = Signal(range(D + 1))
         word_now = Signal(range(D // C + 1))
@@ -442,7 +454,9 @@ class GemmCore(wiring.Component):
                 m.d.sync += by_line[s].eq(by_line[s - 1])
         b_valid = adders[0].out_valid
         b_meta = by_line[La - 1].meta
-        b_vals = [Mux(bias_en, adders[j].result, by_line[La - 1].acc[j]) for j in range(C)]
+        # Without a bias the value bypasses the adder; the flush is the adder's DAZ, which
+        # only matters for a C read back with K = 0 (sums never come out subnormal).
+        b_vals = [Mux(bias_en, adders[j].result, convert.flush_f32(by_line[La - 1].acc[j])) for j in range(C)]
 
         # Activation stage: C units (or a bypass line), bf16 in and out.
         act_en = desc.act_en
@@ -500,7 +514,7 @@ class GemmCore(wiring.Component):
         tiles_left = Signal(range((D // th) * (D // tw) + 1))
         with m.If(start):
             m.d.sync += tiles_left.eq(0)
-        with m.If(mac_phase & (flush == Ln + La + 2)):
+        with m.If(epi_start):
             m.d.sync += tiles_left.eq(tiles_m * tiles_n)
         q_last = qz.o.payload.last & (tiles_left == 1)
         with m.If(bfp_out):

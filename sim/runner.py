@@ -168,6 +168,15 @@ def run(
 
 #: Simulation speed of every run, one JSON line each (``python -m hbfp.sim.speed`` sums it).
 SPEED_LOG = BUILD_ROOT / "speed.jsonl"
+#: Figures that testbenches measure (utilization, ...), one JSON line each.
+FIGURES_LOG = BUILD_ROOT / "figures.jsonl"
+
+
+def record_figure(row: dict) -> None:
+    """Append a measured figure (called inside a testbench)."""
+    FIGURES_LOG.parent.mkdir(parents=True, exist_ok=True)
+    with FIGURES_LOG.open("a") as f:
+        f.write(json.dumps(row) + "\n")
 CLOCK_PERIOD_NS = 10  # the testbenches' clock (sim.streams.start_clock_and_reset)
 
 

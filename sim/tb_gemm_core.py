@@ -19,7 +19,7 @@ from hbfp.golden.bfp import Format, quantize
 from hbfp.golden.gemm import gemm
 from hbfp.hw.gemm_core import OUT_FORMATS, TARGETS
 from hbfp.hw.params import ROUNDING_CODES
-from hbfp.sim.runner import tb_config
+from hbfp.sim.runner import record_figure, tb_config
 from hbfp.sim.streams import StreamSink, StreamSource, pack, start_clock_and_reset, unpack
 
 UNARY = ("relu", "leaky_relu", "gelu", "sigmoid", "tanh", "exp")
@@ -98,7 +98,7 @@ async def run_product(core: Core, rng: np.random.Generator, prod: dict, log) -> 
     scale_a = np.exp2(rng.integers(-4, 5, (m, 1)))
     a = (rng.standard_normal((m, k)) * scale_a).astype(np.float32)
     b = (rng.standard_normal((k, n)) * np.exp2(rng.integers(-4, 5, (1, n)))).astype(np.float32)
-    if prod.get("specials"):
+    if prod.get("specials") and k > 0:
         a[rng.integers(0, m), rng.integers(0, k)] = rng.choice([np.inf, -np.inf, np.nan])
         a[rng.integers(0, m)] *= np.float32(2.0**-100)
         b[:, rng.integers(0, n)] = 0
@@ -183,11 +183,12 @@ def random_product(rng: random.Random, cfg: dict, full: bool) -> dict:
     big = rng.random() < 0.5
     dim = (lambda: D if rng.random() < 0.5 else rng.randint(D // 2, D)) if big else (lambda: rng.randint(1, D))
     out = rng.choice(["fp32", "fp32", "bf16", "bfp"])
+    read_back = rng.random() < 0.05  # K = 0: the accumulator through the epilogue
     return dict(
-        m=dim(), n=dim(), k=dim(),
+        m=dim(), n=dim(), k=0 if read_back else dim(),
         ta=rng.randint(0, 1) if square else 0,
         tb=rng.randint(0, 1) if square else 1,
-        acc=rng.random() < 0.3,
+        acc=read_back or rng.random() < 0.3,
         bias=rng.random() < 0.4,
         act=rng.choice([None, None] + [f for f in UNARY if f in cfg["built"]]),
         out=out,
@@ -228,4 +229,6 @@ async def utilization(dut):
     ideal = D * D * D / (cfg["rows"] * cfg["cols"])
     dut._log.info(f"UTILIZATION {D}x{D}x{D} on {cfg['rows']}x{cfg['cols']}: {cycles} cycles, ideal {ideal:.0f}, "
                   f"utilization {100 * ideal / cycles:.1f}%")
+    record_figure({"figure": "utilization", "rows": cfg["rows"], "cols": cfg["cols"], "tile": cfg["tile"],
+                   "m": D, "n": D, "k": D, "cycles": cycles, "ideal": ideal, "utilization": ideal / cycles})
     assert ideal / cycles >= 0.9, f"utilization {ideal / cycles:.3f} below 90%"

@@ -40,3 +40,10 @@ def test_to_f32_equals_golden_on_every_pattern():
     got = run_comb(convert.to_f32, 16, 32, b)
     want = bf16.to_f32(b).view(np.uint32)
     assert np.array_equal(got.astype(np.uint32), want)
+
+
+def test_flush_f32_equals_golden():
+    rng = np.random.default_rng(1)
+    u = np.concatenate([rng.integers(0, 1 << 32, 2000, dtype=np.uint64), [1, 0x807FFFFF, 0x00800000, 0, 0x80000000]]).astype(np.uint32)
+    got = run_comb(convert.flush_f32, 32, 32, u)
+    assert np.array_equal(got.astype(np.uint32), bf16.flush_f32(u.view(np.float32)).view(np.uint32))
