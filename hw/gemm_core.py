@@ -74,10 +74,6 @@ def output_layout(cfg: CoreConfig) -> data.StructLayout:
     })
 
 
-def _ceil_div(value, divisor: int, shift: int | None = None):
-    return (value + divisor - 1) // divisor if shift is None else (value + divisor - 1) >> shift
-
-
 class GemmCore(wiring.Component):
     """``act(op(A) @ op(B) + C + bias)`` for operands up to ``cfg.size`` square.
 
@@ -187,14 +183,24 @@ class GemmCore(wiring.Component):
         with m.If(busy):
             m.d.sync += self.cycles.eq(self.cycles + 1)
 
+        # Block, K-tile and tile counts of the command, registered with the descriptor. They
+        # come from small tables indexed by the side (no divider in the command path).
+        def ceil_table(divisor):
+            return Array(Const(-(-v // divisor), range(D // divisor + 1)) for v in range(D + 1))
+
         blocks_m = Signal(range(D // R + 1))
         blocks_n = Signal(range(D // C + 1))
         ktiles = Signal(range(D // tk + 1))
-        m.d.comb += [
-            blocks_m.eq(_ceil_div(desc.m, R, R.bit_length() - 1)),
-            blocks_n.eq(_ceil_div(desc.n, C, C.bit_length() - 1)),
-            ktiles.eq((desc.k + tk - 1) // tk),
-        ]
+        tiles_m = Signal(range(D // th + 1))
+        tiles_n = Signal(range(D // tw + 1))
+        with m.If(self.cmd.valid & self.cmd.ready):
+            m.d.sync += [
+                blocks_m.eq(ceil_table(R)[cmd.m]),
+                blocks_n.eq(ceil_table(C)[cmd.n]),
+                ktiles.eq(ceil_table(tk)[cmd.k]),
+                tiles_m.eq(ceil_table(th)[cmd.m]),
+                tiles_n.eq(ceil_table(tw)[cmd.n]),
+            ]
 
         # ---- MAC phase: operand beats ----------------------------------------------------
         m.submodules.mac = mac = MacArray(R, C, tk, mb, mb)
@@ -203,8 +209,7 @@ class GemmCore(wiring.Component):
         exps_layout = data.StructLayout({
             "ea": data.ArrayLayout(EXP_WIDTH, R),
             "eb": data.ArrayLayout(EXP_WIDTH, C),
-            "ib": range(D // R),
-            "jb": range(D // C),
+            "base": range(D * words_per_row),  # accumulator address of the block's row 0
             "first": 1,
         })
         m.submodules.exps = exps = fifo.SyncFIFO(width=exps_layout.size, depth=4)
@@ -214,20 +219,19 @@ class GemmCore(wiring.Component):
         kt = Signal(range(D // tk))
         kk = Signal(range(tk))
         issuing = Signal()  # the issue loop has beats left
-        k = Signal(range(D + tk))
-        m.d.comb += k.eq(kt * tk + kk)
+        k = Signal(range(D + tk))  # kt * tk + kk, counted rather than multiplied
         # One beat is in flight between the buffer read and the FIFO.
         issue = Signal()
         prefetch_busy = Signal()
         m.d.comb += issue.eq(issuing & (beats.level < 3) & ~((kk == 0) & (prefetch_busy | (exps.level >= 3))))
         with m.If(start):
-            m.d.sync += [issuing.eq(cmd.k != 0), ib.eq(0), jb.eq(0), kt.eq(0), kk.eq(0)]
+            m.d.sync += [issuing.eq(cmd.k != 0), ib.eq(0), jb.eq(0), kt.eq(0), kk.eq(0), k.eq(0)]
         with m.If(issue):
-            m.d.sync += kk.eq(kk + 1)
+            m.d.sync += [kk.eq(kk + 1), k.eq(k + 1)]
             with m.If(kk == tk - 1):
                 m.d.sync += [kk.eq(0), kt.eq(kt + 1)]
                 with m.If(kt == ktiles - 1):
-                    m.d.sync += [kt.eq(0), jb.eq(jb + 1)]
+                    m.d.sync += [kt.eq(0), k.eq(0), jb.eq(jb + 1)]
                     with m.If(jb == blocks_n - 1):
                         m.d.sync += [jb.eq(0), ib.eq(ib + 1)]
                         with m.If(ib == blocks_m - 1):
@@ -269,10 +273,11 @@ class GemmCore(wiring.Component):
         pf_kt = Signal.like(kt)
         stage = Signal(exps_layout)
         with m.If(issue & (kk == 0)):
-            m.d.sync += [prefetch_busy.eq(1), p.eq(0), pf_ib.eq(ib), pf_jb.eq(jb), pf_kt.eq(kt),
-                         stage.ib.eq(ib), stage.jb.eq(jb), stage.first.eq(kt == 0)]
+            m.d.sync += [prefetch_busy.eq(1), p.eq(0), pf_ib.eq(ib), pf_jb.eq(jb), pf_kt.eq(kt), stage.first.eq(kt == 0)]
         with m.Elif(prefetch_busy):
             m.d.sync += p.eq(p + 1)
+        with m.If(prefetch_busy & (p == 0)):
+            m.d.sync += stage.base.eq(pf_ib * (R * words_per_row) + pf_jb)
         row_tile = Array(Const(i // th, range(D // th)) for i in range(D))
         col_tile = Array(Const(i // tw, range(D // tw)) for i in range(D))
         ia = Signal(range(D))
@@ -321,11 +326,10 @@ class GemmCore(wiring.Component):
         # Side channel beside the normalizers: the accumulator address and "start from +0".
         side = data.StructLayout({"valid": 1, "addr": range(D * words_per_row), "zero": 1})
         side_line = [Signal(side, name=f"side{s}") for s in range(Ln + La + 1)]
-        drain_row = Signal(range(D))
-        m.d.comb += drain_row.eq(head.ib * R + mac.o.payload.row)
+        row_offset = Array(Const(t * words_per_row, range(R * words_per_row)) for t in range(R))
         m.d.sync += [
             side_line[0].valid.eq(drain),
-            side_line[0].addr.eq(drain_row * words_per_row + head.jb),
+            side_line[0].addr.eq(head.base + row_offset[mac.o.payload.row]),
             side_line[0].zero.eq(head.first & ~desc.accumulate),
         ]
         for s in range(1, len(side_line)):
@@ -389,58 +393,63 @@ class GemmCore(wiring.Component):
         with m.Else():
             m.d.sync += flush.eq(0)
 
-        # Epilogue issue order: row-major (i, word) for fp32/bf16; tile-major for BFP.
+        # Epilogue issue order: row-major (row, word) for fp32/bf16; tile-major for BFP. The
+        # row, word and address are counters (no multiplier between them and the buffer).
         bfp_out = desc.out_format == OUT_FORMATS["bfp"]
-        e_i = Signal(range(D + 1))
-        e_c = Signal(range(D // C + 1))  # column word within the row (fp32/bf16)
+        words_tile = tw // C
+        row_now = Signal(range(D + 1))
+        word_now = Signal(range(D // C + 1))
+        row_addr = Signal(range((D + 1) * words_per_row))  # row_now * words_per_row
         t_i = Signal(range(D // th + 1))  # BFP: tile row, tile col, row in tile, word in tile row
         t_j = Signal(range(D // tw + 1))
         t_r = Signal(range(th))
-        t_w = Signal(range(tw // C))
+        t_w = Signal(range(words_tile))
+        row_base = Signal(range(D + 1))  # BFP: first row and word of the current tile
+        row_base_addr = Signal(range((D + 1) * words_per_row))
+        word_base = Signal(range(D // C + 1))
         epi_issuing = Signal()
-        tiles_m = Signal(range(D // th + 1))
-        tiles_n = Signal(range(D // tw + 1))
-        m.d.comb += [tiles_m.eq((desc.m + th - 1) // th), tiles_n.eq((desc.n + tw - 1) // tw)]
         with m.If(epi_start):
-            m.d.sync += [epi_issuing.eq(1), e_i.eq(0), e_c.eq(0), t_i.eq(0), t_j.eq(0), t_r.eq(0), t_w.eq(0)]
-        row_now = Signal(range(D + 1))
-        word_now = Signal(range(D // C + 1))
+            m.d.sync += [epi_issuing.eq(1), row_now.eq(0), word_now.eq(0), row_addr.eq(0), t_i.eq(0), t_j.eq(0),
+                         t_r.eq(0), t_w.eq(0), row_base.eq(0), row_base_addr.eq(0), word_base.eq(0)]
         last_now = Signal()
-        m.d.comb += [
-            row_now.eq(Mux(bfp_out, t_i * th + t_r, e_i)),
-            word_now.eq(Mux(bfp_out, t_j * (tw // C) + t_w, e_c)),
-            last_now.eq(Mux(
-                bfp_out,
-                (t_i == tiles_m - 1) & (t_j == tiles_n - 1) & (t_r == th - 1) & (t_w == tw // C - 1),
-                (e_i == desc.m - 1) & (e_c == blocks_n - 1),
-            )),
-        ]
+        m.d.comb += last_now.eq(Mux(
+            bfp_out,
+            (t_i == tiles_m - 1) & (t_j == tiles_n - 1) & (t_r == th - 1) & (t_w == words_tile - 1),
+            (row_now == desc.m - 1) & (word_now == blocks_n - 1),
+        ))
         m.d.comb += [
             epi_read.eq(epi_issuing & epi_advance),
-            epi_addr.eq(row_now * words_per_row + word_now),
+            epi_addr.eq(row_addr + word_now),
             bias_rd.en.eq(epi_advance),
             bias_rd.addr.eq(word_now),
         ]
         with m.If(epi_read):
             with m.If(bfp_out):
-                m.d.sync += t_w.eq(t_w + 1)
-                with m.If(t_w == tw // C - 1):
-                    m.d.sync += [t_w.eq(0), t_r.eq(t_r + 1)]
-                    with m.If(t_r == th - 1):
-                        m.d.sync += [t_r.eq(0), t_j.eq(t_j + 1)]
-                        with m.If(t_j == tiles_n - 1):
-                            m.d.sync += [t_j.eq(0), t_i.eq(t_i + 1)]
+                with m.If(t_w != words_tile - 1):
+                    m.d.sync += [t_w.eq(t_w + 1), word_now.eq(word_now + 1)]
+                with m.Elif(t_r != th - 1):
+                    m.d.sync += [t_w.eq(0), word_now.eq(word_base), t_r.eq(t_r + 1), row_now.eq(row_now + 1),
+                                 row_addr.eq(row_addr + words_per_row)]
+                with m.Elif(t_j != tiles_n - 1):
+                    m.d.sync += [t_w.eq(0), t_r.eq(0), t_j.eq(t_j + 1), word_base.eq(word_base + words_tile),
+                                 word_now.eq(word_base + words_tile), row_now.eq(row_base), row_addr.eq(row_base_addr)]
+                with m.Else():
+                    m.d.sync += [t_w.eq(0), t_r.eq(0), t_j.eq(0), t_i.eq(t_i + 1), word_base.eq(0), word_now.eq(0),
+                                 row_base.eq(row_base + th), row_now.eq(row_base + th),
+                                 row_base_addr.eq(row_base_addr + th * words_per_row),
+                                 row_addr.eq(row_base_addr + th * words_per_row)]
             with m.Else():
-                m.d.sync += e_c.eq(e_c + 1)
-                with m.If(e_c == blocks_n - 1):
-                    m.d.sync += [e_c.eq(0), e_i.eq(e_i + 1)]
+                with m.If(word_now != blocks_n - 1):
+                    m.d.sync += word_now.eq(word_now + 1)
+                with m.Else():
+                    m.d.sync += [word_now.eq(0), row_now.eq(row_now + 1), row_addr.eq(row_addr + words_per_row)]
             with m.If(last_now):
                 m.d.sync += epi_issuing.eq(0)
         with m.If(epi_advance):
             m.d.sync += [
                 e0.valid.eq(epi_read),
                 e0.row.eq(row_now),
-                e0.col.eq(word_now * C),
+                e0.col.eq(word_now * C),  # C is a power of two: a shift
                 e0.last.eq(last_now),
             ]
 
