@@ -75,6 +75,119 @@ def _verilog(args) -> int:
     return 0
 
 
+# ---- device commands (hbfp.host) ----------------------------------------------------------
+
+
+def _info(args) -> int:
+    import hbfp.host as host
+
+    status = 0
+    if args.device:
+        try:
+            with host.open(args.device, timeout=args.timeout) as dev:
+                ident = dev.info()
+                R, C = ident.rows, ident.cols
+                print(f"device {args.device}")
+                print(f"  protocol {ident.protocol_version}, ABI {ident.abi_major}.{ident.abi_minor} "
+                      f"(host speaks {host.protocol.ABI_VERSION[0]}.{host.protocol.ABI_VERSION[1]})")
+                print(f"  MAC array {R}x{C}, {ident.mantissa_bits}-bit codes, tile {ident.tile_rows}x{ident.tile_cols} "
+                      f"(K-tile {ident.tk}), buffers {ident.size}x{ident.size}")
+                print(f"  activation units: {', '.join(ident.functions) or 'none'} (leaky_relu shift {ident.leaky_shift})")
+                clock = f"{ident.clock_hz / 1e6:g} MHz" if ident.clock_hz else "unknown"
+                print(f"  clock {clock}, stream {ident.stream_bytes} byte(s)/beat, max payload {ident.max_payload:,} bytes, "
+                      f"frame timeout {ident.frame_timeout:,} cycles")
+        except host.HbfpError as e:
+            print(f"hbfp info: {args.device}: {e}", file=sys.stderr)
+            status = 1
+    print("backends (entry-point group hbfp.devices):")
+    for name, b in sorted(host.backends().items()):
+        if b.ok:
+            print(f"  {name:<8} ABI {b.abi[0]}.{b.abi[1]}  {b.description}")
+        else:
+            print(f"  {name:<8} unavailable: {b.error}")
+    return status
+
+
+def _gemm(args) -> int:
+    import time
+
+    import hbfp.host as host
+    from hbfp.golden.bfp import BFPTensor
+
+    m, n, k = args.m, args.n, args.k
+    rng = np.random.default_rng(args.seed)
+    a = rng.standard_normal((k, m) if args.transpose_a else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if args.transpose_b else (k, n)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32) if args.bias else None
+    kw = dict(bias=bias, activation=args.activation, out=args.out, transpose_a=args.transpose_a,
+              transpose_b=args.transpose_b, input=args.input, rounding=args.rounding, seed=args.seed)
+    try:
+        dev = host.open(args.device, timeout=args.timeout)
+    except host.HbfpError as e:
+        print(f"hbfp gemm: {args.device}: {e}", file=sys.stderr)
+        return 1
+    with dev:
+        ident = dev.identity
+        before = dev.stats.copy()
+        t0 = time.perf_counter()
+        try:
+            got = dev.gemm(a, b, **kw)
+        except host.HbfpError as e:
+            print(f"hbfp gemm: {e}", file=sys.stderr)
+            return 1
+        seconds = time.perf_counter() - t0
+        st = dev.stats - before
+    want = host.reference_gemm(ident.fmt(), a, b, **kw)
+    if isinstance(want, BFPTensor):
+        bad = int((got.codes != want.codes).sum()) + int((got.exponents != want.exponents).sum())
+    else:
+        bad = int((np.asarray(got).view(np.uint16 if args.out == "bf16" else np.uint32)
+                   != np.asarray(want).view(np.uint16 if args.out == "bf16" else np.uint32)).sum())
+    macs = m * n * k
+    ideal = macs / (ident.rows * ident.cols)
+    print(f"{args.device}: {m}x{k} @ {k}x{n} ({args.input} in, {args.out} out), {macs:,} MACs")
+    print(f"  golden model: {'bit-exact' if not bad else f'{bad} values differ'}")
+    print(f"  host time {seconds * 1e3:.1f} ms: {macs / seconds / 1e6:.1f} M MAC/s through the driver")
+    print(f"  link: {st.bytes_sent:,} bytes sent, {st.bytes_received:,} received, {st.bytes_per_mac:.4f} bytes/MAC, "
+          f"{st.frames_sent} frames, {st.retries} retries")
+    line = f"  device: {st.cycles:,} cycles, ideal {ideal:,.0f} ({ident.rows}x{ident.cols} MACs/cycle): " \
+           f"utilization {100 * ideal / st.cycles:.1f}%" if st.cycles else "  device: no cycle count"
+    if ident.clock_hz and st.cycles:
+        line += f", {st.cycles / ident.clock_hz * 1e3:.3f} ms at {ident.clock_hz / 1e6:g} MHz"
+    print(line)
+    return 0 if not bad else 1
+
+
+def _sim_server(args) -> int:
+    from hbfp.host import HbfpError
+    from hbfp.host.registry import open_backend
+    from hbfp.host.transports import Server, Transport, TransportDevice
+
+    try:
+        device = open_backend(args.device)
+    except HbfpError as e:
+        print(f"hbfp sim-server: {e}", file=sys.stderr)
+        return 1
+    if isinstance(device, Transport):
+        device = TransportDevice(device)  # relay a remote device
+    try:
+        server = Server(device, args.host, args.port, connections=args.connections, idle_timeout=args.idle_timeout)
+    except OSError as e:
+        print(f"hbfp sim-server: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    print(f"serving {args.device} on {server.spec}", flush=True)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        close = getattr(device, "close", None)
+        if close:
+            close()
+    print(f"served {server.served} connection(s)", flush=True)
+    return 0
+
+
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """The core configuration options (shared by the commands that build a core)."""
     from hbfp.hw.activation import FUNCTIONS
@@ -109,6 +222,40 @@ def build_parser() -> argparse.ArgumentParser:
     vl.add_argument("-o", "--output", default="build/verilog", help="output folder (default build/verilog)")
     vl.add_argument("--only", nargs="+", help="write only these components (e.g. gemm_core mac_array)")
     vl.set_defaults(func=_verilog)
+
+    from hbfp.hw.activation import UNARY_FUNCTIONS
+
+    info = sub.add_parser("info", help="a device's identity (array, format, buffers, units) and the device backends")
+    info.add_argument("device", nargs="?", default="emu", help="device spec (default emu; e.g. tcp:127.0.0.1:7000, "
+                      "serial:/dev/ttyUSB0, sim)")
+    info.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each reply (default 5)")
+    info.set_defaults(func=_info)
+
+    gm = sub.add_parser("gemm", help="a random product on a device: checked bit for bit against the golden model, "
+                        "with throughput, bytes on the link per MAC and device utilization")
+    gm.add_argument("device", help="device spec (emu, emu:rows=4,cols=4,size=48, tcp:HOST:PORT, serial:PORT, sim)")
+    gm.add_argument("--m", type=int, default=96, help="rows of the output (default 96)")
+    gm.add_argument("--n", type=int, default=96, help="columns of the output (default 96)")
+    gm.add_argument("--k", type=int, default=96, help="the inner dimension (default 96)")
+    gm.add_argument("--out", choices=("fp32", "bf16", "bfp"), default="fp32", help="output format (default fp32)")
+    gm.add_argument("--input", choices=("codes", "fp32", "bf16"), default="codes",
+                    help="operands sent as codes (quantized by the host) or values the device quantizes (default codes)")
+    gm.add_argument("--rounding", choices=("nearest_even", "toward_zero", "stochastic"), default="nearest_even")
+    gm.add_argument("--activation", choices=UNARY_FUNCTIONS, help="activation of the epilogue")
+    gm.add_argument("--bias", action="store_true", help="add a random bias")
+    gm.add_argument("--transpose-a", action="store_true", help="store A as K x M")
+    gm.add_argument("--transpose-b", action="store_true", help="store B as N x K")
+    gm.add_argument("--seed", type=int, default=0, help="operands and stochastic rounding (default 0)")
+    gm.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each reply (default 5)")
+    gm.set_defaults(func=_gemm)
+
+    srv = sub.add_parser("sim-server", help="serve a device (default: the simulator) on a local TCP port")
+    srv.add_argument("--device", default="sim", help="device spec to serve (default sim; emu for a quick test)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=7000, help="TCP port (default 7000; 0 picks a free one)")
+    srv.add_argument("--connections", type=int, help="stop after this many connections (default: no limit)")
+    srv.add_argument("--idle-timeout", type=float, help="stop after this many seconds without a client or a byte")
+    srv.set_defaults(func=_sim_server)
     return p
 
 

@@ -1,1 +1,51 @@
-"""host"""
+"""The host side: the device driver, the wire protocol, transports and backends.
+
+``hbfp.host.open("emu")`` gives a ``Device`` (``info``, ``gemm``, ``activation``,
+``gradient``, ``status``, ``reset``, ``stats``) over any backend of the entry-point group
+``hbfp.devices`` (``emu``, ``tcp:HOST:PORT``, ``serial:PORT[:BAUD]``, ``sim``); see
+docs/host.md and docs/protocol.md.
+"""
+
+from . import protocol
+from .device import Device, Stats, reference_gemm
+from .errors import (
+    AbiMismatch,
+    BackendError,
+    CrcError,
+    DeviceError,
+    HbfpError,
+    LinkError,
+    NotSupported,
+    ProtocolError,
+    ShapeMismatch,
+    Timeout,
+)
+from .registry import BackendInfo, backends, open, register_backend
+from .transports import LoopbackTransport, SerialTransport, Server, TcpTransport, Transport, serve
+
+__all__ = [
+    "open",
+    "backends",
+    "register_backend",
+    "BackendInfo",
+    "Device",
+    "Stats",
+    "reference_gemm",
+    "protocol",
+    "Transport",
+    "LoopbackTransport",
+    "TcpTransport",
+    "SerialTransport",
+    "Server",
+    "serve",
+    "HbfpError",
+    "ShapeMismatch",
+    "NotSupported",
+    "AbiMismatch",
+    "BackendError",
+    "DeviceError",
+    "ProtocolError",
+    "LinkError",
+    "Timeout",
+    "CrcError",
+]

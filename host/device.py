@@ -1,0 +1,772 @@
+"""The host driver: one ``Device`` over any transport (``hbfp.host.open(spec)``).
+
+``Device.gemm`` computes ``act(op(A) @ op(B) + C + bias)`` on the device, bit for bit as
+``hbfp.golden.gemm.gemm`` on the whole problem (``reference_gemm`` is that comparison): it
+quantizes on the host (``input="codes"``) or lets the device quantize (``"fp32"``,
+``"bf16"``), tiles products larger than the device's buffers, and keeps the contract's
+K-tile order by chaining K chunks onto the accumulator (docs/host.md).
+
+Requests are pipelined: the next block's operands are sent before the previous block's
+reply is awaited, so on a streaming link (TCP, UART) they travel while the device computes
+and answers. Every request is retried on a bad CRC (either way), a lost or truncated frame
+or a timeout, with a new tag; replies with other tags are stale and ignored. A failure in
+the middle of a K chain restarts the chain (the accumulator's contents are then unknown).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import numpy as np
+
+from hbfp.golden import bf16
+from hbfp.golden.bfp import BFPTensor, Format, quantize
+from hbfp.golden.gemm import gemm as golden_gemm
+from hbfp.hw.activation import FUNCTIONS, UNARY_FUNCTIONS
+
+from . import protocol as P
+from .errors import (
+    AbiMismatch,
+    CrcError,
+    DeviceError,
+    NotSupported,
+    ProtocolError,
+    ShapeMismatch,
+    Timeout,
+)
+from .protocol import Op, OutFormat, Status, Target
+
+__all__ = ["Device", "Stats", "reference_gemm", "INPUTS", "OUTPUTS"]
+
+#: How operands travel: quantized on the host (codes and exponents), or as values that
+#: the device quantizes.
+INPUTS = ("codes", "fp32", "bf16")
+OUTPUTS = ("fp32", "bf16", "bfp")
+_OUT_CODES = {"fp32": OutFormat.FP32, "bf16": OutFormat.BF16, "bfp": OutFormat.BFP}
+
+
+@dataclass
+class Stats:
+    """Counters of a ``Device`` (``Device.stats``; ``Device.reset_stats()`` zeroes them).
+
+    ``bytes_sent``/``bytes_received``: every byte on the link, frames and retries included;
+    ``cycles``: device cycles reported by completed GEMM and READ commands; ``macs``:
+    ``M * N * K`` of the completed GEMM commands; ``retries``: requests or K chains sent
+    again; ``stale_replies``: replies ignored (old tags, duplicates, damaged frames);
+    ``host_quantized``: operands or outputs quantized on the host because the device's
+    quantizer could not reproduce the whole-matrix stochastic stream (docs/host.md)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    frames_sent: int = 0
+    frames_received: int = 0
+    commands: int = 0
+    cycles: int = 0
+    macs: int = 0
+    retries: int = 0
+    stale_replies: int = 0
+    host_quantized: int = 0
+
+    @property
+    def link_bytes(self) -> int:
+        return self.bytes_sent + self.bytes_received
+
+    @property
+    def bytes_per_mac(self) -> float:
+        return self.link_bytes / self.macs if self.macs else float("nan")
+
+    def copy(self) -> "Stats":
+        return Stats(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def __sub__(self, other: "Stats") -> "Stats":
+        return Stats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+
+@dataclass
+class _Cmd:
+    op: Op
+    payload: bytes
+    #: Occupies the device (GEMM, READ, ELEMENTWISE): the pipeline's window counts these.
+    heavy: bool = False
+    #: A GEMM onto the accumulator: running it twice changes the result.
+    accumulate: bool = False
+    on_reply: Callable[[bytes], None] | None = None
+
+
+class _Retry(Exception):
+    """A failure after which the request (or its K chain) may be sent again."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+# ---- operands --------------------------------------------------------------------------
+
+
+def _as_array(x, what: str):
+    """numpy arrays and BFPTensors as they are; any ``__dlpack__`` producer through
+    ``np.from_dlpack``; anything else through ``np.asarray``."""
+    if isinstance(x, (np.ndarray, BFPTensor)):
+        return x
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, TypeError, ValueError, RuntimeError) as e:
+            raise NotSupported(
+                f"{what}: cannot import the tensor through DLPack ({e}). bf16 tensors over DLPack "
+                "(kDLBfloat) come in a later release: pass fp32 (e.g. tensor.float()) or an "
+                "ml_dtypes.bfloat16 NumPy array; device tensors must be on the CPU"
+            ) from e
+    return np.asarray(x)
+
+
+def _check_float(x: np.ndarray, what: str) -> None:
+    if x.dtype.name != "bfloat16" and x.dtype.kind not in "fiu":
+        raise TypeError(f"{what} must hold fp32 or bf16 values (or any float/int), got dtype {x.dtype}")
+
+
+def _values(x: np.ndarray, input: str) -> np.ndarray:
+    """An operand as it travels for ``input``: the array itself for ``"codes"`` (quantized
+    on the host as ``hbfp.golden.bfp.quantize`` reads it), float32 for ``"fp32"`` (bf16
+    widened exactly, other types rounded by NumPy), bf16 patterns (``uint16``) for ``"bf16"``
+    (fp32 rounded by ``bf16.from_f32``)."""
+    if input == "codes":
+        return x
+    is_bf16 = x.dtype.name == "bfloat16"
+    if input == "fp32":
+        return bf16.to_f32(bf16.as_bits(x)) if is_bf16 else x.astype(np.float32)
+    return bf16.as_bits(x).copy() if is_bf16 else bf16.from_f32(x.astype(np.float32))
+
+
+def _quantize_values(v: np.ndarray, input: str, fmt: Format, seed: int) -> BFPTensor:
+    """What the device's quantizer makes of values sent with ``input``."""
+    return quantize(bf16.to_dtype(v) if input == "bf16" else v, fmt, seed=seed)
+
+
+def _seeds(seed, rounding: str) -> tuple[int, int, int]:
+    """Seeds of A, B and a BFP output: ``seed`` gives (seed, seed + 1, seed + 2)."""
+    if seed is None:
+        if rounding == "stochastic":
+            raise ValueError("stochastic rounding needs a seed (gemm(..., seed=N)) to be reproducible")
+        return (0, 0, 0)
+    if isinstance(seed, (tuple, list)):
+        if len(seed) != 3:
+            raise ValueError(f"seed must be an integer or three (A, B, output), got {seed!r}")
+        return tuple(int(s) & 0xFFFFFFFF for s in seed)
+    s = int(seed)
+    return (s & 0xFFFFFFFF, (s + 1) & 0xFFFFFFFF, (s + 2) & 0xFFFFFFFF)
+
+
+def _empty_bfp(rows: int, cols: int, fmt: Format) -> BFPTensor:
+    th, tw = fmt.tile
+    return BFPTensor(np.zeros((rows, cols), fmt.code_dtype), np.zeros((-(-rows // th), -(-cols // tw)), np.uint8), fmt)
+
+
+def _empty_result(m: int, n: int, out: str, fmt: Format):
+    if out == "fp32":
+        return np.zeros((m, n), np.float32)
+    if out == "bf16":
+        return bf16.to_dtype(np.zeros((m, n), np.uint16))
+    return _empty_bfp(m, n, fmt)
+
+
+def _prepare(a, b, *, bias, c, transpose_a, transpose_b, input, fmt: Format, what=("a", "b")):
+    """Validate and convert the operands: (A, B, bias, c, M, K, N), where A and B are
+    BFPTensors (input "codes") or value arrays (input "fp32"/"bf16")."""
+    if input not in INPUTS:
+        raise ValueError(f"input must be one of {INPUTS}, got {input!r}")
+    ops = []
+    for x, name in zip((a, b), what, strict=True):
+        x = _as_array(x, name)
+        if isinstance(x, BFPTensor):
+            if x.codes.ndim != 2:
+                raise ShapeMismatch(f"{name} must be a matrix, got shape {x.shape}")
+            if x.fmt.mantissa_bits != fmt.mantissa_bits or x.fmt.tile != fmt.tile:
+                raise NotSupported(f"{name} is in {x.fmt.mantissa_bits}-bit codes with tile {x.fmt.tile}; "
+                                   f"this device stores {fmt.mantissa_bits}-bit codes with tile {fmt.tile}")
+        else:
+            if x.ndim != 2:
+                raise ShapeMismatch(f"{name} must be a matrix (2 axes), got shape {x.shape}")
+            _check_float(x, name)
+            x = _values(x, input)
+        ops.append(x)
+    A, B = ops
+    M, K = A.shape[::-1] if transpose_a else A.shape
+    K2, N = B.shape[::-1] if transpose_b else B.shape
+    if K != K2:
+        raise ShapeMismatch(
+            f"the product does not agree along K: op(A) is {M}x{K}, op(B) is {K2}x{N} "
+            f"(a is {A.shape[0]}x{A.shape[1]}{' transposed' if transpose_a else ''}, "
+            f"b is {B.shape[0]}x{B.shape[1]}{' transposed' if transpose_b else ''})")
+    if bias is not None:
+        bias = np.asarray(_as_array(bias, "bias"), dtype=np.float32)
+        if bias.shape != (N,):
+            raise ShapeMismatch(f"bias must have N = {N} values, got shape {bias.shape}")
+    if c is not None:
+        c = np.asarray(_as_array(c, "c"), dtype=np.float32)
+        if c.shape != (M, N):
+            raise ShapeMismatch(f"c must have the output's shape {(M, N)}, got {c.shape}")
+    return A, B, bias, c, M, K, N
+
+
+def reference_gemm(fmt: Format, a, b, *, bias=None, activation=None, out="fp32", transpose_a=False,
+                   transpose_b=False, c=None, input="codes", rounding="nearest_even", seed=None):
+    """What ``Device.gemm`` must return, computed by ``hbfp.golden`` on the whole problem:
+    the operands quantized whole in ``fmt`` (the device's format) with ``rounding`` and
+    their seeds, then ``hbfp.golden.gemm.gemm``. Same arguments as ``Device.gemm``."""
+    fmt = fmt.with_rounding(rounding)
+    if out not in OUTPUTS:
+        raise ValueError(f"out must be one of {OUTPUTS}, got {out!r}")
+    sa, sb, so = _seeds(seed, rounding)
+    A, B, bias, c, M, K, N = _prepare(a, b, bias=bias, c=c, transpose_a=transpose_a, transpose_b=transpose_b,
+                                      input=input, fmt=fmt)
+    if M == 0 or N == 0:
+        return _empty_result(M, N, out, fmt)
+    qs = []
+    for x, s in ((A, sa), (B, sb)):
+        if isinstance(x, BFPTensor):
+            qs.append(x)
+        elif x.size == 0:
+            qs.append(_empty_bfp(*x.shape, fmt))
+        else:
+            qs.append(_quantize_values(x, input, fmt, s))
+    return golden_gemm(qs[0], qs[1], c=c, bias=bias, activation=activation, out=fmt if out == "bfp" else out,
+                       transpose_a=transpose_a, transpose_b=transpose_b, seed=so)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _lcm(*xs: int) -> int:
+    return math.lcm(*xs)
+
+
+class _Operand:
+    """One operand of a product as the driver sends it: codes and exponents of a host
+    quantization (``t``), or values (``v``) that the device quantizes."""
+
+    def __init__(self, name: str, x, input: str, fmt: Format, seed: int, transposed: bool):
+        self.name = name
+        self.transposed = transposed
+        self.seed = seed
+        self.input = input
+        if isinstance(x, BFPTensor):
+            self.t, self.v = x, None
+        elif input == "codes":
+            self.t, self.v = quantize(x, fmt, seed=seed), None
+        else:
+            self.t, self.v = None, x
+        self.shape = x.shape
+        self.fmt = fmt
+
+    @property
+    def values(self) -> bool:
+        return self.v is not None
+
+    def quantize_on_host(self) -> None:
+        self.t = _quantize_values(self.v, self.input, self.fmt, self.seed)
+        self.v = None
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+
+class Device:
+    """A device behind a transport. ``hbfp.host.open(spec)`` makes one.
+
+    ``timeout``: seconds to wait for each reply; ``retries``: how many times a request (or
+    a K chain) is sent again after a bad CRC, a lost or truncated frame or a timeout, so a
+    device that stops answering raises ``Timeout`` after at most
+    ``timeout * (retries + 1)`` seconds; ``pipeline``: send the next block before the
+    previous reply has arrived. Not thread-safe: one caller at a time."""
+
+    def __init__(self, transport, *, timeout: float = 5.0, retries: int = 3, pipeline: bool = True,
+                 name: str = "", check: bool = True):
+        self.transport = transport
+        self.timeout = float(timeout)
+        self.retries = int(retries)
+        self.pipeline = pipeline
+        self.name = name or type(transport).__name__
+        self.stats = Stats()
+        # A random first tag: replies left on the link by an earlier session are stale.
+        self._tag = random.randrange(P.FRAME_TIMEOUT_TAG)
+        self._parser = P.FrameParser()
+        self._frames: deque = deque()
+        self._identity: P.Identity | None = None
+        self._resident: dict = {}
+        if check:
+            self.info()
+
+    # ---- plumbing ----------------------------------------------------------------------
+
+    def _send(self, cmd: _Cmd) -> int:
+        tag = self._tag
+        self._tag = (self._tag + 1) % P.FRAME_TIMEOUT_TAG  # 0xFFFF is the TIMEOUT reply's
+        frame = P.encode_frame(cmd.op, tag, cmd.payload)
+        self.transport.send(frame)
+        self.stats.bytes_sent += len(frame)
+        self.stats.frames_sent += 1
+        return tag
+
+    def _await(self, tag: int, cmd: _Cmd, accumulated: set) -> bytes:
+        """The data of the reply to ``tag``; ``_Retry`` when it may be sent again."""
+        # The timeout counts silence: a long reply on a slow link keeps it alive.
+        deadline = time.monotonic() + self.timeout
+        waited = False
+        while True:
+            while self._frames:
+                item = self._frames.popleft()
+                if isinstance(item, tuple):  # a reply damaged on the way back
+                    _, _, t = item
+                    if t == tag:
+                        raise _Retry(CrcError(f"the reply to {cmd.op.name} failed its CRC"))
+                    self.stats.stale_replies += 1
+                    continue
+                self.stats.frames_received += 1
+                status = item.payload[0] if item.payload else None
+                if item.tag == P.FRAME_TIMEOUT_TAG and status == Status.TIMEOUT:
+                    raise _Retry(Timeout(f"the device dropped a truncated frame while {cmd.op.name} was pending"))
+                if item.tag != tag or not item.is_reply or (item.opcode & ~P.REPLY != cmd.op and status != Status.BAD_CRC):
+                    if item.tag in accumulated and status == Status.OK:
+                        # A duplicated frame ran a product onto the accumulator twice.
+                        raise _Retry(CrcError("the device ran an accumulating product twice (a duplicated frame)"))
+                    self.stats.stale_replies += 1
+                    continue
+                if status is None or status not in Status._value2member_map_:
+                    raise ProtocolError(f"reply to {cmd.op.name} has no valid status byte: {item.payload[:1]!r}")
+                if status == Status.OK:
+                    return item.payload[1:]
+                if status == Status.BAD_CRC:
+                    raise _Retry(CrcError(f"the device received {cmd.op.name} with a bad CRC"))
+                if status == Status.TIMEOUT:
+                    raise _Retry(Timeout(f"the device timed out receiving {cmd.op.name}"))
+                err = DeviceError(status, f"{self.name}: {cmd.op.name} refused: {Status(status).name}"
+                                          f"{_STATUS_HINTS.get(status, '')}")
+                if status == Status.BAD_LENGTH:
+                    raise _Retry(err)  # also what a corrupted length field gives
+                raise err
+            if waited:
+                raise _Retry(Timeout(f"{self.name}: no reply to {cmd.op.name} within {self.timeout:g} s"))
+            left = deadline - time.monotonic()
+            data = self.transport.receive(left) if left > 0 else b""
+            if not data:
+                # The transport waited out the timeout: give up any partial reply (its
+                # bytes were lost) and look once more at what was buffered behind it.
+                waited = True
+                self._frames.extend(self._parser.expire())
+                continue
+            self.stats.bytes_received += len(data)
+            self._frames.extend(self._parser.feed(data))
+            deadline = time.monotonic() + self.timeout
+
+    def _run(self, chains: list[Callable[[dict], list[_Cmd]]]) -> None:
+        """Send the commands of every chain, in order, keeping up to two heavy commands in
+        flight; a retryable failure restarts the chain it happened in (from a blank slate:
+        every operand is written again)."""
+        depth = 2 if self.pipeline else 1
+        resident = self._resident
+        built: dict[int, list[_Cmd]] = {}
+        attempts: dict[int, int] = {}
+        inflight: deque = deque()
+        heavy = 0
+        send_c = send_k = recv_c = 0
+        accumulated: set = set()
+        try:
+            while recv_c < len(chains):
+                while send_c < len(chains) and heavy < depth:
+                    if send_c not in built:
+                        built[send_c] = chains[send_c](resident)
+                    cmds = built[send_c]
+                    if send_k >= len(cmds):
+                        send_c, send_k = send_c + 1, 0
+                        continue
+                    cmd = cmds[send_k]
+                    inflight.append((self._send(cmd), send_c, send_k, cmd))
+                    heavy += cmd.heavy
+                    send_k += 1
+                tag, c, k, cmd = inflight.popleft()
+                heavy -= cmd.heavy
+                try:
+                    data = self._await(tag, cmd, accumulated)
+                    if cmd.on_reply is not None:
+                        cmd.on_reply(data)
+                except _Retry as e:
+                    attempts[c] = attempts.get(c, 0) + 1
+                    if attempts[c] > self.retries:
+                        raise e.error from None
+                    self.stats.retries += 1
+                    inflight.clear()
+                    heavy = 0
+                    resident.clear()
+                    accumulated.clear()
+                    built = {cc: v for cc, v in built.items() if cc < c}
+                    send_c, send_k = c, 0
+                    continue
+                self.stats.commands += 1
+                if cmd.accumulate:
+                    accumulated.add(tag)
+                if k == len(built[c]) - 1:
+                    recv_c = c + 1
+                    accumulated.clear()
+                    del built[c]
+        except BaseException:
+            resident.clear()  # requests in flight may still run: the buffers are unknown
+            raise
+
+    def command(self, op: int, payload: bytes = b"") -> bytes:
+        """Send one request (retried as any other) and return its reply's data."""
+        out = []
+        self._run([lambda resident: [_Cmd(Op(op), payload, on_reply=out.append)]])
+        return out[0]
+
+    # ---- identity, status ------------------------------------------------------------------
+
+    def info(self) -> P.Identity:
+        """Ask the device who it is (IDENTIFY). A device whose ABI major differs from the
+        host's is refused with ``AbiMismatch``."""
+        data = self.command(Op.IDENTIFY)
+        if len(data) < 3:
+            raise ProtocolError(f"IDENTIFY reply too short ({len(data)} bytes)")
+        if data[0] != P.PROTOCOL_VERSION or data[1] != P.ABI_VERSION[0]:
+            raise AbiMismatch(
+                f"{self.name} speaks protocol {data[0]}, ABI {data[1]}.{data[2]}; this host (hbfp.host) speaks "
+                f"protocol {P.PROTOCOL_VERSION}, ABI {P.ABI_VERSION[0]}.{P.ABI_VERSION[1]}. A different major "
+                "version is not compatible: update the host package or the device's bitstream/backend")
+        if len(data) < P.IDENTITY_SIZE:
+            raise ProtocolError(f"IDENTIFY reply has {len(data)} bytes, expected {P.IDENTITY_SIZE}")
+        ident = P.decode_identity(data)
+        self._identity = ident
+        # The longest reply this device sends: a full fp32 result, or an elementwise one.
+        longest = max(ident.max_payload, 1 + 4 + 4 * ident.size * ident.size)
+        self._parser.max_payload = longest + 64
+        return ident
+
+    @property
+    def identity(self) -> P.Identity:
+        if self._identity is None:
+            self.info()
+        return self._identity
+
+    def format(self, rounding: str = "nearest_even") -> Format:
+        """The device's BFP format with a rounding mode (what ``reference_gemm`` needs)."""
+        return self.identity.fmt(rounding)
+
+    def status(self) -> P.DeviceStatus:
+        return P.decode_status(self.command(Op.STATUS))
+
+    def reset(self) -> None:
+        """RESET: clears the device's counters and last error (buffers become undefined)."""
+        self.command(Op.RESET)
+        self._resident.clear()
+
+    def reset_stats(self) -> None:
+        self.stats = Stats()
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<hbfp.host.Device {self.name}>"
+
+    # ---- elementwise -------------------------------------------------------------------------
+
+    def _function(self, name: str) -> int:
+        if name not in FUNCTIONS:
+            raise ValueError(f"unknown function {name!r}; known: {', '.join(FUNCTIONS)}")
+        code = FUNCTIONS.index(name)
+        if not self.identity.functions_mask >> code & 1:
+            raise NotSupported(f"{self.name} has no {name} unit (built: {', '.join(self.identity.functions) or 'none'})")
+        return code
+
+    @staticmethod
+    def _bf16_bits(x, what: str) -> np.ndarray:
+        x = _as_array(x, what)
+        if isinstance(x, BFPTensor):
+            raise TypeError(f"{what} must be bf16 values, not a BFPTensor")
+        if x.dtype.name == "bfloat16" or x.dtype == np.uint16:
+            return bf16.as_bits(x)
+        if x.dtype.kind == "f":
+            return bf16.from_f32(x.astype(np.float32))
+        raise TypeError(f"{what} must be bf16 (ml_dtypes.bfloat16, or uint16 patterns) or float, got {x.dtype}")
+
+    def _elementwise(self, function: str, x, g=None) -> np.ndarray:
+        code = self._function(function)
+        xb = self._bf16_bits(x, "x")
+        shape = xb.shape
+        xb = np.ascontiguousarray(xb, dtype="<u2").reshape(-1)
+        if g is not None:
+            gb = self._bf16_bits(g, "g")
+            if gb.shape != shape:
+                raise ShapeMismatch(f"g must have x's shape {shape}, got {gb.shape}")
+            gb = np.ascontiguousarray(gb, dtype="<u2").reshape(-1)
+        per = max(1, (self.identity.max_payload - P.ELEMENTWISE_HEADER) // (4 if g is not None else 2))
+        out = np.empty(xb.size, np.uint16)
+        chains = []
+        for s in range(0, xb.size, per):
+            e = min(xb.size, s + per)
+            payload = P.encode_elementwise(code, xb[s:e].tobytes(), gb[s:e].tobytes() if g is not None else b"")
+
+            def store(data, s=s, e=e):
+                if len(data) != 2 * (e - s):
+                    raise ProtocolError(f"ELEMENTWISE reply has {len(data)} bytes, expected {2 * (e - s)}")
+                out[s:e] = np.frombuffer(data, "<u2")
+
+            chains.append(lambda resident, p=payload, f=store: [_Cmd(Op.ELEMENTWISE, p, heavy=True, on_reply=f)])
+        self._run(chains)
+        return bf16.to_dtype(out.reshape(shape))
+
+    def activation(self, name: str, x) -> np.ndarray:
+        """``name(x)`` on the device's bf16 activation unit (``relu``, ``gelu``, ...): bf16
+        in (``ml_dtypes.bfloat16`` or uint16 patterns; floats are rounded to bf16 first),
+        an ``ml_dtypes.bfloat16`` array of the same shape out."""
+        if name not in UNARY_FUNCTIONS:
+            raise ValueError(f"unknown activation {name!r}; known: {', '.join(UNARY_FUNCTIONS)}")
+        return self._elementwise(name, x)
+
+    def gradient(self, name: str, x, g) -> np.ndarray:
+        """``bf16.mul(name'(x), g)``: the activation's derivative at ``x`` times the upstream
+        gradient ``g``, on the device (bf16 in and out, as ``activation``)."""
+        if name not in UNARY_FUNCTIONS or name + "_grad" not in FUNCTIONS:
+            raise ValueError(f"no gradient unit for {name!r}; known: "
+                             f"{', '.join(f[: -len('_grad')] for f in FUNCTIONS if f.endswith('_grad'))}")
+        return self._elementwise(name + "_grad", x, g)
+
+    # ---- writes ---------------------------------------------------------------------------
+
+    def _writes(self, target: int, rows: int, cols: int, unit_bytes: int, row_align: int, col_align: int,
+                data_of: Callable[[int, int, int, int], bytes], **fields) -> list[_Cmd]:
+        """WRITE commands for a region (0, 0, rows, cols) of a buffer, split to fit
+        ``max_payload`` in aligned pieces; ``data_of(r0, r1, c0, c1)`` gives a piece's data."""
+        limit = self.identity.max_payload - P.WRITE_HEADER
+        col_step = cols
+        if cols * row_align * unit_bytes > limit:
+            col_step = (limit // (row_align * unit_bytes)) // col_align * col_align
+            if col_step < 1:
+                raise NotSupported(f"{self.name}: max_payload {self.identity.max_payload} is too small for a write")
+        row_step = max(row_align, (limit // (col_step * unit_bytes)) // row_align * row_align)
+        cmds = []
+        for r0 in range(0, rows, row_step):
+            r1 = min(rows, r0 + row_step)
+            for c0 in range(0, cols, col_step):
+                c1 = min(cols, c0 + col_step)
+                payload = P.encode_write(target, r0, c0, r1 - r0, c1 - c0, data_of(r0, r1, c0, c1), **fields)
+                cmds.append(_Cmd(Op.WRITE, payload))
+        return cmds
+
+    def _operand_writes(self, op: _Operand, buffer: str, r0: int, r1: int, c0: int, c1: int) -> list[_Cmd]:
+        """Write the stored region [r0:r1, c0:c1] of an operand at the buffer's origin."""
+        ident = self.identity
+        th, tw = ident.tile
+        rows, cols = r1 - r0, c1 - c0
+        if op.values:
+            v = op.v[r0:r1, c0:c1]
+            rp, cp = _round_up(rows, th), _round_up(cols, tw)
+            pad = np.zeros((rp, cp), v.dtype)
+            pad[:rows, :cols] = v
+            fp32 = op.input == "fp32"
+            wire = "<f4" if fp32 else "<u2"
+            target = Target.A_VALUES if buffer == "A" else Target.B_VALUES
+            return self._writes(
+                target, rp, cp, 4 if fp32 else 2, th, tw,
+                lambda a, b, c, d: P.to_tile_major(pad[a:b, c:d], (th, tw)).astype(wire).tobytes(),
+                encoding=P.Encoding.FP32 if fp32 else P.Encoding.BF16,
+                rounding=P.ROUNDING_CODES[op.fmt.rounding], seed=op.seed)
+        lanes = ident.rows if buffer == "A" else ident.cols
+        mb = ident.mantissa_bits
+        codes = np.zeros((rows, _round_up(cols, lanes)), op.t.codes.dtype)
+        codes[:, :cols] = op.t.codes[r0:r1, c0:c1]
+        exps = np.ascontiguousarray(op.t.exponents[r0 // th : -(-r1 // th), c0 // tw : -(-c1 // tw)])
+        targets = (Target.A_CODES, Target.A_EXPONENTS) if buffer == "A" else (Target.B_CODES, Target.B_EXPONENTS)
+        cmds = self._writes(targets[0], rows, codes.shape[1], P.code_bytes(mb), 1, lanes,
+                            lambda a, b, c, d: P.encode_codes(codes[a:b, c:d], mb))
+        cmds += self._writes(targets[1], *exps.shape, 1, 1, 1, lambda a, b, c, d: exps[a:b, c:d].tobytes())
+        return cmds
+
+    def _fp32_writes(self, target: int, x: np.ndarray) -> list[_Cmd]:
+        """C (accumulator) or bias values at the buffer's origin, padded to the array's lanes."""
+        lanes = self.identity.cols
+        rows, cols = x.shape
+        pad = np.zeros((rows, _round_up(cols, lanes)), "<f4")
+        pad[:, :cols] = x
+        return self._writes(target, rows, pad.shape[1], 4, 1, lanes, lambda a, b, c, d: pad[a:b, c:d].tobytes())
+
+    # ---- the product -------------------------------------------------------------------------
+
+    def gemm(self, a, b, *, bias=None, activation: str | None = None, out: str = "fp32", transpose_a: bool = False,
+             transpose_b: bool = False, c=None, input: str = "codes", rounding: str = "nearest_even", seed=None):
+        """``act(op(A) @ op(B) + C + bias)`` on the device, equal bit for bit to
+        ``reference_gemm`` (``hbfp.golden`` on the whole problem).
+
+        ``a``, ``b``: the stored operands (A is M x K, or K x M with ``transpose_a``; B is
+        K x N, or N x K with ``transpose_b``): NumPy arrays, any ``__dlpack__`` producer
+        (fp32), or ``BFPTensor``s in the device's format. ``input``: ``"codes"`` quantizes
+        on the host and sends codes and exponents; ``"fp32"``/``"bf16"`` send values that
+        the device quantizes (fp32 data is rounded to bf16 first for ``"bf16"``).
+        ``rounding``/``seed``: of every quantization the call makes (operands from values,
+        a BFP output); an integer seed gives A ``seed``, B ``seed + 1`` and the output
+        ``seed + 2``, or pass three. ``bias`` (N values) and ``c`` (M x N) are fp32.
+        ``out``: ``"fp32"`` (float32 array), ``"bf16"`` (ml_dtypes.bfloat16 array) or
+        ``"bfp"`` (a BFPTensor in the device's format)."""
+        ident = self.identity
+        if out not in OUTPUTS:
+            raise ValueError(f"out must be one of {OUTPUTS}, got {out!r}")
+        fmt = ident.fmt(rounding)  # validates the rounding
+        act = P.NO_ACTIVATION
+        if activation is not None:
+            if activation not in UNARY_FUNCTIONS:
+                raise ValueError(f"unknown activation {activation!r}; known: {', '.join(UNARY_FUNCTIONS)}")
+            act = self._function(activation)
+        sa, sb, so = _seeds(seed, rounding)
+        A, B, bias, c, M, K, N = _prepare(a, b, bias=bias, c=c, transpose_a=transpose_a, transpose_b=transpose_b,
+                                          input=input, fmt=fmt)
+        if not ident.square and K and (transpose_a or not transpose_b):
+            raise NotSupported(
+                f"{self.name}'s tile {ident.tile} is not square: it blocks both operands along K, so A must be "
+                "stored M x K (transpose_a=False) and B stored N x K (transpose_b=True)")
+        if M == 0 or N == 0:
+            return _empty_result(M, N, out, fmt)
+
+        D = ident.size
+        th, tw = ident.tile
+        tk = ident.tk
+        bfp_out = out == "bfp"
+        align_m = _lcm(tw if transpose_a else th, th if bfp_out else 1)
+        align_n = _lcm(th if transpose_b else tw, tw if bfp_out else 1)
+
+        def side(total: int, align: int) -> int:
+            if total <= D:
+                return max(total, 1)
+            if D < align:
+                raise NotSupported(f"{self.name}'s buffers ({D}) are smaller than the alignment {align} tiling needs")
+            return D // align * align
+
+        bm, bn, bk = side(M, align_m), side(N, align_n), side(K, tk)
+        nI, nJ, nP = -(-M // bm), -(-N // bn), max(1, -(-K // bk))
+        split_out = nI > 1 or nJ > 1
+
+        opA = _Operand("a", A, input, fmt, sa, transpose_a)
+        opB = _Operand("b", B, input, fmt, sb, transpose_b)
+        for op, whole in ((opA, nI == 1 and nP == 1), (opB, nJ == 1 and nP == 1)):
+            if op.values and rounding == "stochastic":
+                # The device's stream positions start at each written region's first tile:
+                # they are the whole matrix's only if the operand goes in one piece.
+                rp, cp = _round_up(op.shape[0], th), _round_up(op.shape[1], tw)
+                one_write = rp * cp * (4 if input == "fp32" else 2) <= ident.max_payload - P.WRITE_HEADER
+                if not (whole and one_write):
+                    op.quantize_on_host()
+                    self.stats.host_quantized += 1
+        # A split stochastic BFP output is quantized here from the fp32 result, for the same
+        # reason (the device would start every block's stream at 0).
+        host_out = bfp_out and rounding == "stochastic" and split_out
+        final = OutFormat.FP32 if host_out else _OUT_CODES[out]
+        if host_out:
+            self.stats.host_quantized += 1
+
+        if final == OutFormat.FP32:
+            result = np.empty((M, N), np.float32)
+        elif final == OutFormat.BF16:
+            result = np.empty((M, N), np.uint16)
+        else:
+            result = _empty_bfp(M, N, fmt)
+
+        def store(data: bytes, m0: int, m1: int, n0: int, n1: int, k: int) -> None:
+            try:
+                cycles, r = P.decode_result(data, m1 - m0, n1 - n0, final, fmt, cycles=k > 0)
+            except ValueError as e:
+                raise ProtocolError(f"{self.name}: {e}") from None
+            self.stats.cycles += cycles or 0
+            self.stats.macs += (m1 - m0) * (n1 - n0) * k
+            if final == OutFormat.BFP:
+                result.codes[m0:m1, n0:n1] = r.codes
+                result.exponents[m0 // th : -(-m1 // th), n0 // tw : -(-n1 // tw)] = r.exponents
+            elif final == OutFormat.BF16:
+                result[m0:m1, n0:n1] = r.view(np.uint16)
+            else:
+                result[m0:m1, n0:n1] = r
+
+        def partial(data: bytes, m: int, n: int, k: int) -> None:
+            self.stats.cycles += P.decode_cycles(data)
+            self.stats.macs += m * n * k
+
+        # Loop order: with one K chunk an operand block can stay in its buffer across the
+        # other loop; keep the one whose re-sending would cost more.
+        if nP == 1 and N * nI > M * nJ:
+            order = [(i, j) for j in range(nJ) for i in (range(nI) if j % 2 == 0 else range(nI - 1, -1, -1))]
+        else:
+            order = [(i, j) for i in range(nI) for j in (range(nJ) if i % 2 == 0 else range(nJ - 1, -1, -1))]
+
+        def chain(i: int, j: int, resident: dict) -> list[_Cmd]:
+            m0, m1 = i * bm, min(M, (i + 1) * bm)
+            n0, n1 = j * bn, min(N, (j + 1) * bn)
+            mi, nj = m1 - m0, n1 - n0
+            cmds: list[_Cmd] = []
+            if K == 0:
+                # The product is C alone: load it (or zeros) and read it through the epilogue.
+                cmds += self._fp32_writes(Target.ACC, c[m0:m1, n0:n1] if c is not None else np.zeros((mi, nj), np.float32))
+                if bias is not None:
+                    cmds += self._fp32_writes(Target.BIAS, bias[None, n0:n1])
+                payload = P.encode_read(mi, nj, out_format=final, activation=act, bias=bias is not None,
+                                        rounding=P.ROUNDING_CODES[rounding], seed=so)
+                cmds.append(_Cmd(Op.READ, payload, heavy=True, on_reply=lambda d: store(d, m0, m1, n0, n1, 0)))
+                return cmds
+            for p in range(nP):
+                k0, k1 = p * bk, min(K, (p + 1) * bk)
+                last = p == nP - 1
+                key = ("A", i, p)
+                if resident.get("A") != key:
+                    region = (k0, k1, m0, m1) if transpose_a else (m0, m1, k0, k1)
+                    cmds += self._operand_writes(opA, "A", *region)
+                    resident["A"] = key
+                key = ("B", p, j)
+                if resident.get("B") != key:
+                    region = (n0, n1, k0, k1) if transpose_b else (k0, k1, n0, n1)
+                    cmds += self._operand_writes(opB, "B", *region)
+                    resident["B"] = key
+                if p == 0 and c is not None:
+                    cmds += self._fp32_writes(Target.ACC, c[m0:m1, n0:n1])
+                if last and bias is not None and resident.get("bias") != ("bias", j):
+                    cmds += self._fp32_writes(Target.BIAS, bias[None, n0:n1])
+                    resident["bias"] = ("bias", j)
+                # K chunks before the last only leave their sums in the accumulator; their
+                # reply is the smallest result (BFP) and is discarded.
+                payload = P.encode_gemm(
+                    mi, nj, k1 - k0, transpose_a=transpose_a, transpose_b=transpose_b,
+                    accumulate=p > 0 or c is not None, bias=last and bias is not None,
+                    activation=act if last else P.NO_ACTIVATION, out_format=final if last else OutFormat.BFP,
+                    rounding=P.ROUNDING_CODES[rounding] if last else 0, seed=so if last else 0)
+                if last:
+                    done = lambda d, k=k1 - k0: store(d, m0, m1, n0, n1, k)  # noqa: E731
+                else:
+                    done = lambda d, k=k1 - k0: partial(d, mi, nj, k)  # noqa: E731
+                cmds.append(_Cmd(Op.GEMM, payload, heavy=True, accumulate=p > 0 or c is not None, on_reply=done))
+            return cmds
+
+        self._resident.clear()  # a new product: nothing of the last one is reused
+        self._run([lambda resident, i=i, j=j: chain(i, j, resident) for i, j in order])
+
+        if host_out:
+            return quantize(result, fmt, seed=so)
+        if final == OutFormat.BF16:
+            return bf16.to_dtype(result)
+        return result
+
+
+_STATUS_HINTS = {
+    Status.BAD_ADDRESS: " (a buffer region outside the buffers or not aligned)",
+    Status.BAD_DESCRIPTOR: " (a product or operation this device cannot run)",
+    Status.BAD_OPCODE: " (the device does not know this command)",
+    Status.BAD_VERSION: " (the device speaks another protocol version)",
+}

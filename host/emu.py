@@ -1,0 +1,449 @@
+"""``emu``: an in-process model of the device that speaks the wire protocol, built on the
+golden model (bit for bit as the gateware, and fast).
+
+It holds the buffers the gateware holds (docs/architecture.md): the stored A and B codes
+(``size`` x ``size``, as written: A or A^T, B or B^T), their exponent grids, the fp32
+accumulator (``size`` x ``size``) and the bias (``size``). Nothing is cleared between
+commands: a product reads only the region its descriptor names (codes beyond K read as
+zeros, as the MAC array's K padding does), and leaves the fp32 sums (before bias and
+activation) in the accumulator.
+
+The byte interface, the one ``LoopbackTransport`` and ``serve`` drive (a simulator device
+offers the same):
+
+- ``write(data)``: bytes arrive at the device; every complete frame is executed at once and
+  its reply queued (replies are produced synchronously);
+- ``read(max_bytes=None)``: the reply bytes queued so far;
+- ``advance(cycles)``: ``cycles`` clock cycles pass with no byte arriving. A frame that has
+  begun and sees no byte for ``frame_timeout`` cycles is dropped with a ``TIMEOUT`` reply.
+  The clock is virtual: the emulator has no notion of wall time of its own;
+  ``cycles_per_second`` is the rate at which a server or transport converts waiting time
+  into cycles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hbfp.golden import activations, bf16
+from hbfp.golden.bfp import BFPTensor, quantize
+from hbfp.golden.gemm import gemm
+from hbfp.hw.activation import FUNCTIONS
+from hbfp.hw.params import CoreConfig
+
+from . import protocol as P
+from .protocol import Op, OutFormat, Status, Target
+
+__all__ = [
+    "EmuDevice",
+    "command_cycles",
+    "parse_options",
+    "backend",
+    "DRAIN_CYCLES",
+    "BFP_EPILOGUE_CYCLES",
+    "DEFAULT_FRAME_TIMEOUT",
+    "NOMINAL_HZ",
+]
+
+#: Pipeline drain and write-back after a product's MAC phase (docs/architecture.md).
+DRAIN_CYCLES = 20
+#: Extra cycles of a BFP epilogue (the quantizer's tile latency).
+BFP_EPILOGUE_CYCLES = 30
+#: Cycles without a byte after which a begun frame is dropped.
+DEFAULT_FRAME_TIMEOUT = 10_000_000
+#: The rate at which waiting time becomes cycles when the device reports no clock (0 Hz).
+NOMINAL_HZ = 100_000_000
+
+_ROUNDINGS = {code: name for name, code in P.ROUNDING_CODES.items()}
+
+
+def command_cycles(cfg: CoreConfig, m: int, n: int, k: int, out_format: int) -> int:
+    """The cycles a GEMM (or, with ``k = 0``, a READ) takes on the gateware, by the formula of
+    docs/architecture.md ("Latency and throughput of a command")::
+
+        ceil(M/R) * ceil(N/C) * ceil(K/tk) * tk          MAC phase, one beat per cycle
+        + DRAIN_CYCLES (when K > 0)                      pipeline drain and write-back
+        + M * ceil(N/C)                       (fp32, bf16) epilogue, one beat per cycle
+          or ceil(M/th) * ceil(N/tw) * th * tw / C + BFP_EPILOGUE_CYCLES   (BFP)
+    """
+    R, C, tk = cfg.rows, cfg.cols, cfg.tk
+    th, tw = cfg.tile
+    mac = -(-m // R) * -(-n // C) * -(-k // tk) * tk
+    drain = DRAIN_CYCLES if k else 0
+    if out_format == OutFormat.BFP:
+        epilogue = -(-m // th) * -(-n // tw) * th * tw // C + BFP_EPILOGUE_CYCLES
+    else:
+        epilogue = m * -(-n // C)
+    return mac + drain + epilogue
+
+
+class _Refused(Exception):
+    def __init__(self, status: Status):
+        super().__init__(status.name)
+        self.status = status
+
+
+class EmuDevice:
+    """The device as a byte pipe, computed with ``hbfp.golden`` (module docstring).
+
+    ``config``: the core (array shape, format, buffer side, activation units built);
+    ``max_payload``: the largest request payload (default: a whole buffer of fp32 values);
+    ``frame_timeout``: cycles without a byte after which a begun frame is dropped;
+    ``clock_hz``: reported by IDENTIFY (0: unknown); ``abi_version``: the ABI reported
+    (a different one only to test hosts)."""
+
+    def __init__(self, config: CoreConfig | None = None, *, max_payload: int | None = None,
+                 frame_timeout: int = DEFAULT_FRAME_TIMEOUT, clock_hz: int = 0, stream_bytes: int = 1,
+                 abi_version: tuple[int, int] = P.ABI_VERSION):
+        cfg = config or CoreConfig()
+        self.config = cfg
+        D = cfg.size
+        th, tw = cfg.tile
+        functions = FUNCTIONS if cfg.functions is None else cfg.functions
+        unknown = set(functions) - set(FUNCTIONS)
+        if unknown:
+            raise ValueError(f"unknown activation functions {sorted(unknown)}; known: {', '.join(FUNCTIONS)}")
+        self.functions = tuple(functions)
+        if max_payload is None:
+            max_payload = P.WRITE_HEADER + 4 * D * D
+        self.identity = P.Identity(
+            protocol_version=P.PROTOCOL_VERSION, abi_major=abi_version[0], abi_minor=abi_version[1],
+            stream_bytes=stream_bytes, rows=cfg.rows, cols=cfg.cols, mantissa_bits=cfg.mantissa_bits,
+            tile_rows=th, tile_cols=tw, leaky_shift=cfg.leaky_shift, size=D,
+            functions_mask=sum(1 << FUNCTIONS.index(f) for f in self.functions), clock_hz=clock_hz,
+            max_payload=max_payload, frame_timeout=frame_timeout,
+        )
+        self.cycles_per_second = clock_hz or NOMINAL_HZ
+        code_dtype = cfg.fmt().code_dtype
+        # Buffer contents start as zeros (the gateware's memories have no reset either:
+        # after RESET they keep whatever they held, "undefined" to the host).
+        self.a_codes = np.zeros((D, D), dtype=code_dtype)
+        self.b_codes = np.zeros((D, D), dtype=code_dtype)
+        self.a_exponents = np.zeros((D // th, D // tw), dtype=np.uint8)
+        self.b_exponents = np.zeros((D // th, D // tw), dtype=np.uint8)
+        self.acc = np.zeros((D, D), dtype=np.float32)
+        self.bias = np.zeros(D, dtype=np.float32)
+        self._parser = P.FrameParser(max_payload, device=True)
+        self._out = bytearray()
+        self._idle = 0
+        self._clear_counters()
+
+    # ---- byte interface ---------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        """Bytes arrive; complete frames are executed and their replies queued."""
+        if not data:
+            return
+        self._idle = 0
+        self._handle(self._parser.feed(bytes(data)))
+
+    def read(self, max_bytes: int | None = None) -> bytes:
+        """Reply bytes queued so far (at most ``max_bytes``)."""
+        n = len(self._out) if max_bytes is None else min(max_bytes, len(self._out))
+        out = bytes(self._out[:n])
+        del self._out[:n]
+        return out
+
+    def advance(self, cycles: int) -> None:
+        """``cycles`` clock cycles pass without a byte arriving."""
+        self._idle += max(0, int(cycles))
+        while self._idle >= self.identity.frame_timeout and (self._parser.in_progress or self._parser.skipping):
+            if self._parser.in_progress:
+                # A frame stopped arriving mid-way: drop it and tell the host (with the
+                # frame's opcode if it had arrived), then hunt in the bytes that come next.
+                self._reply(self._parser.partial_opcode or 0, P.FRAME_TIMEOUT_TAG, Status.TIMEOUT)
+            self._handle(self._parser.expire())
+
+    @property
+    def pending(self) -> int:
+        """Reply bytes waiting to be read."""
+        return len(self._out)
+
+    # ---- frames -----------------------------------------------------------------------
+
+    def _clear_counters(self) -> None:
+        self.accepted = 0
+        self.refused = 0
+        self.last_cycles = 0
+        self.last_error = Status.OK
+
+    def _reply(self, opcode: int, tag: int, status: Status, data: bytes = b"") -> None:
+        if status != Status.OK:
+            self.refused += 1
+            self.last_error = status
+            data = b""
+        self._out += P.encode_reply(opcode, tag, status, data)
+
+    def _handle(self, items) -> None:
+        for item in items:
+            if isinstance(item, tuple):  # BAD_CRC or BAD_LENGTH (length above max_payload)
+                status, opcode, tag = item
+                self._reply(opcode, tag, status)
+                continue
+            frame = item
+            try:
+                if frame.version != P.PROTOCOL_VERSION:
+                    raise _Refused(Status.BAD_VERSION)
+                data = self._execute(frame.opcode, frame.payload)
+            except _Refused as e:
+                self._reply(frame.opcode, frame.tag, e.status)
+                continue
+            if frame.opcode == Op.RESET:
+                self._clear_counters()
+                self._out += P.encode_reply(frame.opcode, frame.tag)
+                continue
+            self._out += P.encode_reply(frame.opcode, frame.tag, Status.OK, data)
+            self.accepted += 1
+
+    def _execute(self, opcode: int, payload: bytes) -> bytes:
+        if opcode == Op.IDENTIFY:
+            self._no_payload(payload)
+            return P.encode_identity(self.identity)
+        if opcode == Op.STATUS:
+            self._no_payload(payload)
+            # Every reply counts when its status is decided: STATUS counts itself.
+            return P.encode_status(P.DeviceStatus(self.accepted + 1, self.refused, self.last_cycles, self.last_error))
+        if opcode == Op.RESET:
+            self._no_payload(payload)
+            return b""
+        if opcode == Op.WRITE:
+            return self._write(payload)
+        if opcode == Op.READ:
+            d = P.decode_read(payload)
+            if d is None:
+                raise _Refused(Status.BAD_LENGTH)
+            return self._product(d, read=True)
+        if opcode == Op.GEMM:
+            d = P.decode_gemm(payload)
+            if d is None:
+                raise _Refused(Status.BAD_LENGTH)
+            return self._product(d)
+        if opcode == Op.ELEMENTWISE:
+            return self._elementwise(payload)
+        raise _Refused(Status.BAD_OPCODE)
+
+    @staticmethod
+    def _no_payload(payload: bytes) -> None:
+        if payload:
+            raise _Refused(Status.BAD_LENGTH)
+
+    # ---- WRITE --------------------------------------------------------------------------
+
+    def _write(self, payload: bytes) -> bytes:
+        d = P.decode_write(payload)
+        if d is None:
+            raise _Refused(Status.BAD_LENGTH)
+        target, encoding, rounding, seed, row, col, rows, cols, data = d
+        cfg = self.config
+        D = cfg.size
+        th, tw = cfg.tile
+        mb = cfg.mantissa_bits
+        if target not in Target._value2member_map_:
+            raise _Refused(Status.BAD_ADDRESS)
+        target = Target(target)
+
+        def region(limit_r, limit_c, align_r=1, align_c=1):
+            # An empty region is a valid write of nothing.
+            if row + rows > limit_r or col + cols > limit_c:
+                raise _Refused(Status.BAD_ADDRESS)
+            if row % align_r or rows % align_r or col % align_c or cols % align_c:
+                raise _Refused(Status.BAD_ADDRESS)
+
+        def length(n):
+            if len(data) != n:
+                raise _Refused(Status.BAD_LENGTH)
+
+        if target in (Target.A_CODES, Target.B_CODES):
+            region(D, D, 1, cfg.rows if target == Target.A_CODES else cfg.cols)
+            length(rows * cols * P.code_bytes(mb))
+            buf = self.a_codes if target == Target.A_CODES else self.b_codes
+            buf[row : row + rows, col : col + cols] = P.decode_codes(data, rows, cols, mb)
+        elif target in (Target.A_EXPONENTS, Target.B_EXPONENTS):
+            region(D // th, D // tw)
+            length(rows * cols)
+            buf = self.a_exponents if target == Target.A_EXPONENTS else self.b_exponents
+            buf[row : row + rows, col : col + cols] = np.frombuffer(data, np.uint8).reshape(rows, cols)
+        elif target == Target.ACC:
+            region(D, D, 1, cfg.cols)
+            length(4 * rows * cols)
+            self.acc[row : row + rows, col : col + cols] = np.frombuffer(data, "<f4").reshape(rows, cols)
+        elif target == Target.BIAS:
+            if row != 0 or rows != 1:
+                raise _Refused(Status.BAD_ADDRESS)
+            region(1, D, 1, cfg.cols)
+            length(4 * cols)
+            self.bias[col : col + cols] = np.frombuffer(data, "<f4")
+        else:  # values: quantized here, as the gateware's quantizer does on the way in
+            region(D, D, th, tw)
+            if encoding not in (0, 1) or rounding not in _ROUNDINGS:
+                raise _Refused(Status.BAD_DESCRIPTOR)
+            width = 4 if encoding == P.Encoding.FP32 else 2
+            length(rows * cols * width)
+            if rows * cols == 0:
+                return b""
+            if encoding == P.Encoding.FP32:
+                flat = np.frombuffer(data, "<f4").astype(np.float32)
+            else:
+                flat = bf16.to_dtype(np.frombuffer(data, "<u2").astype(np.uint16))
+            x = P.from_tile_major(flat, rows, cols, cfg.tile)
+            t = quantize(x, cfg.fmt(_ROUNDINGS[rounding]), seed=seed)
+            if target == Target.A_VALUES:
+                codes, exps = self.a_codes, self.a_exponents
+            else:
+                codes, exps = self.b_codes, self.b_exponents
+            codes[row : row + rows, col : col + cols] = t.codes
+            exps[row // th : (row + rows) // th, col // tw : (col + cols) // tw] = t.exponents
+        return b""
+
+    # ---- GEMM and READ ----------------------------------------------------------------
+
+    def _activation(self, code: int):
+        if code == P.NO_ACTIVATION:
+            return None
+        if code >= len(FUNCTIONS) or FUNCTIONS[code] not in self.functions or FUNCTIONS[code].endswith("_grad"):
+            raise _Refused(Status.BAD_DESCRIPTOR)
+        name = FUNCTIONS[code]
+        if name == "leaky_relu":
+            shift = self.config.leaky_shift
+            return lambda x: activations.leaky_relu(x, shift)
+        return activations.get(name)
+
+    def _product(self, d: dict, read: bool = False) -> bytes:
+        cfg = self.config
+        D = cfg.size
+        m, n, k, flags = d["m"], d["n"], d["k"], d["flags"]
+        ta = bool(flags & P.GEMM_FLAGS["transpose_a"])
+        tb = bool(flags & P.GEMM_FLAGS["transpose_b"])
+        accumulate = bool(flags & P.GEMM_FLAGS["accumulate"])
+        add_bias = bool(flags & P.GEMM_FLAGS["bias"])
+        if not (1 <= m <= D and 1 <= n <= D and (read or 1 <= k <= D)):
+            raise _Refused(Status.BAD_DESCRIPTOR)
+        # A non-square tile serves K along the stored rows only: A as M x K, B as N x K.
+        if not cfg.square and k and (ta or not tb):
+            raise _Refused(Status.BAD_DESCRIPTOR)
+        if d["out_format"] not in OutFormat._value2member_map_ or d["rounding"] not in _ROUNDINGS:
+            raise _Refused(Status.BAD_DESCRIPTOR)
+        act = self._activation(d["activation"])
+        out_format = OutFormat(d["out_format"])
+
+        if read:
+            # The epilogue alone, on the accumulator as it is.
+            sums = bf16.flush_f32(self.acc[:m, :n])
+        else:
+            a = self._stored(self.a_codes, self.a_exponents, (k, m) if ta else (m, k))
+            b = self._stored(self.b_codes, self.b_exponents, (n, k) if tb else (k, n))
+            c = self.acc[:m, :n].copy() if accumulate else None
+            sums = gemm(a, b, c=c, transpose_a=ta, transpose_b=tb)
+            self.acc[:m, :n] = sums
+        result = self._epilogue(sums, self.bias[:n] if add_bias else None, act, out_format,
+                                _ROUNDINGS[d["rounding"]], d["seed"])
+        cycles = command_cycles(cfg, m, n, k, out_format)
+        self.last_cycles = cycles
+        data = P.encode_result(cycles, result, out_format)
+        return data[4:] if read else data  # READ replies with the result alone
+
+    def _stored(self, codes: np.ndarray, exponents: np.ndarray, shape: tuple[int, int]) -> BFPTensor:
+        rows, cols = shape
+        th, tw = self.config.tile
+        return BFPTensor(
+            np.ascontiguousarray(codes[:rows, :cols]),
+            np.ascontiguousarray(exponents[: -(-rows // th), : -(-cols // tw)]),
+            self.config.fmt(),
+        )
+
+    def _epilogue(self, acc, bias, act, out_format, rounding, seed):
+        # hbfp.golden.gemm.gemm's epilogue, step for step, on the accumulator's sums.
+        if bias is not None:
+            acc = bf16.add_f32(acc, bias[None, :])
+        if act is not None:
+            y = act(bf16.from_f32(acc))
+            if out_format == OutFormat.BF16:
+                return y
+            acc = bf16.to_f32(y)
+        elif out_format == OutFormat.BF16:
+            return bf16.from_f32(acc)
+        if out_format == OutFormat.BFP:
+            return quantize(acc, self.config.fmt(rounding), seed=seed)
+        return acc
+
+    # ---- ELEMENTWISE --------------------------------------------------------------------
+
+    def _elementwise(self, payload: bytes) -> bytes:
+        d = P.decode_elementwise(payload)
+        if d is None:
+            raise _Refused(Status.BAD_LENGTH)
+        code, count, data = d
+        if code >= len(FUNCTIONS) or FUNCTIONS[code] not in self.functions:
+            raise _Refused(Status.BAD_DESCRIPTOR)
+        name = FUNCTIONS[code]
+        grad = name.endswith("_grad")
+        if len(data) != (4 if grad else 2) * count:
+            raise _Refused(Status.BAD_LENGTH)
+        x = np.frombuffer(data, "<u2", count=count).astype(np.uint16)
+        shift = self.config.leaky_shift
+        if grad:
+            g = np.frombuffer(data, "<u2", count=count, offset=2 * count).astype(np.uint16)
+            base = name[: -len("_grad")]
+            y = activations.leaky_relu_grad(x, g, shift) if base == "leaky_relu" else activations.get(base, "grad")(x, g)
+        else:
+            y = activations.leaky_relu(x, shift) if name == "leaky_relu" else activations.get(name)(x)
+        return np.ascontiguousarray(y, dtype="<u2").tobytes()
+
+
+# ---- the ``emu`` backend (entry point ``hbfp.devices: emu``) --------------------------------
+
+_FORMATS = {"HBFP8": (8, (24, 24)), "HBFP16": (16, (24, 24)), "MXINT8": (8, (1, 32))}
+_CONFIG_KEYS = ("rows", "cols", "mantissa_bits", "size", "leaky_shift")
+_DEVICE_KEYS = ("max_payload", "frame_timeout", "clock_hz")
+
+
+def parse_options(arg: str) -> dict:
+    """``"rows=4,cols=4,size=48"`` -> keyword arguments of ``EmuDevice`` (a ``config`` and
+    device options). Keys: rows, cols, size, mantissa_bits, leaky_shift, tile (``24x24``),
+    format (HBFP8, HBFP16, MXINT8), functions (``relu+gelu``), max_payload, frame_timeout,
+    clock_hz."""
+    cfg: dict = {}
+    dev: dict = {}
+    for item in filter(None, (s.strip() for s in arg.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep:
+            raise ValueError(f"emu option {item!r} is not key=value")
+        if key == "format":
+            if value.upper() not in _FORMATS:
+                raise ValueError(f"unknown format {value!r}; known: {', '.join(_FORMATS)}")
+            cfg["mantissa_bits"], cfg["tile"] = _FORMATS[value.upper()]
+        elif key == "tile":
+            try:
+                th, tw = (int(v) for v in value.lower().split("x"))
+            except ValueError:
+                raise ValueError(f"tile must be ROWSxCOLS, got {value!r}") from None
+            cfg["tile"] = (th, tw)
+        elif key == "functions":
+            cfg["functions"] = tuple(filter(None, value.split("+")))
+        elif key in _CONFIG_KEYS:
+            cfg[key] = int(value)
+        elif key in _DEVICE_KEYS:
+            dev[key] = int(value)
+        else:
+            raise ValueError(f"unknown emu option {key!r}; known: format, tile, functions, "
+                             f"{', '.join(_CONFIG_KEYS + _DEVICE_KEYS)}")
+    return dict(config=CoreConfig(**cfg), **dev)
+
+
+class _EmuBackend:
+    """``emu[:key=value,...]``: the in-process golden-model device."""
+
+    ABI_VERSION = P.ABI_VERSION
+    description = "in-process bit-exact model of the device (hbfp.golden)"
+
+    def open(self, arg: str = "", **options) -> EmuDevice:
+        kwargs = parse_options(arg)
+        config = options.pop("config", None)
+        if config is not None:
+            kwargs["config"] = config
+        kwargs.update(options)
+        return EmuDevice(**kwargs)
+
+
+backend = _EmuBackend()
