@@ -14,16 +14,19 @@ from amaranth.back import verilog
 
 from hbfp import __version__
 
-from . import activation, add_f32, buffers, gemm_core, mac_array, normalize, quantize
+from . import activation, add_f32, buffers, gemm_core, mac_array, normalize, quantize, top
 from .params import EXP_BIAS, EXP_NAN, RANDOM_BITS, ROUNDING_CODES, SEED_SALT, CoreConfig, psum_width
 
 __all__ = ["components", "parameters", "generate"]
 
 
 def components(cfg: CoreConfig) -> dict:
-    """Name -> constructor of every component of the core, as configured in ``cfg``."""
+    """Name -> constructor of every component of the core, as configured in ``cfg``; "top"
+    (the accelerator with its protocol engine, default link parameters) needs a square array
+    and is left out otherwise."""
     m, tk = cfg.mantissa_bits, cfg.tk
     functions = cfg.functions or activation.FUNCTIONS
+    tops = {"top": lambda: top.AcceleratorTop(cfg)} if cfg.rows == cfg.cols else {}
     return {
         "gemm_core": lambda: gemm_core.GemmCore(cfg),
         "mac_array": lambda: mac_array.MacArray(cfg.rows, cfg.cols, tk, m, m),
@@ -33,6 +36,7 @@ def components(cfg: CoreConfig) -> dict:
         "quantize": lambda: quantize.Quantize(m, cfg.tile, cfg.cols, "fp32"),
         "operand_buffer_a": lambda: buffers.OperandBuffer(cfg.rows, m, cfg.size, cfg.size),
         "operand_buffer_b": lambda: buffers.OperandBuffer(cfg.cols, m, cfg.size, cfg.size),
+        **tops,
     }
 
 

@@ -1,0 +1,111 @@
+"""The accelerator top: the wire protocol (docs/protocol.md) on a byte stream, around the
+GEMM core.
+
+```
+ i (stream_bytes lanes) -> ByteUnpacker -> PacketEngine -> BytePacker -> o (stream_bytes lanes)
+                                             |   |   |  \\
+                                 w, cmd, result  |   |   ELEMENTWISE: Activation (1 lane)
+                                       GemmCore  |   WRITE of values: Quantize (cols lanes)
+                                                 payload buffer (max_payload bytes, 1 BRAM)
+```
+"""
+
+from __future__ import annotations
+
+from amaranth import Module
+from amaranth.lib import stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from .activation import FUNCTIONS, Activation
+from .gemm_core import GemmCore
+from .packet import BytePacker, ByteUnpacker, PacketEngine, beat_layout
+from .params import CoreConfig
+from .quantize import Quantize
+
+__all__ = ["AcceleratorTop", "DEFAULT_MAX_PAYLOAD", "DEFAULT_FRAME_TIMEOUT"]
+
+#: Payload buffer bytes: a 4 KiB block RAM. The host splits larger WRITEs.
+DEFAULT_MAX_PAYLOAD = 4096
+#: Cycles without a byte after which a frame is dropped: about 10 ms at 100 MHz, i.e. over
+#: a hundred bytes' time of a 115200-baud UART.
+DEFAULT_FRAME_TIMEOUT = 1 << 20
+
+
+class AcceleratorTop(wiring.Component):
+    """The whole device: packet engine, ``GemmCore(cfg)``, an input quantizer and a bf16
+    activation unit, behind two byte streams.
+
+    Ports: ``i`` (in) and ``o`` (out), streams of ``beat_layout(stream_bytes)``: ``data``
+    lanes of one byte, lane 0 first on the wire, and ``keep`` (bit b: lane b holds a byte).
+    Any ``keep`` pattern is accepted on ``i`` (an empty one is a null beat); on ``o`` the
+    kept lanes are always the first ones, and a reply's last beat is sent at once, partly
+    filled if need be.
+
+    Parameters: ``cfg`` (the core; ``rows`` must equal ``cols``: the input quantizer's
+    beats of ``cols`` values are written as row chunks of A as of B), ``stream_bytes`` (1 ..
+    255, the width of ``i`` and ``o``), ``clock_hz`` (reported by IDENTIFY; 0: unknown),
+    ``max_payload`` (bytes of the request buffer, 32 .. 2**24), ``frame_timeout`` (cycles).
+
+    Throughput: the engine takes and gives one byte per cycle, whatever ``stream_bytes``.
+    """
+
+    def __init__(self, cfg: CoreConfig = CoreConfig(), *, stream_bytes: int = 1, clock_hz: int = 0,
+                 frame_timeout: int = DEFAULT_FRAME_TIMEOUT, max_payload: int = DEFAULT_MAX_PAYLOAD):
+        try:
+            self._check(cfg, stream_bytes, clock_hz, frame_timeout, max_payload)
+        except (ValueError, TypeError):
+            self._MustUse__used = True  # never meant to be elaborated
+            raise
+        self.cfg = cfg
+        self.stream_bytes = stream_bytes
+        self.clock_hz = clock_hz
+        self.frame_timeout = frame_timeout
+        self.max_payload = max_payload
+        super().__init__({
+            "i": In(stream.Signature(beat_layout(stream_bytes))),
+            "o": Out(stream.Signature(beat_layout(stream_bytes))),
+        })
+
+    @staticmethod
+    def _check(cfg, stream_bytes, clock_hz, frame_timeout, max_payload):
+        if not isinstance(cfg, CoreConfig):
+            raise TypeError(f"cfg must be a CoreConfig, got {cfg!r}")
+        if cfg.rows != cfg.cols:
+            raise ValueError(
+                f"AcceleratorTop needs a square array (rows == cols), got {cfg.rows}x{cfg.cols}: the "
+                f"input quantizer's beats of {cfg.cols} values are written as row chunks of A "
+                f"({cfg.rows} lanes) and of B ({cfg.cols} lanes)")
+        for name, value, lo, hi in (("stream_bytes", stream_bytes, 1, 255), ("clock_hz", clock_hz, 0, 2**32 - 1),
+                                    ("frame_timeout", frame_timeout, 2, 2**32 - 1), ("max_payload", max_payload, 32, 2**24)):
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                raise ValueError(f"{name} must be an integer in {lo} .. {hi}, got {value!r}")
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg = self.cfg
+        m.submodules.unpacker = unpacker = ByteUnpacker(self.stream_bytes)
+        m.submodules.engine = engine = PacketEngine(
+            cfg, stream_bytes=self.stream_bytes, clock_hz=self.clock_hz,
+            max_payload=self.max_payload, frame_timeout=self.frame_timeout)
+        m.submodules.packer = packer = BytePacker(self.stream_bytes)
+        m.submodules.core = core = GemmCore(cfg)
+        m.submodules.quantize = qz = Quantize(cfg.mantissa_bits, cfg.tile, cfg.cols, "fp32")
+        m.submodules.activation = act = Activation(functions=cfg.functions or FUNCTIONS, leaky_shift=cfg.leaky_shift)
+
+        wiring.connect(m, wiring.flipped(self.i), unpacker.i)
+        wiring.connect(m, unpacker.o, engine.i)
+        wiring.connect(m, engine.o, packer.i)
+        wiring.connect(m, packer.o, wiring.flipped(self.o))
+
+        wiring.connect(m, engine.w, core.w)
+        wiring.connect(m, engine.cmd, core.cmd)
+        wiring.connect(m, core.o, engine.result)
+        m.d.comb += engine.core_cycles.eq(core.cycles)
+
+        wiring.connect(m, engine.q_i, qz.i)
+        wiring.connect(m, qz.o, engine.q_o)
+        m.d.comb += [qz.rounding.eq(engine.q_rounding), qz.seed.eq(engine.q_seed), qz.clear.eq(engine.q_clear)]
+
+        wiring.connect(m, engine.act_i, act.i)
+        wiring.connect(m, act.o, engine.act_o)
+        return m

@@ -1,0 +1,204 @@
+"""The accelerator top (``hbfp.hw.top.AcceleratorTop``) through the wire protocol, in cocotb
+on both simulators against the golden model (sim/tb_top.py); and its elaboration checks."""
+
+import random
+import struct
+import zlib
+
+import pytest
+from amaranth.sim import Simulator
+
+from hbfp.hw.params import CoreConfig
+from hbfp.hw.top import AcceleratorTop
+from hbfp.sim import runner
+
+# name: (array side, mantissa bits, tile, buffer size, stream_bytes, max_payload, simulators).
+# "bytes1": a 2x2 core with 12-bit codes (two bytes each on the wire) and 12x12 tiles;
+# "bytes4": a 4x4 HBFP8 core with 24x24 tiles; "mxint8": a 4x4 core with the non-square
+# 1x32 tile, on a 2-byte link, on Icarus only (its build is free). Each max_payload holds a
+# tile of fp32 values and is no power of two.
+LINKS = {
+    "bytes1": (2, 12, (12, 12), 24, 1, 700, runner.SIMULATORS),
+    "bytes4": (4, 8, (24, 24), 48, 4, 3000, runner.SIMULATORS),
+    "mxint8": (4, 8, (1, 32), 64, 2, 600, ("icarus",)),
+}
+# Icarus compiles any design in seconds, so its cores carry a table activation (gelu) and its
+# gradient; a table unit in each activation lane doubles Verilator's C++ build, so its cores
+# have the comparator ones.
+FUNCTIONS = {
+    "icarus": ("relu", "gelu", "relu_grad", "gelu_grad"),
+    "verilator": ("relu", "leaky_relu", "relu_grad", "leaky_relu_grad"),
+}
+FRAME_TIMEOUT = 256
+# Products per run and their largest side (None: the buffer's). Icarus runs this design
+# about ten times slower than Verilator. Products rotate through the output formats and the
+# ways to load A and B (sim/tb_top.py), and bad_frames adds one: three cover them all.
+PRODUCTS = {"verilator": (6, None), "icarus": (2, 16)}
+ELEMENTWISE = {"verilator": 200, "icarus": 40}
+
+
+def core_config(sim: str, name: str) -> CoreConfig:
+    side, bits, tile, size, *_ = LINKS[name]
+    return CoreConfig(side, side, bits, tile, size, functions=FUNCTIONS[sim])
+
+
+def tb_config(sim: str, name: str) -> dict:
+    *_, stream_bytes, max_payload, _ = LINKS[name]
+    products, side = PRODUCTS[sim]
+    cfg = core_config(sim, name)
+    d = cfg.to_dict()
+    d.update(
+        built=list(cfg.functions),
+        stream_bytes=stream_bytes,
+        clock_hz=50_000_000,
+        max_payload=max_payload,
+        frame_timeout=FRAME_TIMEOUT,
+        seed=stream_bytes * 7 + len(sim),
+        stall=0.3,
+        products=products,
+        max_side=min(cfg.size, side or cfg.size),
+        elementwise_count=ELEMENTWISE[sim],
+    )
+    return d
+
+
+def make_top(sim: str, name: str) -> AcceleratorTop:
+    *_, stream_bytes, max_payload, _ = LINKS[name]
+    return AcceleratorTop(core_config(sim, name), stream_bytes=stream_bytes, clock_hz=50_000_000,
+                          frame_timeout=FRAME_TIMEOUT, max_payload=max_payload)
+
+
+@pytest.mark.parametrize(("name", "sim"), [(name, sim) for name, link in LINKS.items() for sim in link[-1]])
+def test_top_protocol(name, sim):
+    why = runner.simulator_available(sim)
+    if why:
+        pytest.skip(why)
+    tests, failed = runner.run(lambda: make_top(sim, name), "top", "tb_top", sim, tb_config(sim, name))
+    assert tests == 5 and failed == 0
+
+
+def test_top_needs_a_square_array():
+    with pytest.raises(ValueError, match="rows == cols"):
+        AcceleratorTop(CoreConfig(rows=4, cols=8, tile=(24, 24), size=48))
+
+
+@pytest.mark.parametrize("kw", [dict(stream_bytes=0), dict(max_payload=16), dict(frame_timeout=0), dict(clock_hz=-1)])
+def test_top_parameters_are_checked(kw):
+    with pytest.raises(ValueError):
+        AcceleratorTop(CoreConfig(4, 4, 8, (24, 24), 48), **kw)
+
+
+# ---- the link's small components, in Amaranth's simulator --------------------------------
+
+
+def _run(dut, *testbenches):
+    sim = Simulator(dut)
+    sim.add_clock(1e-8)
+    for tb in testbenches:
+        sim.add_testbench(tb)
+    sim.run()
+
+
+def test_crc32_matches_zlib():
+    from hbfp.hw.crc import CRC32, crc32_state
+
+    rng = random.Random(3)
+    data = rng.randbytes(200)
+    framed = data + struct.pack("<I", zlib.crc32(data))
+    dut = CRC32()
+
+    async def bench(ctx):
+        ctx.set(dut.clear, 1)
+        await ctx.tick()
+        ctx.set(dut.clear, 0)
+        for n, b in enumerate(framed):
+            while rng.random() < 0.3:  # idle cycles leave the register alone
+                await ctx.tick()
+            ctx.set(dut.i.valid, 1)
+            ctx.set(dut.i.payload, b)
+            await ctx.tick()
+            ctx.set(dut.i.valid, 0)
+            if n < len(data):
+                assert ctx.get(dut.crc) == zlib.crc32(framed[: n + 1])
+        assert ctx.get(dut.residue_ok)
+
+    _run(dut, bench)
+    assert crc32_state(data) ^ 0xFFFFFFFF == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("stream_bytes", [2, 3, 4])  # 1: wires, in the cocotb runs
+def test_byte_unpacker_and_packer(stream_bytes):
+    """Beats with any keep pattern -> bytes in lane order; bytes with frame ends -> beats
+    whose kept lanes come first, a frame's last beat sent at once."""
+    from hbfp.hw.packet import BytePacker, ByteUnpacker
+
+    rng = random.Random(stream_bytes)
+    sb = stream_bytes
+    beats = []
+    for _ in range(60):
+        keep = rng.getrandbits(sb) if sb > 1 else 1
+        beats.append(([rng.randrange(256) for _ in range(sb)], keep))
+    want = [d[i] for d, k in beats for i in range(sb) if k >> i & 1]
+    frame_ends = {i for i in range(len(want)) if rng.random() < 0.1} | {len(want) - 1}
+
+    unpacker = ByteUnpacker(sb)
+    got = []
+
+    async def feed(ctx):
+        for data, keep in beats:
+            ctx.set(unpacker.i.payload.data, data)
+            ctx.set(unpacker.i.payload.keep, keep)
+            ctx.set(unpacker.i.valid, 1)
+            while True:
+                _, _, ready = await ctx.tick().sample(unpacker.i.ready)
+                if ready:
+                    break
+            ctx.set(unpacker.i.valid, 0)
+            while rng.random() < 0.3:
+                await ctx.tick()
+
+    async def take(ctx):
+        while len(got) < len(want):
+            ready = rng.random() < 0.7
+            ctx.set(unpacker.o.ready, ready)
+            _, _, valid, byte = await ctx.tick().sample(unpacker.o.valid, unpacker.o.payload)
+            if valid and ready:
+                got.append(byte)
+
+    _run(unpacker, feed, take)
+    assert got == want
+
+    packer = BytePacker(sb)
+    out = []
+
+    async def give(ctx):
+        for n, b in enumerate(want):
+            ctx.set(packer.i.payload.data, b)
+            ctx.set(packer.i.payload.last, n in frame_ends)
+            ctx.set(packer.i.valid, 1)
+            while True:
+                _, _, ready = await ctx.tick().sample(packer.i.ready)
+                if ready:
+                    break
+            ctx.set(packer.i.valid, 0)
+
+    async def collect(ctx):
+        while sum(len(b) for b in out) < len(want):
+            ready = rng.random() < 0.7
+            ctx.set(packer.o.ready, ready)
+            _, _, valid, data, keep = await ctx.tick().sample(packer.o.valid, packer.o.payload.data,
+                                                              packer.o.payload.keep)
+            if valid and ready:
+                n = bin(keep).count("1")
+                assert keep == (1 << n) - 1
+                out.append([data[i] for i in range(n)])
+
+    _run(packer, give, collect)
+    assert [b for beat in out for b in beat] == want
+    # A beat ends where a frame ends or where the lanes run out, and nowhere else.
+    ends, pos = [], 0
+    for beat in out:
+        pos += len(beat)
+        ends.append(pos - 1)
+    assert set(ends) == {n for n in range(len(want)) if n in frame_ends or n == len(want) - 1 or
+                         (n - max([e for e in frame_ends if e < n], default=-1)) % sb == 0}
