@@ -1,0 +1,383 @@
+"""The ``sim`` backend: the generated Verilog of the accelerator top under Verilator, behind
+the same byte-pipe interface as every other device (``write``, ``read``), so the one host
+driver runs against simulated gateware and against hardware alike.
+
+The model runs in a small C++ harness (``sim/harness/harness.cpp``) that ctypes loads; Python
+does no work per clock cycle. ``write`` queues bytes for the device's ``i`` stream; ``read``
+runs the clock natively until a complete reply frame has arrived on ``o``, or until nothing
+more can happen without the host (a partial frame waits for its remaining bytes), and
+returns the bytes; ``advance`` lets time pass (how a begun frame times out); ``run`` drives
+the clock explicitly. The default 8x8 top runs about 600,000 cycles a second.
+
+The harness reaches the top through a wrapper (``build.wrapper_verilog``): its reset comes
+from a power-on counter (``reset()`` builds a new model) and, unless ``buffered=0``, each
+stream passes a 2-entry FIFO (full rate, one cycle of latency each way), which makes the
+model about 40% faster.
+
+Opening a configuration the first time builds its library (Verilog, Verilator, g++: one to
+two minutes); later opens load it from ``build/simlib/`` at once (``sim/harness/build.py``).
+
+The host finds this backend through the entry-point group ``hbfp.devices``:
+``sim = "hbfp.sim.device:backend"``; ``backend.open("rows=4,cols=4,size=48,stream_bytes=4")``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from .harness import build
+
+__all__ = ["SimDevice", "SimBackend", "backend", "parse_arg", "top_library", "DEFAULT_TIMEOUT_CYCLES",
+           "Stop"]
+
+#: How many cycles ``read`` runs at most, waiting for a reply (the host may pass its own).
+DEFAULT_TIMEOUT_CYCLES = 20_000_000
+#: Cycles of reset at open and on ``reset()`` (at least the wrapper's power-on reset).
+RESET_CYCLES = build.RESET_CYCLES
+#: ``run_until_idle``'s default quiet time.
+IDLE_CYCLES = 256
+#: Simulated cycles per second of host waiting time (``advance``): about what the model
+#: runs per wall-clock second, so that a host's timeouts last about as long as on a board.
+CYCLES_PER_SECOND = 1_000_000
+
+
+class Stop(enum.IntFlag):
+    """Stop conditions of the harness's run loop (``hbfp_run``)."""
+
+    FRAME = 1    # a complete frame is buffered beyond what has been read
+    OUTPUT = 2   # any output byte is buffered
+    DRAINED = 4  # every written byte has been accepted by the device
+    IDLE = 8     # drained, and no beat on either stream for ``idle_cycles``
+    WAITING = 16  # drained, and every whole request the device took has its reply: nothing
+    #               more can happen until the host writes (or time passes on a partial frame)
+
+
+class _Counter(enum.IntEnum):
+    CYCLES = 0
+    QUEUED = 1
+    PENDING = 2
+    FRAME_READY = 3
+    REQUESTS = 4
+    IN_MID_FRAME = 5
+    REPLIES = 6
+    IN_BEATS = 7
+    OUT_BEATS = 8
+    FINISHED = 9
+
+
+_N_COUNTERS = len(_Counter)
+_libraries: dict[Path, ctypes.CDLL] = {}
+_libraries_lock = threading.Lock()
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    path = Path(path).resolve()
+    with _libraries_lock:
+        lib = _libraries.get(path)
+        if lib is None:
+            lib = ctypes.CDLL(str(path))
+            c_void_p, c_int, c_int64, c_uint32, c_uint64 = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                                                            ctypes.c_uint32, ctypes.c_uint64)
+            lib.hbfp_abi.restype = c_uint32
+            lib.hbfp_abi.argtypes = []
+            lib.hbfp_stream_bytes.restype = c_int
+            lib.hbfp_stream_bytes.argtypes = []
+            lib.hbfp_new.restype = c_void_p
+            lib.hbfp_new.argtypes = [c_int]
+            lib.hbfp_free.restype = None
+            lib.hbfp_free.argtypes = [c_void_p]
+            lib.hbfp_reset.restype = None
+            lib.hbfp_reset.argtypes = [c_void_p, c_int]
+            lib.hbfp_write.restype = c_int64
+            lib.hbfp_write.argtypes = [c_void_p, ctypes.c_char_p, c_int64]
+            lib.hbfp_read.restype = c_int64
+            lib.hbfp_read.argtypes = [c_void_p, ctypes.c_void_p, c_int64]
+            lib.hbfp_run.restype = c_uint64
+            lib.hbfp_run.argtypes = [c_void_p, c_uint64, c_uint32, c_uint64]
+            lib.hbfp_set_throttle.restype = None
+            lib.hbfp_set_throttle.argtypes = [c_void_p, c_uint32, c_uint32, c_uint32]
+            lib.hbfp_counters.restype = None
+            lib.hbfp_counters.argtypes = [c_void_p, ctypes.POINTER(c_uint64)]
+            if lib.hbfp_abi() >> 16 != 1:
+                raise RuntimeError(f"{path}: harness ABI {lib.hbfp_abi():#x}, expected 1.x")
+            _libraries[path] = lib
+        return lib
+
+
+class SimDevice:
+    """A simulated device: a Verilated top behind a byte pipe (the byte-device interface of
+    ``hbfp.host.transports``, as ``EmuDevice``'s).
+
+    - ``write(data)`` queues request bytes for the device's input stream (nothing runs).
+    - ``read(max_bytes=None, *, timeout_cycles=None)``: reply bytes. Unless a complete reply
+      frame is already buffered, it first runs the clock (natively) until one is, or until
+      nothing more can happen without the host (every queued byte taken, every whole request
+      answered: a partial frame waits for its remaining bytes), or ``timeout_cycles`` pass.
+      Returns what is buffered (at most ``max_bytes``), maybe ``b""``.
+    - ``advance(cycles)``: time passes with no new byte: the clock runs ``cycles`` cycles, or
+      until a complete reply frame is buffered (how a begun frame times out on the device).
+    - ``run(cycles, stop=...)``: the clock, explicitly; ``run_until_idle()``; ``flush()``.
+    - ``cycles``: clock cycles since the last reset; ``reset()``; ``close()``.
+    - ``pending``: reply bytes buffered; ``queued``: written bytes the device has not taken.
+
+    A device is used from one thread at a time; ctypes releases the GIL while the clock runs.
+    """
+
+    def __init__(self, library: str | Path, *, timeout_cycles: int = DEFAULT_TIMEOUT_CYCLES,
+                 reset_cycles: int = RESET_CYCLES, cycles_per_second: int = CYCLES_PER_SECOND,
+                 info: dict | None = None):
+        self.library = Path(library)
+        self._lib = _load(self.library)
+        self.stream_bytes = self._lib.hbfp_stream_bytes()
+        self.timeout_cycles = timeout_cycles
+        self.reset_cycles = reset_cycles
+        self.cycles_per_second = cycles_per_second
+        #: What was opened (configuration, library); for reports.
+        self.info = dict(info or {})
+        self._counters = (ctypes.c_uint64 * _N_COUNTERS)()
+        self._buf = ctypes.create_string_buffer(1 << 16)
+        self._h = self._lib.hbfp_new(reset_cycles)
+        if not self._h:
+            raise RuntimeError("could not create the simulation model")
+
+    # ---- byte pipe -------------------------------------------------------------------
+
+    def write(self, data: bytes) -> int:
+        """Queue ``data`` for the device's input stream; returns its length."""
+        data = bytes(data)
+        self._check_open()
+        return self._lib.hbfp_write(self._h, data, len(data))
+
+    def read(self, max_bytes: int | None = None, *, timeout_cycles: int | None = None) -> bytes:
+        """Reply bytes (at most ``max_bytes``), after running the clock until a complete reply
+        frame is buffered or nothing more can happen without the host (class docstring)."""
+        self._check_open()
+        if not self._poll()[_Counter.FRAME_READY]:
+            budget = self.timeout_cycles if timeout_cycles is None else timeout_cycles
+            if budget > 0:
+                self._lib.hbfp_run(self._h, budget, Stop.FRAME | Stop.WAITING, 0)
+        return self._take(max_bytes)
+
+    def advance(self, cycles: int) -> None:
+        """``cycles`` cycles pass without a new byte (fewer once a complete reply is buffered)."""
+        self._check_open()
+        if cycles > 0:
+            self._lib.hbfp_run(self._h, int(cycles), Stop.FRAME, 0)
+
+    def flush(self) -> None:
+        """Run until the device has accepted every queued byte (replies stay buffered)."""
+        self._check_open()
+        self._lib.hbfp_run(self._h, self.timeout_cycles, Stop.DRAINED, 0)
+
+    # ---- clock -----------------------------------------------------------------------
+
+    def run(self, cycles: int, *, stop: Stop = Stop(0), idle_cycles: int = 0) -> int:
+        """Advance ``cycles`` clock cycles (fewer when a ``stop`` condition holds first);
+        returns the cycles run."""
+        self._check_open()
+        return self._lib.hbfp_run(self._h, int(cycles), int(stop), int(idle_cycles))
+
+    def run_until_idle(self, idle_cycles: int = IDLE_CYCLES, max_cycles: int | None = None) -> int:
+        """Run until every queued byte is accepted and neither stream moved for
+        ``idle_cycles`` (a long computation is quiet too: give it enough)."""
+        return self.run(self.timeout_cycles if max_cycles is None else max_cycles, stop=Stop.IDLE,
+                        idle_cycles=idle_cycles)
+
+    @property
+    def cycles(self) -> int:
+        return self._poll()[_Counter.CYCLES]
+
+    def counters(self) -> dict:
+        """Cycles, queue levels, frames and beats seen (for tests and reports)."""
+        c = self._poll()
+        return {k.name.lower(): int(c[k]) for k in _Counter}
+
+    @property
+    def pending(self) -> int:
+        """Reply bytes buffered (readable without running the clock)."""
+        return self._poll()[_Counter.PENDING]
+
+    @property
+    def queued(self) -> int:
+        """Written bytes the device has not taken yet."""
+        return self._poll()[_Counter.QUEUED]
+
+    def throttle(self, in_chance: float = 1.0, out_chance: float = 1.0, seed: int = 1) -> None:
+        """Test the device under gaps: offer an input beat in a cycle with ``in_chance``, hold
+        ``o.ready`` high with ``out_chance`` (pseudo-random, from ``seed``). 1.0: always."""
+        self._check_open()
+        self._lib.hbfp_set_throttle(self._h, round(in_chance * 256), round(out_chance * 256), seed & 0xFFFFFFFF)
+
+    def reset(self) -> None:
+        self._check_open()
+        self._lib.hbfp_reset(self._h, self.reset_cycles)
+
+    def close(self) -> None:
+        if self._h:
+            self._lib.hbfp_free(self._h)
+            self._h = None
+
+    @property
+    def closed(self) -> bool:
+        return not self._h
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"{self.cycles} cycles"
+        return f"<SimDevice {self.info.get('config', self.library)} {state}>"
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _check_open(self):
+        if not self._h:
+            raise ValueError("device is closed")
+
+    def _poll(self):
+        self._lib.hbfp_counters(self._h, self._counters)
+        return self._counters
+
+    def _take(self, max_bytes: int | None) -> bytes:
+        want = self._poll()[_Counter.PENDING]
+        if max_bytes is not None:
+            want = min(want, max_bytes)
+        if want <= 0:
+            return b""
+        if want > len(self._buf):
+            self._buf = ctypes.create_string_buffer(1 << (want - 1).bit_length())
+        n = self._lib.hbfp_read(self._h, self._buf, want)
+        return ctypes.string_at(self._buf, n)
+
+
+# ---- the accelerator top ------------------------------------------------------------
+
+#: Options of ``open``'s argument string, with their parsers (CoreConfig fields, the top's
+#: constructor arguments, and the build's).
+def _parse_tile(v: str):
+    parts = v.lower().replace("*", "x").split("x")
+    return tuple(int(p) for p in parts) if len(parts) == 2 else (int(v), int(v))
+
+
+def _parse_format(v: str):
+    # The named formats of the ``emu`` backend, so that "emu:ARG" and "sim:ARG" agree.
+    from hbfp.host.emu import _FORMATS
+
+    if v.upper() not in _FORMATS:
+        raise ValueError(f"unknown format {v!r}; known: {', '.join(_FORMATS)}")
+    return _FORMATS[v.upper()]
+
+
+_ARG_FIELDS: dict[str, Callable[[str], object]] = {
+    "format": _parse_format,
+    "rows": int,
+    "cols": int,
+    "mantissa_bits": int,
+    "tile": _parse_tile,
+    "size": int,
+    "functions": lambda v: tuple(f for f in v.replace("+", " ").replace(":", " ").split() if f),
+    "leaky_shift": int,
+    "stream_bytes": int,
+    "frame_timeout": int,
+    "clock_hz": int,
+    "max_payload": int,
+    "threads": int,
+    "buffered": lambda v: v.strip().lower() not in ("0", "false", "no", "off"),
+    "timeout_cycles": int,
+}
+_CORE_FIELDS = ("rows", "cols", "mantissa_bits", "tile", "size", "functions", "leaky_shift")
+_TOP_FIELDS = ("stream_bytes", "frame_timeout", "clock_hz", "max_payload")
+
+
+def parse_arg(arg: str | None) -> dict:
+    """``"rows=4,cols=4,size=48,stream_bytes=4"`` -> dict of typed options (the keys of the
+    ``emu`` backend's argument, and the simulator's). ``tile`` is ``24x24`` (or one number for
+    a square tile); ``functions`` is ``relu+gelu``; ``format`` (HBFP8, HBFP16, MXINT8) sets
+    ``mantissa_bits`` and ``tile``."""
+    out: dict = {}
+    for item in (arg or "").replace(";", ",").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in _ARG_FIELDS:
+            raise ValueError(f"sim: unknown option {item!r} (known: {', '.join(_ARG_FIELDS)})")
+        parsed = _ARG_FIELDS[key](value.strip())
+        if key == "format":
+            out["mantissa_bits"], out["tile"] = parsed
+        else:
+            out[key] = parsed
+    return out
+
+
+def top_library(options: dict | None = None, *, progress: Callable[[str], None] | None = None,
+                force: bool | None = None) -> tuple[Path, dict]:
+    """(library path, description) of ``hw.top.AcceleratorTop`` configured by ``options``
+    (CoreConfig fields, ``stream_bytes``, ``frame_timeout``, ``clock_hz``, ``max_payload``;
+    ``threads``, ``buffered`` for the build)."""
+    from hbfp.hw.params import CoreConfig
+
+    options = dict(options or {})
+    core = CoreConfig(**{k: options[k] for k in _CORE_FIELDS if k in options})
+    top_kw = {k: options[k] for k in _TOP_FIELDS if k in options}
+    top_kw.setdefault("stream_bytes", 1)
+    threads = options.get("threads", build.DEFAULT_THREADS)
+    buffered = bool(options.get("buffered", True))
+
+    def make():
+        from hbfp.hw.top import AcceleratorTop
+
+        return AcceleratorTop(core, **top_kw)
+
+    config = {"top": "hw.top.AcceleratorTop", "core": core.to_dict(), **top_kw}
+    lib = build.build_library(make, config, stream_bytes=top_kw["stream_bytes"], threads=threads,
+                              buffered=buffered, progress=progress, force=force)
+    return lib, config
+
+
+class SimBackend:
+    """The ``sim`` entry of the ``hbfp.devices`` group."""
+
+    name = "sim"
+    ABI_VERSION = (1, 0)
+    description = "the gateware's Verilog under Verilator (hw.top.AcceleratorTop), cycle-accurate"
+
+    def open(self, arg: str = "", **options) -> SimDevice:
+        """Open a simulated accelerator. ``arg``: ``key=value`` options separated by commas
+        (``format``, ``rows``, ``cols``, ``mantissa_bits``, ``tile``, ``size``, ``functions``,
+        ``leaky_shift``, ``stream_bytes``, ``frame_timeout``, ``clock_hz``, ``max_payload``,
+        ``threads``, ``buffered``, ``timeout_cycles``). ``buffered=0`` connects the harness to the
+        top's ports directly (port timing exact, about 20% slower) instead of through a 2-entry
+        FIFO on each stream (one cycle of latency each way). Keyword ``options`` add to or override them; they may
+        also be ``config`` (a ``CoreConfig``), ``progress`` (a callable for build messages) and
+        ``rebuild`` (bool: build even if cached)."""
+        progress = options.pop("progress", None)
+        rebuild = options.pop("rebuild", None)
+        config = options.pop("config", None)
+        opts = parse_arg(arg)
+        if config is not None:
+            opts.update({k: getattr(config, k) for k in _CORE_FIELDS})
+        for key, value in options.items():
+            if key not in _ARG_FIELDS or key == "format":
+                raise TypeError(f"sim: unknown option {key!r}")
+            opts[key] = value
+        timeout = opts.pop("timeout_cycles", DEFAULT_TIMEOUT_CYCLES)
+        lib, config = top_library(opts, progress=progress, force=rebuild)
+        return SimDevice(lib, timeout_cycles=timeout, info={"config": config, "library": str(lib)})
+
+
+backend = SimBackend()
