@@ -27,15 +27,15 @@ demo: $(STAMP)
 
 ## test: the whole test suite (unit tests of every package and the simulator runs)
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 ## sim: the cocotb regression only (Icarus and Verilator); also part of `make test`
 sim: $(STAMP)
-	$(PY) -m pytest -q tests/test_hw_*.py
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests/test_hw_*.py
 
 ## sim-full: the long cocotb regression (more vectors, exhaustive on both simulators)
 sim-full: $(STAMP)
-	HBFP_SIM_FULL=1 $(PY) -m pytest -q tests/test_hw_*.py
+	HBFP_SIM_FULL=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests/test_hw_*.py
 
 ## verilog: the default core (8x8, HBFP8, 96x96 buffers) and its components into build/verilog
 verilog: $(STAMP)

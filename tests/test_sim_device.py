@@ -25,7 +25,11 @@ from hbfp.sim import device as sim_device
 from hbfp.sim.device import SimDevice, Stop, backend, parse_arg
 from hbfp.sim.harness import build
 
-pytestmark = pytest.mark.skipif(build.unavailable() is not None, reason=str(build.unavailable()))
+pytestmark = [
+    pytest.mark.skipif(build.unavailable() is not None, reason=str(build.unavailable())),
+    # Under pytest-xdist all tests of this file share one worker: they share built libraries.
+    pytest.mark.xdist_group("sim_device"),
+]
 
 
 # ---- the stand-in ---------------------------------------------------------------------
@@ -198,14 +202,14 @@ def test_bulk_runs_no_python_per_cycle(standin):
     assert calls < 50, f"{calls} Python calls for {cycles} cycles"
 
 
-def test_speed_standin(standin):
+def test_run_counts_every_cycle(standin):
+    # Speed is a benchmark's business (benchmarks/sim_speed.py), never a test's: here only
+    # that a long native run advances the clock by exactly the cycles asked for.
     dev = standin
     dev.reset()
-    t0 = time.perf_counter()
+    before = dev.cycles
     dev.run(1_000_000)
-    rate = 1_000_000 / (time.perf_counter() - t0)
-    print(f"stand-in, {dev.stream_bytes}-byte stream: {rate / 1e6:.1f} M cycles/s")
-    assert rate > 500_000
+    assert dev.cycles - before == 1_000_000
 
 
 def test_library_cache(tmp_path):
