@@ -228,12 +228,13 @@ REFERENCE_NAMES = (
 )
 
 
-def _check_shift(shift) -> int:
+def check_shift(shift, name: str = "shift") -> int:
+    """A leaky_relu shift as a non-negative int (clear errors for anything else)."""
     if isinstance(shift, bool):
-        raise TypeError("shift must be a non-negative int, not bool")
+        raise TypeError(f"{name} must be a non-negative int, not bool")
     s = operator.index(shift)
     if s < 0:
-        raise ValueError(f"shift must be non-negative, got {s}")
+        raise ValueError(f"{name} must be non-negative, got {s}")
     return s
 
 
@@ -250,7 +251,7 @@ def reference(name: str, x, *, shift: int = LEAKY_SHIFT) -> np.ndarray:
     finite = np.isfinite(v)
     xf = np.where(finite, v, 0.0)
     if name in ("leaky_relu", "leaky_relu_deriv"):
-        slope = 2.0 ** -_check_shift(shift)
+        slope = 2.0 ** -check_shift(shift)
         if name == "leaky_relu":
             # Exact; inf is kept even when the slope underflows float64 (huge shifts).
             y = np.where((v >= 0) | ~finite, v, xf * slope)
@@ -474,7 +475,7 @@ def leaky_relu(x, shift: int = LEAKY_SHIFT) -> np.ndarray:
     """``x`` for ``x >= 0``, ``x * 2**-shift`` for ``x < 0`` (exact by exponent decrement,
     ``-0`` when it falls below 2**-126, ``-inf`` kept); ``leaky_relu(-0) = -0``; DAZ; NaN kept."""
     # Any shift past 254 flushes every finite negative input; clamping keeps int32 exact.
-    s = min(_check_shift(shift), 0xFF)
+    s = min(check_shift(shift), 0xFF)
     b = as_bits(x)
     sign = b & _SIGN
     field = ((b >> np.uint16(MANT_BITS)) & np.uint16(0xFF)).astype(np.int32)
@@ -517,7 +518,7 @@ def relu_deriv(x) -> np.ndarray:
 def leaky_relu_deriv(x, shift: int = LEAKY_SHIFT) -> np.ndarray:
     """leaky_relu'(x): 1.0 for ``x > 0``, ``2**-shift`` otherwise (zeros included; +0 when
     ``2**-shift`` is below 2**-126); NaN kept."""
-    s = _check_shift(shift)
+    s = check_shift(shift)
     b = as_bits(x)
     slope = np.uint16((127 - s) << MANT_BITS) if s < 127 else np.uint16(_POS_ZERO)
     out = np.where(_is_positive(b), np.uint16(_ONE), slope)

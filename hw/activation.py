@@ -24,7 +24,6 @@ elaboration time (``table_unit(name)``): the gateware cannot drift from the gold
 
 from __future__ import annotations
 
-import operator
 
 from amaranth import Cat, Const, Module, Mux, Signal
 from amaranth.lib import data, stream, wiring
@@ -109,15 +108,6 @@ def _check_functions(functions) -> tuple[str, ...]:
         raise ValueError("functions must name at least one function")
     # Canonical order, duplicates dropped: the hardware does not depend on the caller's order.
     return tuple(n for n in FUNCTIONS if n in names)
-
-
-def _check_shift(shift) -> int:
-    if isinstance(shift, bool):
-        raise TypeError("leaky_shift must be a non-negative int, not bool")
-    s = operator.index(shift)
-    if s < 0:
-        raise ValueError(f"leaky_shift must be non-negative, got {s}")
-    return s
 
 
 def rom_bits(functions=FUNCTIONS) -> int:
@@ -241,7 +231,7 @@ class ActivationDatapath(wiring.Component):
 
     def __init__(self, *, functions=FUNCTIONS, leaky_shift: int = LEAKY_SHIFT):
         self.functions = _check_functions(functions)
-        self.leaky_shift = _check_shift(leaky_shift)
+        self.leaky_shift = activations.check_shift(leaky_shift, "leaky_shift")
         #: Table units built, in ``activations.TABLE_NAMES`` order.
         self.tables = tuple(
             u for u in activations.TABLE_NAMES if u in {table_of(n) for n in self.functions}
@@ -415,7 +405,7 @@ class Activation(wiring.Component):
 
     def __init__(self, *, functions=FUNCTIONS, leaky_shift: int = LEAKY_SHIFT):
         self.functions = _check_functions(functions)
-        self.leaky_shift = _check_shift(leaky_shift)
+        self.leaky_shift = activations.check_shift(leaky_shift, "leaky_shift")
         super().__init__(
             {
                 "i": In(stream.Signature(ACTIVATION_INPUT)),

@@ -19,17 +19,17 @@ Phases of a command:
 
 from __future__ import annotations
 
-from amaranth import Array, Cat, Const, Module, Mux, Signal, signed, unsigned
+from amaranth import Array, Const, Module, Mux, Signal
 from amaranth.lib import data, fifo, memory, stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from . import convert
-from .activation import ACTIVATION_INPUT, FUNC_WIDTH, ActivationDatapath, function_code
+from .activation import FUNC_WIDTH, ActivationDatapath
 from .add_f32 import AddF32Datapath
 from .buffers import READ_COLUMN, READ_ROW, OperandBuffer
 from .mac_array import MacArray
 from .normalize import NormalizeDatapath
-from .params import EXP_WIDTH, FP32_WIDTH, ROUNDING_CODES, CoreConfig
+from .params import EXP_WIDTH, FP32_WIDTH, CoreConfig
 from .quantize import Quantize
 
 __all__ = ["GemmCore", "TARGETS", "OUT_FORMATS", "write_layout", "command_layout", "output_layout"]

@@ -14,7 +14,7 @@ import cocotb
 import numpy as np
 from cocotb.triggers import RisingEdge
 
-from hbfp.golden import activations, bf16
+from hbfp.golden import bf16
 from hbfp.golden.bfp import Format, quantize
 from hbfp.golden.gemm import gemm
 from hbfp.hw.gemm_core import OUT_FORMATS, TARGETS
