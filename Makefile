@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	@# The CPU build of PyTorch first: a bare range with no torch installed pulls CUDA (GBs).
+	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 

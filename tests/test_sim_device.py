@@ -213,15 +213,12 @@ def test_run_counts_every_cycle(standin):
 
 
 def test_library_cache(tmp_path):
-    t0 = time.perf_counter()
     a = build.build_library(lambda: make_standin(2), {"standin": 1}, stream_bytes=2, name="standin",
                             sources=STANDIN_SOURCES)
-    t1 = time.perf_counter()
+    # A second open must not build: the factory would fail the test if it were elaborated.
     b = build.build_library(lambda: pytest.fail("a cached library is not elaborated again"), {"standin": 1},
                             stream_bytes=2, name="standin", sources=STANDIN_SOURCES, force=False)
-    t2 = time.perf_counter()
     assert a == b and a.is_file() and a.parent.parent == build.CACHE_ROOT
-    assert t2 - t1 < 1.0, "a second open must not build"
     # Another configuration is another library; a changed source is another key.
     key1, _ = build.library_key({"x": 1}, sources=STANDIN_SOURCES)
     key2, _ = build.library_key({"x": 2}, sources=STANDIN_SOURCES)
@@ -238,7 +235,6 @@ def test_library_cache(tmp_path):
         got = d2.read()
         got += d2.read() if len(got) < 2 * len(frame) else b""
         assert got == frame + frame
-    print(f"stand-in library: {t1 - t0:.1f} s to get (build or cache), {t2 - t1:.3f} s cached")
 
 
 def test_parse_arg():
