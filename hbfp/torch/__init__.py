@@ -1,0 +1,215 @@
+"""PyTorch integration: matrix products of a training loop in HBFP on an hbfp device.
+
+- ``HbfpMatmul``: ``a @ b`` on the device, forward and both backward products
+  (``grad_a = grad @ b^T``, ``grad_b = a^T @ grad``), each bit for bit as
+  ``hbfp.golden.gemm.gemm`` on the device's format. With square tiles the backward products
+  reuse the forward quantization of ``a`` and ``b`` (a transposed operand reuses its tiles).
+- ``Linear``, ``Conv2d`` (im2col products) and ``convert(model)``, which swaps them into a
+  model in place.
+- ``offload(device)``: a context that routes ``mm``, ``addmm``, ``bmm``, ``matmul`` and
+  ``linear`` of an unchanged model to the device, forward and backward.
+- ``set_matmul_precision("highest" | "hbfp8")``, modelled on
+  ``torch.set_float32_matmul_precision``: ``offload`` sets ``"hbfp8"`` while it is active and
+  restores the previous value on exit, exceptions included.
+
+Everything else (loss, optimizer, bias additions) stays in fp32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "PRECISIONS",
+    "set_matmul_precision",
+    "get_matmul_precision",
+    "default_device",
+    "HbfpMatmul",
+    "matmul",
+    "Linear",
+    "Conv2d",
+    "convert",
+    "offload",
+]
+
+#: "highest": fp32 products by PyTorch; "hbfp8": products on the hbfp device.
+PRECISIONS = ("highest", "hbfp8")
+
+_state = threading.local()
+_default = {"device": None}
+_default_lock = threading.Lock()
+
+
+def set_matmul_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"matmul precision must be one of {PRECISIONS}, got {precision!r}")
+    _state.precision = precision
+
+
+def get_matmul_precision() -> str:
+    return getattr(_state, "precision", "highest")
+
+
+def default_device():
+    """The device used when none is given: the in-process ``emu`` (opened once)."""
+    with _default_lock:
+        if _default["device"] is None:
+            from hbfp import host
+
+            _default["device"] = host.open("emu")
+        return _default["device"]
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    if t.device.type != "cpu":
+        raise ValueError(f"hbfp.torch runs CPU tensors through the device driver; got a tensor on {t.device}")
+    return t.detach().to(torch.float32).contiguous().numpy()
+
+
+def _device_gemm(device, a: torch.Tensor, b: torch.Tensor, **kw) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(device.gemm(_numpy(a), _numpy(b), **kw)))
+
+
+class HbfpMatmul(torch.autograd.Function):
+    """``a @ b`` (2-D) on ``device``, with the backward products on the device too."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, device):
+        ctx.save_for_backward(a, b)
+        ctx.device = device
+        return _device_gemm(device, a, b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = _device_gemm(ctx.device, grad, b, transpose_b=True)  # grad @ b^T
+        if ctx.needs_input_grad[1]:
+            grad_b = _device_gemm(ctx.device, a, grad, transpose_a=True)  # a^T @ grad
+        return grad_a, grad_b, None
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, device=None) -> torch.Tensor:
+    """``a @ b`` in HBFP: 2-D operands, or batches (leading axes broadcast as torch.matmul)."""
+    device = device or default_device()
+    if a.dim() == 2 and b.dim() == 2:
+        return HbfpMatmul.apply(a, b, device)
+    if a.dim() < 2 or b.dim() < 2:
+        raise ValueError("hbfp matmul takes matrices or stacks of matrices")
+    if b.dim() == 2:  # (..., M, K) @ (K, N): one product over all leading rows
+        lead = a.shape[:-1]
+        return HbfpMatmul.apply(a.reshape(-1, a.shape[-1]), b, device).reshape(*lead, b.shape[-1])
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    out = torch.stack([HbfpMatmul.apply(a[i], b[i], device) for i in range(a.shape[0])])
+    return out.reshape(*batch, *out.shape[-2:])
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, device) -> torch.Tensor:
+    # W is stored out x in; the product uses it transposed, which reuses its square tiles.
+    y = matmul(x, weight.t(), device)
+    return y + bias if bias is not None else y
+
+
+class Linear(torch.nn.Linear):
+    """``torch.nn.Linear`` whose product runs in HBFP on ``device`` (default: ``emu``)."""
+
+    def __init__(self, *args, device_handle=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.device_handle = device_handle
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.weight, self.bias, self.device_handle or default_device())
+
+
+class Conv2d(torch.nn.Conv2d):
+    """``torch.nn.Conv2d`` as an im2col product in HBFP (groups=1, zero padding)."""
+
+    def __init__(self, *args, device_handle=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.groups != 1 or self.padding_mode != "zeros":
+            raise ValueError("hbfp.torch.Conv2d supports groups=1 and zero padding")
+        self.device_handle = device_handle
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, h, w = x.shape
+        kh, kw = self.kernel_size
+        if isinstance(self.padding, str):
+            raise ValueError("hbfp.torch.Conv2d takes numeric padding")
+        cols = F.unfold(x, self.kernel_size, dilation=self.dilation, padding=self.padding, stride=self.stride)
+        oh = (h + 2 * self.padding[0] - self.dilation[0] * (kh - 1) - 1) // self.stride[0] + 1
+        ow = (w + 2 * self.padding[1] - self.dilation[1] * (kw - 1) - 1) // self.stride[1] + 1
+        # (N*OH*OW, C*KH*KW) @ (C*KH*KW, OUT)
+        patches = cols.transpose(1, 2).reshape(n * oh * ow, -1)
+        y = matmul(patches, self.weight.reshape(self.out_channels, -1).t(), self.device_handle or default_device())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(n, oh * ow, self.out_channels).transpose(1, 2).reshape(n, self.out_channels, oh, ow)
+
+
+def convert(model: torch.nn.Module, device=None) -> torch.nn.Module:
+    """Swap every ``nn.Linear`` and ``nn.Conv2d`` of ``model`` for the HBFP versions, in place,
+    keeping their parameters (the same tensors); returns the model."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, torch.nn.Linear) and not isinstance(child, Linear):
+            new = Linear(child.in_features, child.out_features, bias=child.bias is not None, device_handle=device)
+        elif isinstance(child, torch.nn.Conv2d) and not isinstance(child, Conv2d):
+            new = Conv2d(child.in_channels, child.out_channels, child.kernel_size, stride=child.stride,
+                         padding=child.padding, dilation=child.dilation, groups=child.groups,
+                         bias=child.bias is not None, padding_mode=child.padding_mode, device_handle=device)
+        else:
+            convert(child, device)
+            continue
+        new.weight = child.weight
+        if child.bias is not None:
+            new.bias = child.bias
+        setattr(model, name, new)
+    return model
+
+
+class _Offload(TorchFunctionMode):
+    """Routes the matrix products of torch's functional API to the device."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if get_matmul_precision() == "hbfp8":
+            if func is F.linear:
+                x, weight = args[0], args[1]
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                return _linear(x, weight, bias, self.device)
+            if func in (torch.mm, torch.Tensor.mm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
+                        torch.Tensor.bmm):
+                a, b = args[0], args[1]
+                if a.dim() >= 2 and b.dim() >= 2 and a.is_floating_point() and b.is_floating_point():
+                    return matmul(a, b, self.device)
+            if func in (torch.addmm, torch.Tensor.addmm):
+                inp, a, b = args[0], args[1], args[2]
+                beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+                return beta * inp + alpha * matmul(a, b, self.device)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def offload(device=None, precision: str = "hbfp8"):
+    """Run the matrix products of an unchanged model on ``device`` (default ``emu``) while
+    the context is active; the matmul precision is restored on exit, exceptions included."""
+    device = device or default_device()
+    previous = get_matmul_precision()
+    set_matmul_precision(precision)
+    try:
+        with _Offload(device):
+            yield device
+    finally:
+        set_matmul_precision(previous)
