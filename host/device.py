@@ -111,18 +111,16 @@ class _Retry(Exception):
 
 def _as_array(x, what: str):
     """numpy arrays and BFPTensors as they are; any ``__dlpack__`` producer through
-    ``np.from_dlpack``; anything else through ``np.asarray``."""
+    ``hbfp.host.dlpack`` (zero-copy, bfloat16 included); anything else through ``np.asarray``."""
     if isinstance(x, (np.ndarray, BFPTensor)):
         return x
     if hasattr(x, "__dlpack__"):
+        from . import dlpack
+
         try:
-            return np.from_dlpack(x)
-        except (BufferError, TypeError, ValueError, RuntimeError) as e:
-            raise NotSupported(
-                f"{what}: cannot import the tensor through DLPack ({e}). bf16 tensors over DLPack "
-                "(kDLBfloat) come in a later release: pass fp32 (e.g. tensor.float()) or an "
-                "ml_dtypes.bfloat16 NumPy array; device tensors must be on the CPU"
-            ) from e
+            return dlpack.to_numpy(x, what)
+        except BufferError as e:  # the producer cannot export (e.g. NumPy's ml_dtypes.bfloat16)
+            raise NotSupported(f"{what}: cannot import the tensor through DLPack ({e})") from e
     return np.asarray(x)
 
 

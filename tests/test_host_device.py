@@ -185,8 +185,20 @@ def test_dlpack_inputs(dev):
     a, b = operands(rng, 30, 40, 50)
     got = dev.gemm(Producer(a), Producer(b), bias=Producer(np.ones(50, np.float32)))
     assert same(got, host.reference_gemm(dev.format(), a, b, bias=np.ones(50, np.float32)))
-    with pytest.raises(host.NotSupported, match="bf16 tensors over DLPack"):
+    # NumPy cannot export an ml_dtypes.bfloat16 array over DLPack: a clear error.
+    with pytest.raises(host.NotSupported, match="cannot import the tensor through DLPack"):
         dev.gemm(Producer(a.astype(ml_dtypes.bfloat16)), b)
+
+
+def test_torch_bf16_tensors_cross_through_dlpack(dev):
+    import torch
+
+    rng = np.random.default_rng(12)
+    a, b = operands(rng, 20, 30, 40)
+    ta, tb = torch.from_numpy(a).to(torch.bfloat16), torch.from_numpy(b).to(torch.bfloat16)
+    got = dev.gemm(ta, tb.t(), transpose_b=True, input="bf16")  # a strided (transposed) bf16 view
+    want = dev.gemm(a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16), input="bf16")
+    assert same(got, want)
 
 
 def test_argument_errors(dev):
