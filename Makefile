@@ -23,9 +23,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-## demo: the main job (for now: the golden-model demonstration of HBFP8 and MXINT8)
+## demo: the main job: Verilog of the default core, then MLP and CNN trainings on digits in
+## FP32 and HBFP8 (emu), and one MLP epoch on the RTL under Verilator (sim); table and curves
+## in build/demo/
 demo: $(STAMP)
 	$(VENV)/bin/hbfp golden-demo
+	$(VENV)/bin/hbfp verilog -o build/verilog
+	$(VENV)/bin/hbfp train -o build/demo
 
 ## test: the whole test suite (unit tests of every package and the simulator runs)
 test: $(STAMP)

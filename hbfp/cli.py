@@ -188,6 +188,45 @@ def _sim_server(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from pathlib import Path
+
+    from hbfp import host
+    from hbfp import train as tr
+
+    out = Path(args.out)
+    device = host.open(args.device)
+    runs, extra, ok = [], [], True
+    for kind in args.models:
+        pair = []
+        for precision in ("fp32", "hbfp8"):
+            r = tr.train(kind, precision, device=device if precision == "hbfp8" else None,
+                         device_name=args.device if precision == "hbfp8" else None, epochs=args.epochs, seed=args.seed)
+            print(f"{kind} {precision}: test accuracy {100 * r.final_accuracy:.2f}% ({r.seconds:.1f} s)", flush=True)
+            runs.append(r)
+            pair.append(r)
+        gap = 100 * (pair[0].final_accuracy - pair[1].final_accuracy)
+        extra.append(f"{kind}: HBFP8 test accuracy {gap:+.2f} percentage points below FP32 (target: within 1).")
+        ok &= abs(gap) <= 1.0
+    if args.sim_epochs:
+        # The same MLP on the RTL: every batch loss must equal the emu run's, bit for bit.
+        print(f"building / opening the simulator ({args.sim}) ...", flush=True)
+        sim = host.open(args.sim)
+        ref = tr.train("mlp", "hbfp8", device=host.open("emu"), device_name="emu", epochs=args.sim_epochs, seed=args.seed,
+                       progress=False)
+        r = tr.train("mlp", "hbfp8", device=sim, device_name=args.sim, epochs=args.sim_epochs, seed=args.seed)
+        runs.append(r)
+        same = ref.batch_losses == r.batch_losses
+        ok &= same
+        extra.append(f"mlp on {args.sim} (the RTL under Verilator), {args.sim_epochs} epoch(s), {len(r.batch_losses)} "
+                     f"batches: losses {'equal' if same else 'DIFFERENT from'} the emu run's bit for bit ({r.seconds:.1f} s).")
+    table = tr.write_report(runs, out, extra)
+    print()
+    print(table)
+    print(f"\ncurves: {out / 'curves.png'}, table: {out / 'results.md'}")
+    return 0 if ok else 1
+
+
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """The core configuration options (shared by the commands that build a core)."""
     from hbfp.hw.activation import FUNCTIONS
@@ -222,6 +261,16 @@ def build_parser() -> argparse.ArgumentParser:
     vl.add_argument("-o", "--output", default="build/verilog", help="output folder (default build/verilog)")
     vl.add_argument("--only", nargs="+", help="write only these components (e.g. gemm_core mac_array)")
     vl.set_defaults(func=_verilog)
+
+    tp = sub.add_parser("train", help="train an MLP and a CNN on digits in FP32 and HBFP8; curves and a table")
+    tp.add_argument("--device", default="emu", help="device for the HBFP8 runs (default emu)")
+    tp.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=["mlp", "cnn"])
+    tp.add_argument("--epochs", type=int, default=10)
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--sim-epochs", type=int, default=1, help="epochs of the MLP on the sim backend (0: skip)")
+    tp.add_argument("--sim", default="sim", help="the simulator spec (default sim: the default 8x8 top)")
+    tp.add_argument("-o", "--out", default="build/demo", help="output folder (default build/demo)")
+    tp.set_defaults(func=_train)
 
     from hbfp.hw.activation import UNARY_FUNCTIONS
 

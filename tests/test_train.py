@@ -1,0 +1,43 @@
+"""The training runs, short: HBFP8 on emu tracks FP32, reports are written, the example runs."""
+
+import runpy
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from hbfp import host
+from hbfp import train as tr
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_hbfp8_training_tracks_fp32(tmp_path):
+    dev = host.open("emu")
+    fp32 = tr.train("mlp", "fp32", epochs=2, max_batches=8, progress=False)
+    hbfp8 = tr.train("mlp", "hbfp8", device=dev, device_name="emu", epochs=2, max_batches=8, progress=False)
+    assert len(hbfp8.batch_losses) == 16
+    # Different arithmetic, same run: close losses, not identical ones.
+    assert hbfp8.batch_losses != fp32.batch_losses
+    assert np.allclose(hbfp8.batch_losses, fp32.batch_losses, rtol=0.05)
+    assert hbfp8.batch_losses[-1] < hbfp8.batch_losses[0]
+    # Reproducible: the same run twice gives the same losses bit for bit.
+    again = tr.train("mlp", "hbfp8", device=dev, device_name="emu", epochs=2, max_batches=8, progress=False)
+    assert again.batch_losses == hbfp8.batch_losses
+    table = tr.write_report([fp32, hbfp8], tmp_path, ["note"])
+    assert "| mlp | hbfp8 | emu | 2 |" in table
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "results.md").exists() and (tmp_path / "runs.json").exists()
+
+
+def test_cnn_forward_backward_on_the_device():
+    dev = host.open("emu")
+    run = tr.train("cnn", "hbfp8", device=dev, device_name="emu", epochs=1, max_batches=2, progress=False)
+    assert len(run.batch_losses) == 2 and 0 <= run.final_accuracy <= 1
+
+
+def test_example_script_runs(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["train_digits.py", "emu"])
+    runpy.run_path(str(ROOT / "examples" / "train_digits.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "epoch 5:" in out and "test accuracy" in out
