@@ -106,3 +106,14 @@ def test_precision_knob_is_safe_under_exceptions():
     assert ht.get_matmul_precision() == "highest"
     with pytest.raises(ValueError, match="precision"):
         ht.set_matmul_precision("tf32")
+    # Inside offload, "highest" turns the routing off for a block, and comes back after it.
+    x, w = torch.randn(30, 60), torch.randn(60, 30)
+    fp32 = x @ w
+    with ht.offload():
+        assert not np.array_equal(bits(x @ w), bits(fp32))  # routed to the device
+        with pytest.raises(KeyError):
+            with ht.matmul_precision("highest"):
+                assert np.array_equal(bits(x @ w), bits(fp32))  # plain torch again
+                raise KeyError("inner")
+        assert ht.get_matmul_precision() == "hbfp8"
+    assert ht.get_matmul_precision() == "highest"

@@ -29,6 +29,7 @@ __all__ = [
     "PRECISIONS",
     "set_matmul_precision",
     "get_matmul_precision",
+    "matmul_precision",
     "default_device",
     "HbfpMatmul",
     "matmul",
@@ -54,6 +55,18 @@ def set_matmul_precision(precision: str) -> None:
 
 def get_matmul_precision() -> str:
     return getattr(_state, "precision", "highest")
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """``set_matmul_precision`` for the body of a ``with`` block, restored on exit (exceptions
+    included)."""
+    previous = get_matmul_precision()
+    set_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        set_matmul_precision(previous)
 
 
 def default_device():
@@ -206,10 +219,5 @@ def offload(device=None, precision: str = "hbfp8"):
     """Run the matrix products of an unchanged model on ``device`` (default ``emu``) while
     the context is active; the matmul precision is restored on exit, exceptions included."""
     device = device or default_device()
-    previous = get_matmul_precision()
-    set_matmul_precision(precision)
-    try:
-        with _Offload(device):
-            yield device
-    finally:
-        set_matmul_precision(previous)
+    with matmul_precision(precision), _Offload(device):
+        yield device
