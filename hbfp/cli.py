@@ -206,7 +206,8 @@ def _train(args) -> int:
             runs.append(r)
             pair.append(r)
         gap = 100 * (pair[0].final_accuracy - pair[1].final_accuracy)
-        extra.append(f"{kind}: HBFP8 test accuracy {gap:+.2f} percentage points below FP32 (target: within 1).")
+        side = "below" if gap >= 0 else "above"
+        extra.append(f"{kind}: HBFP8 test accuracy {abs(gap):.2f} percentage points {side} FP32 (target: within 1).")
         ok &= abs(gap) <= 1.0
     if args.sim_epochs:
         # The same MLP on the RTL: every batch loss must equal the emu run's, bit for bit.
