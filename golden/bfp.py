@@ -24,6 +24,7 @@ __all__ = [
     "ROUNDINGS",
     "RANDOM_BITS",
     "SEED_SALT",
+    "MIX32_MULTIPLIERS",
     "EXP_BIAS",
     "EXP_NAN",
     "Format",
@@ -41,6 +42,8 @@ __all__ = [
 ROUNDINGS = ("nearest_even", "toward_zero", "stochastic")
 #: Random bits per element used by stochastic rounding (the top bits of ``mix32``).
 RANDOM_BITS = 16
+#: The two constant multipliers of ``mix32`` (the gateware reads them from here).
+MIX32_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 #: XORed into the seed before it is hashed into the key (so that seed 0 has no zero key).
 SEED_SALT = 0x9E3779B9
 #: E8M0: the stored exponent code is ``E + EXP_BIAS``.
@@ -186,9 +189,9 @@ def mix32(x) -> np.ndarray:
     a = np.asarray(x, dtype=np.uint32)
     x = a.reshape(-1) if a.ndim else a.reshape(1)
     x = x ^ (x >> np.uint32(16))
-    x *= np.uint32(0x7FEB352D)
+    x *= np.uint32(MIX32_MULTIPLIERS[0])
     x ^= x >> np.uint32(15)
-    x *= np.uint32(0x846CA68B)
+    x *= np.uint32(MIX32_MULTIPLIERS[1])
     x ^= x >> np.uint32(16)
     return x.reshape(a.shape)
 

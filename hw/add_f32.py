@@ -14,8 +14,7 @@ from amaranth.hdl import Cat, Const, Module, Mux, Signal, Value, signed
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from hbfp.golden import bf16
-from .params import BF16_WIDTH, FP32_WIDTH
+from .params import F32_EXP_BITS, F32_FRAC_BITS, F32_QNAN, FP32_WIDTH
 
 __all__ = [
     "F32_FRAC_BITS",
@@ -27,16 +26,10 @@ __all__ = [
     "AddF32",
 ]
 
-#: Stored fraction bits of an fp32 value (IEEE binary32).
-F32_FRAC_BITS = 23
-#: Exponent field bits of an fp32 value.
-F32_EXP_BITS = FP32_WIDTH - 1 - F32_FRAC_BITS
 #: An fp32 pattern, fields from the LSB as IEEE lays them out.
 F32Layout = data.StructLayout({"frac": F32_FRAC_BITS, "exp": F32_EXP_BITS, "sign": 1})
 #: The payload of ``AddF32.i``: the two addends.
 OperandsLayout = data.StructLayout({"a": FP32_WIDTH, "b": FP32_WIDTH})
-#: The quiet NaN every NaN result becomes (the bf16 one widened: the same sign and class).
-F32_QNAN = bf16.QNAN << (FP32_WIDTH - BF16_WIDTH)
 
 _EXP_MAX = 2**F32_EXP_BITS - 1  # the inf/NaN field
 _SIG_BITS = F32_FRAC_BITS + 1  # significand with its hidden bit

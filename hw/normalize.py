@@ -12,18 +12,11 @@ from amaranth.hdl import Cat, Const, Module, Mux, Shape, Signal, signed
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from .params import EXP_BIAS, EXP_NAN, EXP_WIDTH, FP32_WIDTH
+from .params import EXP_BIAS, EXP_NAN, EXP_WIDTH, F32_BIAS, F32_EXP_BITS, F32_EXP_INF, F32_FRAC_BITS, F32_QNAN, FP32_WIDTH
 
 __all__ = ["NormalizeDatapath", "Normalize", "normalize_layout"]
 
-# The fp32 fields: 23 stored fraction bits behind an implicit one, the rest is the biased
-# exponent field next to the sign.
-F32_FRAC_BITS = 23
 F32_SIGNIFICAND_BITS = F32_FRAC_BITS + 1
-F32_EXP_BITS = FP32_WIDTH - 1 - F32_FRAC_BITS
-F32_BIAS = 2 ** (F32_EXP_BITS - 1) - 1
-F32_EXP_INF = 2**F32_EXP_BITS - 1  # the exponent field of inf and NaN
-F32_QNAN = (F32_EXP_INF << F32_FRAC_BITS) | (1 << (F32_FRAC_BITS - 1))  # 0x7FC00000
 
 
 def normalize_layout(psum_width: int) -> data.StructLayout:

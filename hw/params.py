@@ -10,11 +10,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hbfp.golden.bfp import EXP_BIAS, EXP_NAN, RANDOM_BITS, SEED_SALT
+from hbfp.golden.bf16 import QNAN
+from hbfp.golden.bfp import EXP_BIAS, EXP_NAN, MIX32_MULTIPLIERS, RANDOM_BITS, SEED_SALT
 
 __all__ = [
     "FP32_WIDTH",
     "BF16_WIDTH",
+    "F32_FRAC_BITS",
+    "F32_EXP_BITS",
+    "F32_BIAS",
+    "F32_EXP_INF",
+    "F32_QNAN",
+    "MIX32_MULTIPLIERS",
     "EXP_WIDTH",
     "EXP_BIAS",
     "EXP_NAN",
@@ -28,6 +35,14 @@ __all__ = [
 
 FP32_WIDTH = 32
 BF16_WIDTH = 16
+#: The fp32 fields (IEEE binary32): 23 stored fraction bits behind an implicit one, the
+#: biased exponent field, the sign.
+F32_FRAC_BITS = 23
+F32_EXP_BITS = FP32_WIDTH - 1 - F32_FRAC_BITS
+F32_BIAS = 2 ** (F32_EXP_BITS - 1) - 1
+F32_EXP_INF = 2**F32_EXP_BITS - 1  # the exponent field of inf and NaN
+#: The quiet NaN every fp32 NaN result becomes: the bf16 one widened (0x7FC00000).
+F32_QNAN = QNAN << (FP32_WIDTH - BF16_WIDTH)
 #: An E8M0 exponent code.
 EXP_WIDTH = 8
 #: The runtime encoding of a rounding mode on the quantizer's ``rounding`` port.

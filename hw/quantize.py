@@ -9,14 +9,13 @@ from amaranth.lib.wiring import In, Out
 
 from hbfp.golden.bfp import Format
 
-from .params import BF16_WIDTH, EXP_NAN, EXP_WIDTH, FP32_WIDTH, RANDOM_BITS, ROUNDING_CODES, SEED_SALT
+from .params import BF16_WIDTH, EXP_NAN, EXP_WIDTH, F32_FRAC_BITS, FP32_WIDTH, MIX32_MULTIPLIERS, RANDOM_BITS, ROUNDING_CODES, SEED_SALT
 
 __all__ = ["Quantize", "INPUT_FORMATS", "KEY_LATENCY", "LATENCY", "MIX32_MULTIPLIERS"]
 
 #: Element widths of the supported input formats.
 INPUT_FORMATS = {"fp32": FP32_WIDTH, "bf16": BF16_WIDTH}
 #: The two constant multipliers of ``hbfp.golden.bfp.mix32``.
-MIX32_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 #: Cycles from a change of the ``seed`` port until the registered key follows it.
 KEY_LATENCY = 2
 #: Cycles from the cycle in which a tile's last input beat is accepted to the cycle in which
@@ -24,7 +23,7 @@ KEY_LATENCY = 2
 #: and four pipeline stages.
 LATENCY = 6
 
-_FRAC_BITS = 23  # fp32 fraction field
+_FRAC_BITS = F32_FRAC_BITS  # fp32 fraction field
 _MAX_MANTISSA = 16  # the widest format (Format allows 2..16): alignment shifts start at 0 there
 # Alignment: with d = E - field, an element's |y| * 2**RANDOM_BITS is sig * 2**(_PRESHIFT - t)
 # for t = d + (_MAX_MANTISSA - m) >= 0 (sig: the 24-bit significand).
