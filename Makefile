@@ -1,6 +1,7 @@
 # Entry points a user types. Every target bootstraps its own environment on first use:
 # a .venv with `pip install -e .[dev]`, so nothing installed by hand is assumed.
 
+SHELL   := /bin/bash
 PYTHON  ?= python3
 VENV    := .venv
 PY      := $(VENV)/bin/python
@@ -27,9 +28,11 @@ $(STAMP): pyproject.toml
 ## FP32 and HBFP8 (emu), and one MLP epoch on the RTL under Verilator (sim); table and curves
 ## in build/demo/
 demo: $(STAMP)
-	$(VENV)/bin/hbfp golden-demo
-	$(VENV)/bin/hbfp verilog -o build/verilog
-	$(VENV)/bin/hbfp train -o build/demo
+	@set -e; s=$$SECONDS; \
+	(set -x; $(VENV)/bin/hbfp golden-demo); g=$$SECONDS; \
+	(set -x; $(VENV)/bin/hbfp verilog -o build/verilog); v=$$SECONDS; \
+	(set -x; $(VENV)/bin/hbfp train -o build/demo); t=$$SECONDS; \
+	echo "make demo wall time: golden-demo $$((g - s)) s, verilog $$((v - g)) s, train $$((t - v)) s (total $$((t - s)) s)"
 
 ## test: the whole test suite (unit tests of every package and the simulator runs)
 test: $(STAMP)

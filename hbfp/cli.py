@@ -189,6 +189,7 @@ def _sim_server(args) -> int:
 
 
 def _train(args) -> int:
+    import time
     from pathlib import Path
 
     from hbfp import host
@@ -201,7 +202,8 @@ def _train(args) -> int:
         pair = []
         for precision in ("fp32", "hbfp8"):
             r = tr.train(kind, precision, device=device if precision == "hbfp8" else None,
-                         device_name=args.device if precision == "hbfp8" else None, epochs=args.epochs, seed=args.seed)
+                         device_name=args.device if precision == "hbfp8" else None, epochs=args.epochs, seed=args.seed,
+                         weight_storage=args.weight_storage)
             print(f"{kind} {precision}: test accuracy {100 * r.final_accuracy:.2f}% ({r.seconds:.1f} s)", flush=True)
             runs.append(r)
             pair.append(r)
@@ -212,15 +214,20 @@ def _train(args) -> int:
     if args.sim_epochs:
         # The same MLP on the RTL: every batch loss must equal the emu run's, bit for bit.
         print(f"building / opening the simulator ({args.sim}) ...", flush=True)
+        t0 = time.perf_counter()
         sim = host.open(args.sim)
+        opened = time.perf_counter() - t0
+        print(f"simulator ready in {opened:.1f} s", flush=True)
         ref = tr.train("mlp", "hbfp8", device=host.open("emu"), device_name="emu", epochs=args.sim_epochs, seed=args.seed,
-                       progress=False)
-        r = tr.train("mlp", "hbfp8", device=sim, device_name=args.sim, epochs=args.sim_epochs, seed=args.seed)
+                       progress=False, weight_storage=args.weight_storage)
+        r = tr.train("mlp", "hbfp8", device=sim, device_name=args.sim, epochs=args.sim_epochs, seed=args.seed,
+                     weight_storage=args.weight_storage)
         runs.append(r)
         same = ref.batch_losses == r.batch_losses
         ok &= same
         extra.append(f"mlp on {args.sim} (the RTL under Verilator), {args.sim_epochs} epoch(s), {len(r.batch_losses)} "
-                     f"batches: losses {'equal' if same else 'DIFFERENT from'} the emu run's bit for bit ({r.seconds:.1f} s).")
+                     f"batches: losses {'equal' if same else 'DIFFERENT from'} the emu run's bit for bit ({r.seconds:.1f} s; "
+                     f"simulator build/open {opened:.1f} s).")
     table = tr.write_report(runs, out, extra)
     print()
     print(table)
@@ -268,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=["mlp", "cnn"])
     tp.add_argument("--epochs", type=int, default=10)
     tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--weight-storage", choices=("hbfp16", "fp32"), default="hbfp16",
+                    help="master weights of the HBFP8 runs: hbfp16 (wide weight storage, default) or fp32")
     tp.add_argument("--sim-epochs", type=int, default=1, help="epochs of the MLP on the sim backend (0: skip)")
     tp.add_argument("--sim", default="sim", help="the simulator spec (default sim: the default 8x8 top)")
     tp.add_argument("-o", "--out", default="build/demo", help="output folder (default build/demo)")

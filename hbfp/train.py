@@ -4,7 +4,8 @@ hyperparameters (``hbfp train``, ``make demo``, examples/train_digits.py).
 
 Everything but the matrix products runs in fp32 on the CPU; in HBFP8 every product of the
 forward pass and both products of the backward pass run on the device
-(``hbfp.torch.convert``).
+(``hbfp.torch.convert``), and the master weights are kept as HBFP16 by default (wide weight
+storage, ``hbfp.torch.wide_weight_storage``; ``weight_storage="fp32"`` keeps fp32 ones).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 __all__ = ["Run", "load_digits_split", "make_model", "train", "write_report"]
 
 MODELS = ("mlp", "cnn")
+WEIGHT_STORAGE = ("hbfp16", "fp32")
 
 
 @dataclass
@@ -29,6 +31,7 @@ class Run:
     device: str | None
     epochs: int
     seed: int
+    weight_storage: str = "fp32"  # master weights: "fp32", or "hbfp16" (wide weight storage)
     losses: list[float] = field(default_factory=list)  # mean training loss per epoch
     batch_losses: list[float] = field(default_factory=list)
     test_accuracy: list[float] = field(default_factory=list)  # per epoch
@@ -69,10 +72,15 @@ def make_model(kind: str, seed: int) -> torch.nn.Module:
 
 def train(kind: str, precision: str, *, device=None, device_name: str | None = None, epochs: int = 10,
           seed: int = 0, batch_size: int = 64, lr: float = 0.1, max_batches: int | None = None,
-          progress: bool = True) -> Run:
-    """Train ``kind`` ("mlp" or "cnn") in ``precision`` ("fp32" or "hbfp8" on ``device``)."""
+          progress: bool = True, weight_storage: str = "hbfp16") -> Run:
+    """Train ``kind`` ("mlp" or "cnn") in ``precision`` ("fp32" or "hbfp8" on ``device``);
+    ``weight_storage`` ("hbfp16" or "fp32") applies to HBFP8 runs (FP32 runs keep fp32)."""
     if precision not in ("fp32", "hbfp8"):
         raise ValueError(f"precision must be fp32 or hbfp8, got {precision!r}")
+    if weight_storage not in WEIGHT_STORAGE:
+        raise ValueError(f"weight_storage must be one of {WEIGHT_STORAGE}, got {weight_storage!r}")
+    if precision == "fp32":
+        weight_storage = "fp32"
     import hbfp.torch as ht
 
     # Bit-reproducible CPU math: the fp32 parts of an emu run and a sim run must agree.
@@ -83,7 +91,9 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
     if precision == "hbfp8":
         ht.convert(model, device)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    run = Run(kind, precision, device_name, epochs, seed)
+    if weight_storage == "hbfp16":
+        ht.wide_weight_storage(model, opt)
+    run = Run(kind, precision, device_name, epochs, seed, weight_storage)
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     for epoch in range(epochs):
@@ -126,6 +136,8 @@ def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None) 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for r in runs:
         label = f"{r.model} {r.precision}" + (f" ({r.device})" if r.device else "")
+        if r.precision != "fp32" and r.weight_storage != "fp32":
+            label += f", {r.weight_storage} weights"
         epochs = range(1, len(r.losses) + 1)
         axes[0].plot(epochs, r.losses, marker="o", label=label)
         axes[1].plot(epochs, [100 * a for a in r.test_accuracy], marker="o", label=label)
@@ -138,10 +150,10 @@ def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None) 
     fig.savefig(outdir / "curves.png", dpi=100)
     plt.close(fig)
 
-    lines = ["| model | precision | device | epochs | final loss | test accuracy | seconds |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| model | products | master weights | device | epochs | final loss | test accuracy | seconds |",
+             "|---|---|---|---|---:|---:|---:|---:|"]
     for r in runs:
-        lines.append(f"| {r.model} | {r.precision} | {r.device or 'CPU'} | {r.epochs} | {r.losses[-1]:.4f} | "
+        lines.append(f"| {r.model} | {r.precision} | {r.weight_storage} | {r.device or 'CPU'} | {r.epochs} | {r.losses[-1]:.4f} | "
                      f"{100 * r.final_accuracy:.2f}% | {r.seconds:.1f} |")
     table = "\n".join(lines + [""] + (extra or []))
     (outdir / "results.md").write_text(table + "\n")

@@ -154,3 +154,121 @@ def test_gradients_match_autograd_on_the_dequantized_operands(dev):
     for got, want in ((a.grad, qa.grad), (b.grad, qb.grad)):
         err = (got - want).norm() / want.norm()
         assert err < 0.02, err  # 8-bit mantissas on the gradient side: about 1e-2
+
+
+# ---- wide weight storage ------------------------------------------------------------------
+
+def _on_grid(w, fmt):
+    from hbfp.golden import quantize
+
+    m = w.detach().reshape(w.shape[0], -1).numpy()
+    return np.array_equal(bits(quantize(m, fmt).dequantize()), bits(m))
+
+
+def test_wide_weights_are_hbfp16_and_products_read_them_as_hbfp8(dev):
+    from hbfp.golden import HBFP16, quantize, requantize
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(50, 30), torch.nn.ReLU(), torch.nn.Linear(30, 7))
+    w0 = model[0].weight.detach().clone()
+    assert not _on_grid(w0, HBFP16)  # fp32 initial weights are not HBFP16 values
+    ht.convert(model, dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    store = ht.wide_weight_storage(model, opt)
+    assert ht.weight_storage(model[0].weight) is HBFP16 and ht.weight_storage(model[0].bias) is None
+    assert _on_grid(model[0].weight, HBFP16) and _on_grid(model[2].weight, HBFP16)
+    assert torch.allclose(model[0].weight, w0, rtol=0, atol=2.0 ** -14)  # rounded, not moved
+
+    # The product reads the HBFP8 requantization of the stored HBFP16 codes, forward and backward.
+    fmt = dev.format()
+    x = torch.randn(16, 50, requires_grad=True)
+    w = model[0].weight.detach().numpy()
+    codes = requantize(quantize(w, HBFP16), fmt)
+    h = model[0](x)
+    want = reference_gemm(fmt, x.detach().numpy(), codes, transpose_b=True) + model[0].bias.detach().numpy()
+    assert np.array_equal(bits(h), bits(want))
+    g = torch.randn(16, 30)
+    h.backward(g)
+    assert np.array_equal(bits(x.grad), bits(reference_gemm(fmt, g.numpy(), codes)))
+    assert np.array_equal(bits(model[0].weight.grad),
+                          bits(reference_gemm(fmt, g.numpy(), x.detach().numpy(), transpose_a=True)))
+
+    # After a step the master weights are HBFP16 again (the hook ran), and they moved.
+    before = model[0].weight.detach().clone()
+    opt.step()
+    assert _on_grid(model[0].weight, HBFP16) and not torch.equal(model[0].weight, before)
+    store.remove()
+    assert ht.weight_storage(model[0].weight) is None
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    assert not _on_grid(model[0].weight, HBFP16)  # fp32 master weights once removed
+
+
+def test_wide_storage_accumulates_updates_too_small_for_hbfp8(dev):
+    """An update of 1/64 of an HBFP8 step is lost in 8-bit storage but accumulates in 16
+    bits: after 64 steps the weights the product reads have moved by one HBFP8 step."""
+    from hbfp.golden import HBFP8, HBFP16, quantize
+
+    lin = torch.nn.Linear(24, 24, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(0.5)
+        lin.weight[0, 0] = 1.0  # the tile's largest value: exponent so that an HBFP8 step is 2**-6
+    step8 = 2.0 ** -6
+    opt = torch.optim.SGD(lin.parameters(), lr=1.0)
+    ht.wide_weight_storage(lin, opt)
+    narrow = lin.weight.detach().clone()
+    for _ in range(64):
+        lin.weight.grad = torch.full_like(lin.weight, -step8 / 64)
+        lin.weight.grad[0, 0] = 0
+        opt.step()
+        # fp32 rounded to HBFP8 after every step (narrow storage) never moves
+        narrow = torch.from_numpy(quantize((narrow - lin.weight.grad).numpy(), HBFP8).dequantize())
+    assert torch.equal(narrow[1:, 1:], torch.full((23, 23), 0.5))
+    assert torch.equal(lin.weight.detach()[1:, 1:], torch.full((23, 23), 0.5 + step8))
+    read = quantize(lin.weight.detach().numpy(), HBFP16)
+    assert np.all(read.dequantize()[1:, 1:] == 0.5 + step8)
+
+
+def test_wide_storage_in_offload_and_conv(dev):
+    from hbfp.golden import HBFP16, quantize, requantize
+
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.Flatten(), torch.nn.Linear(4 * 5 * 5, 3))
+    ht.wide_weight_storage(model)  # no optimizer: rounded once
+    assert _on_grid(model[0].weight, HBFP16) and _on_grid(model[2].weight, HBFP16)
+    fmt = dev.format()
+
+    def read(w):  # the codes the device reads: HBFP16 storage requantized to the device's format
+        return requantize(quantize(w.detach().reshape(w.shape[0], -1).numpy(), HBFP16), fmt)
+
+    feat = torch.randn(3, 100)
+    with ht.offload(dev):
+        y = model[2](feat)  # an unchanged nn.Linear under offload
+    want = reference_gemm(fmt, feat.numpy(), read(model[2].weight), transpose_b=True) + model[2].bias.detach().numpy()
+    assert np.array_equal(bits(y), bits(want))
+    conv = ht.convert(model, dev)[0]
+    x = torch.randn(2, 2, 5, 5)
+    patches = torch.nn.functional.unfold(x, 3, padding=1).transpose(1, 2).reshape(50, 18).numpy()
+    want = reference_gemm(fmt, patches, read(conv.weight), transpose_b=True) + conv.bias.detach().numpy()
+    want = want.reshape(2, 25, 4).transpose(0, 2, 1).reshape(2, 4, 5, 5)
+    assert np.array_equal(bits(conv(x)), bits(want))
+
+
+def test_wide_storage_errors():
+    from hbfp.golden import HBFP16, MXINT8
+
+    with pytest.raises(ValueError, match="no Linear or Conv2d"):
+        ht.wide_weight_storage(torch.nn.ReLU())
+    with pytest.raises(TypeError, match="Format"):
+        ht.wide_weight_storage(torch.nn.Linear(2, 2), storage="hbfp16")
+    with pytest.raises(ValueError, match="nearest even"):
+        ht.wide_weight_storage(torch.nn.Linear(2, 2), storage=HBFP16.with_rounding("stochastic"))
+    from hbfp import host
+
+    lin = torch.nn.Linear(40, 8)
+    ht.wide_weight_storage(lin)
+    mx = host.open("emu:format=MXINT8")
+    with pytest.raises(ValueError, match="cannot be read by a device with tiles"):
+        ht.convert(torch.nn.Sequential(lin), mx)[0](torch.randn(3, 40))
+    assert MXINT8.tile != HBFP16.tile

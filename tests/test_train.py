@@ -25,7 +25,12 @@ def test_hbfp8_training_tracks_fp32(tmp_path):
     again = tr.train("mlp", "hbfp8", device=dev, device_name="emu", epochs=2, max_batches=8, progress=False)
     assert again.batch_losses == hbfp8.batch_losses
     table = tr.write_report([fp32, hbfp8], tmp_path, ["note"])
-    assert "| mlp | hbfp8 | emu | 2 |" in table
+    assert "| mlp | hbfp8 | hbfp16 | emu | 2 |" in table and "| mlp | fp32 | fp32 | CPU | 2 |" in table
+    # fp32 master weights: a close run, not the same one (the weights differ in their low bits)
+    wide32 = tr.train("mlp", "hbfp8", device=dev, epochs=1, max_batches=3, progress=False, weight_storage="fp32")
+    assert wide32.weight_storage == "fp32" and hbfp8.weight_storage == "hbfp16"
+    assert wide32.batch_losses != hbfp8.batch_losses[:3]
+    assert np.allclose(wide32.batch_losses, hbfp8.batch_losses[:3], rtol=0.01)
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "results.md").exists() and (tmp_path / "runs.json").exists()
 

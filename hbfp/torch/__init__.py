@@ -11,6 +11,12 @@
 - ``set_matmul_precision("highest" | "hbfp8")``, modelled on
   ``torch.set_float32_matmul_precision``: ``offload`` sets ``"hbfp8"`` while it is active and
   restores the previous value on exit, exceptions included.
+- ``wide_weight_storage(model, optimizer)``: the paper's wide weight storage. The master
+  weights of the model's linear and convolution layers are kept as HBFP16 (16-bit mantissas,
+  the device's tiles): they are rounded onto the HBFP16 grid now and after every
+  ``optimizer.step()``, so small updates accumulate in 16 bits; every product reads them as
+  HBFP8 by ``requantize`` (same tile exponents, mantissas rounded to 8 bits), forward and
+  backward.
 
 Everything else (loss, optimizer, bias additions) stays in fp32 on the CPU.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,6 +44,9 @@ __all__ = [
     "Conv2d",
     "convert",
     "offload",
+    "wide_weight_storage",
+    "WideWeightStorage",
+    "weight_storage",
 ]
 
 #: "highest": fp32 products by PyTorch; "hbfp8": products on the hbfp device.
@@ -85,40 +95,65 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).contiguous().numpy()
 
 
-def _device_gemm(device, a: torch.Tensor, b: torch.Tensor, **kw) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(device.gemm(_numpy(a), _numpy(b), **kw)))
+def _device_gemm(device, a, b, **kw) -> torch.Tensor:
+    a = a if not isinstance(a, torch.Tensor) else _numpy(a)
+    b = b if not isinstance(b, torch.Tensor) else _numpy(b)
+    return torch.from_numpy(np.ascontiguousarray(device.gemm(a, b, **kw)))
+
+
+@dataclass(frozen=True)
+class _StoredOperand:
+    """The right operand of a product as the device reads it from wide storage: ``codes``
+    (a BFPTensor in the device's format, requantized from HBFP16) of the stored matrix, which
+    is ``b`` itself or, with ``transposed``, ``b``'s transpose (a Linear's weight is stored
+    out x in and used as in x out)."""
+
+    codes: object
+    transposed: bool
 
 
 class HbfpMatmul(torch.autograd.Function):
-    """``a @ b`` (2-D) on ``device``, with the backward products on the device too."""
+    """``a @ b`` (2-D) on ``device``, with the backward products on the device too.
+
+    ``stored``: optional ``_StoredOperand`` of ``b`` (wide weight storage): the products read
+    its codes instead of quantizing ``b``; the gradient still flows to ``b``."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, device):
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, device, stored: _StoredOperand | None = None):
         ctx.save_for_backward(a, b)
         ctx.device = device
+        ctx.stored = stored
+        if stored is not None:
+            return _device_gemm(device, a, stored.codes, transpose_b=stored.transposed)
         return _device_gemm(device, a, b)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         a, b = ctx.saved_tensors
+        stored = ctx.stored
         grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_a = _device_gemm(ctx.device, grad, b, transpose_b=True)  # grad @ b^T
+        if ctx.needs_input_grad[0]:  # grad @ b^T (b stored as in the forward product)
+            if stored is not None:
+                grad_a = _device_gemm(ctx.device, grad, stored.codes, transpose_b=not stored.transposed)
+            else:
+                grad_a = _device_gemm(ctx.device, grad, b, transpose_b=True)
         if ctx.needs_input_grad[1]:
             grad_b = _device_gemm(ctx.device, a, grad, transpose_a=True)  # a^T @ grad
-        return grad_a, grad_b, None
+        return grad_a, grad_b, None, None
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, device=None) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOperand | None = None) -> torch.Tensor:
     """``a @ b`` in HBFP: 2-D operands, or batches (leading axes broadcast as torch.matmul)."""
     device = device or default_device()
     if a.dim() == 2 and b.dim() == 2:
-        return HbfpMatmul.apply(a, b, device)
+        return HbfpMatmul.apply(a, b, device, stored)
     if a.dim() < 2 or b.dim() < 2:
         raise ValueError("hbfp matmul takes matrices or stacks of matrices")
     if b.dim() == 2:  # (..., M, K) @ (K, N): one product over all leading rows
         lead = a.shape[:-1]
-        return HbfpMatmul.apply(a.reshape(-1, a.shape[-1]), b, device).reshape(*lead, b.shape[-1])
+        return HbfpMatmul.apply(a.reshape(-1, a.shape[-1]), b, device, stored).reshape(*lead, b.shape[-1])
+    if stored is not None:
+        raise ValueError("a stored (wide) operand is a matrix, not a stack")
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
@@ -126,9 +161,95 @@ def matmul(a: torch.Tensor, b: torch.Tensor, device=None) -> torch.Tensor:
     return out.reshape(*batch, *out.shape[-2:])
 
 
+# ---- wide weight storage ----------------------------------------------------------------
+
+_STORAGE_ATTR = "_hbfp_storage"  # set on a weight Parameter: its storage Format (HBFP16)
+
+
+def weight_storage(weight: torch.Tensor):
+    """The BFP format ``weight`` is stored in (``wide_weight_storage``), or None (fp32)."""
+    return getattr(weight, _STORAGE_ATTR, None)
+
+
+def _matrix(weight: torch.Tensor) -> torch.Tensor:
+    """A layer's weight as the matrix its product uses: out x (in * kernel)."""
+    return weight.reshape(weight.shape[0], -1)
+
+
+def _stored_operand(weight: torch.Tensor, device) -> _StoredOperand | None:
+    """The codes the device reads of a wide-stored weight (None if stored as fp32)."""
+    from hbfp.golden import quantize, requantize
+
+    storage = weight_storage(weight)
+    if storage is None:
+        return None
+    fmt = device.format()
+    if storage.tile != fmt.tile:
+        raise ValueError(f"wide weight storage in tiles {storage.tile} cannot be read by a device with tiles "
+                         f"{fmt.tile}: requantize keeps the tiles (use a storage format with the device's tiles)")
+    wide = quantize(_numpy(_matrix(weight)), storage)  # exact: the weight is on the storage grid
+    return _StoredOperand(requantize(wide, fmt), transposed=True)
+
+
+def _snap(weight: torch.Tensor, storage) -> None:
+    from hbfp.golden import quantize
+
+    with torch.no_grad():
+        snapped = torch.from_numpy(quantize(_numpy(_matrix(weight)), storage).dequantize())
+        weight.copy_(snapped.reshape(weight.shape).to(weight.dtype))
+
+
+class WideWeightStorage:
+    """The handle ``wide_weight_storage`` returns: ``weights`` (the stored parameters),
+    ``storage`` (their format), ``snap()`` (round them onto the storage grid again) and
+    ``remove()`` (back to fp32 master weights; the hook is removed)."""
+
+    def __init__(self, weights: list[torch.nn.Parameter], storage, optimizer):
+        self.weights = weights
+        self.storage = storage
+        for w in weights:
+            setattr(w, _STORAGE_ATTR, storage)
+        self.snap()
+        self._hook = None
+        if optimizer is not None:
+            self._hook = optimizer.register_step_post_hook(lambda opt, args, kwargs: self.snap())
+
+    def snap(self) -> None:
+        for w in self.weights:
+            _snap(w, self.storage)
+
+    def remove(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        for w in self.weights:
+            if getattr(w, _STORAGE_ATTR, None) is self.storage:
+                delattr(w, _STORAGE_ATTR)
+
+
+def wide_weight_storage(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                        storage=None) -> WideWeightStorage:
+    """Keep the weights of ``model``'s ``Linear`` and ``Conv2d`` layers (torch's or ours) in
+    wide BFP storage (default ``HBFP16``): rounded onto its grid now (to nearest even) and
+    after every ``optimizer.step()``; the products (``hbfp.torch`` layers, ``offload``) read
+    them as the device's format by ``requantize``. Biases stay fp32 (they are not products'
+    operands). The training loop is unchanged."""
+    from hbfp.golden import HBFP16, Format
+
+    storage = HBFP16 if storage is None else storage
+    if not isinstance(storage, Format):
+        raise TypeError(f"storage must be a hbfp.golden.Format, got {storage!r}")
+    if storage.rounding != "nearest_even":
+        raise ValueError("wide weight storage rounds to nearest even (stochastic storage rounding needs a seed per step)")
+    weights = [mod.weight for mod in model.modules() if isinstance(mod, (torch.nn.Linear, torch.nn.Conv2d))]
+    if not weights:
+        raise ValueError("the model has no Linear or Conv2d layer whose weights could be stored wide")
+    return WideWeightStorage(weights, storage, optimizer)
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, device) -> torch.Tensor:
     # W is stored out x in; the product uses it transposed, which reuses its square tiles.
-    y = matmul(x, weight.t(), device)
+    y = matmul(x, weight.t(), device, stored=_stored_operand(weight, device))
     return y + bias if bias is not None else y
 
 
@@ -162,7 +283,8 @@ class Conv2d(torch.nn.Conv2d):
         ow = (w + 2 * self.padding[1] - self.dilation[1] * (kw - 1) - 1) // self.stride[1] + 1
         # (N*OH*OW, C*KH*KW) @ (C*KH*KW, OUT)
         patches = cols.transpose(1, 2).reshape(n * oh * ow, -1)
-        y = matmul(patches, self.weight.reshape(self.out_channels, -1).t(), self.device_handle or default_device())
+        device = self.device_handle or default_device()
+        y = matmul(patches, _matrix(self.weight).t(), device, stored=_stored_operand(self.weight, device))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(n, oh * ow, self.out_channels).transpose(1, 2).reshape(n, self.out_channels, oh, ow)
