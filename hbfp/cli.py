@@ -75,6 +75,43 @@ def _verilog(args) -> int:
     return 0
 
 
+def _build(args) -> int:
+    from hbfp.hw import boards
+
+    if args.list or not args.board:
+        print("boards (hbfp build --board NAME):")
+        for b in boards.BOARDS.values():
+            c = b.cfg
+            print(f"  {b.name:11s} {b.title}; {b.flow} flow, {b.link} link; default {c.rows}x{c.cols}, tile "
+                  f"{c.tile[0]}x{c.tile[1]}, buffers {c.size}x{c.size}")
+        return 0 if args.list else 2
+    overrides = {"rows": args.rows, "cols": args.cols, "size": args.size, "baud": args.baud,
+                 "fifo_depth": args.fifo_depth, "max_payload": args.max_payload}
+    if args.format:
+        overrides["mantissa_bits"], overrides["tile"] = FORMATS[args.format]
+    if args.mantissa_bits:
+        overrides["mantissa_bits"] = args.mantissa_bits
+    if args.tile:
+        overrides["tile"] = tuple(args.tile)
+    if args.functions:
+        overrides["functions"] = tuple(args.functions)
+    try:
+        result = boards.build(args.board, args.output, run=not args.no_run, seed=args.seed, **overrides)
+    except (ValueError, RuntimeError) as e:
+        print(f"hbfp build: {e}", file=sys.stderr)
+        return 1
+    for path in result.files:
+        if path.suffix in (".bit", ".qsf", ".sdc", ".sh", ".v") and not path.name.endswith(".debug.v"):
+            print(f"  {path}")
+    if result.report:
+        util = ", ".join(f"{k} {v['used']}/{v['available']}" for k, v in result.report["utilization"].items())
+        print(f"  utilization: {util}")
+        if not result.report["timing_met"]:
+            print(f"warning: Fmax {result.report['fmax_mhz']:.1f} MHz is below the board's "
+                  f"{result.report['clock_mhz']:.1f} MHz clock", file=sys.stderr)
+    return 0
+
+
 # ---- device commands (hbfp.host) ----------------------------------------------------------
 
 
@@ -161,8 +198,12 @@ def _gemm(args) -> int:
 def _sim_server(args) -> int:
     from hbfp.host import HbfpError
     from hbfp.host.registry import open_backend
-    from hbfp.host.transports import Server, Transport, TransportDevice
+    from hbfp.host.transports import PtyServer, Server, Transport, TransportDevice
 
+    if args.pty and args.connections is not None:
+        print("hbfp sim-server: --connections counts TCP connections; a pseudo-terminal (--pty) has none "
+              "(use --idle-timeout)", file=sys.stderr)
+        return 2
     try:
         device = open_backend(args.device)
     except HbfpError as e:
@@ -171,9 +212,17 @@ def _sim_server(args) -> int:
     if isinstance(device, Transport):
         device = TransportDevice(device)  # relay a remote device
     try:
-        server = Server(device, args.host, args.port, connections=args.connections, idle_timeout=args.idle_timeout)
+        if args.pty:
+            server = PtyServer(device, idle_timeout=args.idle_timeout)
+        else:
+            server = Server(device, args.host, args.port, connections=args.connections,
+                            idle_timeout=args.idle_timeout)
     except OSError as e:
-        print(f"hbfp sim-server: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        where = "a pseudo-terminal" if args.pty else f"{args.host}:{args.port}"
+        print(f"hbfp sim-server: cannot serve on {where}: {e}", file=sys.stderr)
+        close = getattr(device, "close", None)
+        if close:
+            close()
         return 1
     print(f"serving {args.device} on {server.spec}", flush=True)
     try:
@@ -184,7 +233,8 @@ def _sim_server(args) -> int:
         close = getattr(device, "close", None)
         if close:
             close()
-    print(f"served {server.served} connection(s)", flush=True)
+    if not args.pty:
+        print(f"served {server.served} connection(s)", flush=True)
     return 0
 
 
@@ -270,6 +320,25 @@ def build_parser() -> argparse.ArgumentParser:
     vl.add_argument("--only", nargs="+", help="write only these components (e.g. gemm_core mac_array)")
     vl.set_defaults(func=_verilog)
 
+    bp = sub.add_parser("build", help="an FPGA board build: bitstream (ECP5, iCE40: YoWASP) or Quartus project (Intel)")
+    bp.add_argument("--board", help="board name (--list shows them)")
+    bp.add_argument("--list", action="store_true", help="list the boards and their default configurations")
+    bp.add_argument("--rows", type=int, help="MAC array rows (default: the board's)")
+    bp.add_argument("--cols", type=int, help="MAC array columns (default: the board's)")
+    bp.add_argument("--format", choices=sorted(FORMATS), help="BFP format (sets mantissa bits and tile)")
+    bp.add_argument("--mantissa-bits", type=int)
+    bp.add_argument("--tile", type=int, nargs=2, metavar=("ROWS", "COLS"))
+    bp.add_argument("--size", type=int, help="buffer side (default: the board's)")
+    bp.add_argument("--functions", nargs="+", help="activation units to build (default: the board's)")
+    bp.add_argument("--baud", type=int, help="UART boards: line rate (default 1000000)")
+    bp.add_argument("--fifo-depth", type=int, help="UART boards: bytes of the receive FIFO")
+    bp.add_argument("--max-payload", type=int, help="bytes of the request buffer")
+    bp.add_argument("--seed", type=int, default=1, help="nextpnr placement seed")
+    bp.add_argument("--no-run", action="store_true", help="open flows: write the project, do not run the tools")
+    bp.add_argument("-o", "--output", default="build/boards", help="output folder (default build/boards; "
+                    "the build goes to OUTPUT/BOARD)")
+    bp.set_defaults(func=_build)
+
     tp = sub.add_parser("train", help="train an MLP and a CNN on digits in FP32 and HBFP8; curves and a table")
     tp.add_argument("--device", default="emu", help="device for the HBFP8 runs (default emu)")
     tp.add_argument("--models", nargs="+", choices=("mlp", "cnn"), default=["mlp", "cnn"])
@@ -308,12 +377,16 @@ def build_parser() -> argparse.ArgumentParser:
     gm.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each reply (default 5)")
     gm.set_defaults(func=_gemm)
 
-    srv = sub.add_parser("sim-server", help="serve a device (default: the simulator) on a local TCP port")
+    srv = sub.add_parser("sim-server", help="serve a device (default: the simulator) on a local TCP port or, with "
+                                            "--pty, on a pseudo-terminal (a serial port)")
     srv.add_argument("--device", default="sim", help="device spec to serve (default sim; emu for a quick test)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=7000, help="TCP port (default 7000; 0 picks a free one)")
     srv.add_argument("--connections", type=int, help="stop after this many connections (default: no limit)")
     srv.add_argument("--idle-timeout", type=float, help="stop after this many seconds without a client or a byte")
+    srv.add_argument("--pty", action="store_true",
+                     help="serve on a pseudo-terminal instead of TCP: prints serial:/dev/pts/N for serial: clients "
+                          "(with sim:...,uart=N the bytes also cross the gateware's UART)")
     srv.set_defaults(func=_sim_server)
     return p
 

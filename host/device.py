@@ -283,14 +283,16 @@ class Device:
     a K chain) is sent again after a bad CRC, a lost or truncated frame or a timeout, so a
     device that stops answering raises ``Timeout`` after at most
     ``timeout * (retries + 1)`` seconds; ``pipeline``: send the next block before the
-    previous reply has arrived. Not thread-safe: one caller at a time."""
+    previous reply has arrived (default: where the transport has flow control, i.e. not
+    over a UART, whose board-side receive FIFO would overflow). Not thread-safe: one caller
+    at a time."""
 
-    def __init__(self, transport, *, timeout: float = 5.0, retries: int = 3, pipeline: bool = True,
+    def __init__(self, transport, *, timeout: float = 5.0, retries: int = 3, pipeline: bool | None = None,
                  name: str = "", check: bool = True):
         self.transport = transport
         self.timeout = float(timeout)
         self.retries = int(retries)
-        self.pipeline = pipeline
+        self.pipeline = getattr(transport, "flow_control", True) if pipeline is None else bool(pipeline)
         self.name = name or type(transport).__name__
         self.stats = Stats()
         # A random first tag: replies left on the link by an earlier session are stale.

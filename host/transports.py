@@ -1,4 +1,4 @@
-"""Byte transports between the host driver and a device, and a TCP server for any byte
+"""Byte transports between the host driver and a device, and servers (TCP, pseudo-terminal) for any byte
 device. One driver (``hbfp.host.device.Device``) runs over all of them (STYLE.md: Glasgow's
 one interface, several pipes).
 
@@ -8,7 +8,8 @@ arrived, at least one byte, or ``b""`` once ``timeout`` seconds have passed), ``
 A *byte device* is an in-process device: ``write(data)``, ``read(max_bytes=None)`` (the
 bytes it has produced so far, maybe none) and ``advance(cycles)`` (its clock runs with no
 input; how a begun frame times out), plus ``cycles_per_second`` (the rate at which waiting
-time becomes cycles). ``EmuDevice`` is one; the simulator device is another.
+time becomes cycles). ``EmuDevice`` is one; the simulator device is another. ``Server``
+serves one on a TCP port, ``PtyServer`` on a pseudo-terminal (a serial port).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "FaultyTransport",
     "TransportDevice",
     "Server",
+    "PtyServer",
     "serve",
     "serve_fd",
     "is_byte_device",
@@ -49,6 +51,10 @@ class Transport:
     #: True when bytes travel while the host waits (a socket, a UART): sending the next
     #: request before the previous reply has arrived overlaps transfers with compute.
     streaming = True
+    #: True when the link holds a sender back while the device cannot take bytes (a socket,
+    #: the simulator). A UART has no flow control: what the board's receive FIFO cannot hold
+    #: is lost, so the driver does not pipeline requests over it by default.
+    flow_control = True
 
     def send(self, data: bytes) -> None:
         raise NotImplementedError
@@ -158,7 +164,10 @@ class TcpTransport(Transport):
 class SerialTransport(Transport):
     """A serial port through pyserial: ``SerialTransport("/dev/ttyUSB0:115200")`` (or
     ``"serial:..."``; the baud rate defaults to 115200). Any pyserial URL works too
-    (``loop://``, ``socket://host:port``, ``rfc2217://...``)."""
+    (``loop://``, ``socket://host:port``, ``rfc2217://...``). No flow control: ``Device``
+    sends one heavy request at a time over it unless told ``pipeline=True``."""
+
+    flow_control = False
 
     def __init__(self, port: str, baudrate: int | None = None):
         import serial  # pyserial: only needed for this transport
@@ -384,6 +393,76 @@ class Server:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class PtyServer:
+    """Serves a byte device on a pseudo-terminal: a serial port for ``serial:`` clients
+    (``hbfp.host.open(server.spec)``), as a board's UART appears to the host.
+
+    ``PtyServer(device)`` opens the pair at once (``path``: the terminal to open, e.g.
+    ``/dev/pts/5``; ``spec``: ``serial:`` and that path) and puts the terminal in raw mode
+    (no echo, no line editing, no newline translation: every byte passes as it is). It keeps
+    the terminal open itself, so clients may come and go: bytes are relayed between the
+    master side and the device until ``stop()``, or until ``idle_timeout`` seconds pass
+    without a byte (None: never). ``run()`` serves in this thread, ``start()`` in a
+    background one. Unlike a TCP client, a client leaving is not seen: a request it left
+    half-sent times out on the device (a ``TIMEOUT`` reply the next client ignores)."""
+
+    def __init__(self, device, *, idle_timeout: float | None = None, poll: float = 0.005):
+        import tty
+
+        if not is_byte_device(device):
+            raise TypeError(f"serve needs a byte device (write/read), got {type(device).__name__}")
+        self.device = device
+        self.idle_timeout = idle_timeout
+        self.poll = poll
+        self.master, self.slave = os.openpty()
+        try:
+            tty.setraw(self.slave)
+            self.path = os.ttyname(self.slave)
+        except OSError:
+            self._close_fds()
+            raise
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def spec(self) -> str:
+        return f"serial:{self.path}"
+
+    def run(self) -> None:
+        try:
+            serve_fd(self.device, self.master, stop=self._stop, poll=self.poll, idle_timeout=self.idle_timeout)
+        finally:
+            self._close_fds()
+
+    def start(self) -> "PtyServer":
+        self._thread = threading.Thread(target=self.run, name=f"hbfp-serve-{self.path}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        for name in ("slave", "master"):
+            fd = getattr(self, name, None)
+            if fd is not None:
+                setattr(self, name, None)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def __enter__(self):
         return self

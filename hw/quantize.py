@@ -15,7 +15,6 @@ __all__ = ["Quantize", "INPUT_FORMATS", "KEY_LATENCY", "LATENCY", "MIX32_MULTIPL
 
 #: Element widths of the supported input formats.
 INPUT_FORMATS = {"fp32": FP32_WIDTH, "bf16": BF16_WIDTH}
-#: The two constant multipliers of ``hbfp.golden.bfp.mix32``.
 #: Cycles from a change of the ``seed`` port until the registered key follows it.
 KEY_LATENCY = 2
 #: Cycles from the cycle in which a tile's last input beat is accepted to the cycle in which
@@ -33,15 +32,44 @@ _PRESHIFT = RANDOM_BITS + _MAX_MANTISSA - 2 - _FRAC_BITS
 _SHIFT_CLAMP = _PRESHIFT + _FRAC_BITS + 1
 
 
+def _naf(c: int) -> list[tuple[int, int]]:
+    """The non-adjacent form of ``c``: (shift, +1 or -1) pairs with ``sum(d << s) == c``."""
+    digits, shift = [], 0
+    while c:
+        if c & 1:
+            d = 2 - (c & 3)
+            c -= d
+            digits.append((shift, d))
+        c >>= 1
+        shift += 1
+    return digits
+
+
+def _times_constant(x, c: int, width: int = 32):
+    """``x * c mod 2**width`` as shifts, adds and subtracts of ``x`` (the NAF of ``c``, a tree of
+    ``width``-bit adders): a multiply by a constant takes no DSP block, which the MAC array
+    needs (an ECP5 maps every ``$mul`` to one or more MULT18X18D)."""
+    plus = [(x << s)[:width] for s, d in _naf(c % 2**width) if s < width and d > 0]
+    minus = [(x << s)[:width] for s, d in _naf(c % 2**width) if s < width and d < 0]
+
+    def total(terms):
+        while len(terms) > 1:
+            terms = [(terms[i] + terms[i + 1])[:width] if i + 1 < len(terms) else terms[i]
+                     for i in range(0, len(terms), 2)]
+        return terms[0] if terms else 0
+
+    return (total(plus) - total(minus))[:width] if minus else total(plus)
+
+
 def _mix32_first(x):
     """The first half of mix32, up to and including the first multiply (one pipeline stage)."""
-    return ((x ^ (x >> 16)) * MIX32_MULTIPLIERS[0])[:32]
+    return _times_constant(x ^ (x >> 16), MIX32_MULTIPLIERS[0])
 
 
 def _mix32_second(x):
     """The second multiply of mix32 (one pipeline stage); the final ``x ^= x >> 16`` leaves the
     top 16 bits alone, so the top ``RANDOM_BITS`` of this product already are the random bits."""
-    return ((x ^ (x >> 15)) * MIX32_MULTIPLIERS[1])[:32]
+    return _times_constant(x ^ (x >> 15), MIX32_MULTIPLIERS[1])
 
 
 class Quantize(wiring.Component):
@@ -85,8 +113,9 @@ class Quantize(wiring.Component):
     cycles after its first beat on a gapless stream.
 
     Resources: a 2T/L x (L * input width) simple dual-port memory; per lane an 8-bit
-    max, a 55-bit right shifter, two 32 x 32-bit constant multiplies (low halves, one pipeline
-    stage each) and the rounding logic; two more constant multiplies for the key.
+    max, a 55-bit right shifter, two 32-bit constant multiplies (low halves, one pipeline stage
+    each, as trees of 12-13 adders: no DSP blocks) and the rounding logic; two more constant
+    multiplies for the key.
     """
 
     def __init__(self, mantissa_bits: int, tile: tuple[int, int], lanes: int, input_format: str = "fp32"):

@@ -17,8 +17,15 @@ model about 40% faster.
 Opening a configuration the first time builds its library (Verilog, Verilator, g++: one to
 two minutes); later opens load it from ``build/simlib/`` at once (``sim/harness/build.py``).
 
+With ``uart=N`` (clock cycles per bit, >= 4) the model is ``hw.uart.UartLoop`` instead: the
+top behind the UART a board uses (``hw.uart.UartTop``: receiver, receive FIFO of
+``uart_fifo`` bytes, default 4096, transmitter), reached through a host-side UART, so every
+byte crosses the line at ``10 * N`` cycles each way; the harness is the same. Without
+``uart`` (or with ``uart=0``) the library and its cache key are those of the plain top.
+
 The host finds this backend through the entry-point group ``hbfp.devices``:
-``sim = "hbfp.sim.device:backend"``; ``backend.open("rows=4,cols=4,size=48,stream_bytes=4")``.
+``sim = "hbfp.sim.device:backend"``; ``backend.open("rows=4,cols=4,size=48,stream_bytes=4")``,
+``backend.open("rows=4,cols=4,size=48,uart=8")``.
 """
 
 from __future__ import annotations
@@ -297,6 +304,8 @@ _ARG_FIELDS: dict[str, Callable[[str], object]] = {
     "threads": int,
     "buffered": lambda v: v.strip().lower() not in ("0", "false", "no", "off"),
     "timeout_cycles": int,
+    "uart": int,
+    "uart_fifo": int,
 }
 _CORE_FIELDS = ("rows", "cols", "mantissa_bits", "tile", "size", "functions", "leaky_shift")
 _TOP_FIELDS = ("stream_bytes", "frame_timeout", "clock_hz", "max_payload")
@@ -328,7 +337,9 @@ def top_library(options: dict | None = None, *, progress: Callable[[str], None] 
                 force: bool | None = None) -> tuple[Path, dict]:
     """(library path, description) of ``hw.top.AcceleratorTop`` configured by ``options``
     (CoreConfig fields, ``stream_bytes``, ``frame_timeout``, ``clock_hz``, ``max_payload``;
-    ``threads``, ``buffered`` for the build)."""
+    ``threads``, ``buffered`` for the build), or with ``uart`` (clock cycles per bit, >= 4)
+    of ``hw.uart.UartLoop``: that top behind its UART (``UartTop``), reached through a
+    host-side UART (``stream_bytes`` is then 1)."""
     from hbfp.hw.params import CoreConfig
 
     options = dict(options or {})
@@ -337,6 +348,34 @@ def top_library(options: dict | None = None, *, progress: Callable[[str], None] 
     top_kw.setdefault("stream_bytes", 1)
     threads = options.get("threads", build.DEFAULT_THREADS)
     buffered = bool(options.get("buffered", True))
+    uart = options.get("uart", 0)
+    if "uart_fifo" in options and not uart:
+        raise ValueError("sim: uart_fifo (bytes of the UART's receive FIFO) needs uart=N (clock cycles per bit)")
+
+    if uart:
+        from hbfp.hw.uart import MIN_DIVISOR
+
+        if not isinstance(uart, int) or isinstance(uart, bool) or uart < MIN_DIVISOR:
+            raise ValueError(f"sim: uart is the UART's clock cycles per bit, an integer >= {MIN_DIVISOR} "
+                             f"(0: no UART), got {uart!r}")
+        if top_kw["stream_bytes"] != 1:
+            raise ValueError(f"sim: a UART carries one byte at a time: uart={uart} needs stream_bytes=1, "
+                             f"got {top_kw['stream_bytes']}")
+        loop_kw = {k: v for k, v in top_kw.items() if k != "stream_bytes"}
+        if "uart_fifo" in options:
+            loop_kw["fifo_depth"] = options["uart_fifo"]
+
+        def make():
+            from hbfp.hw.uart import UartLoop
+
+            return UartLoop(core, divisor=uart, **loop_kw)
+
+        # The default path's configuration (and cache key) stays as it was without ``uart``.
+        config = {"top": "hw.uart.UartLoop", "core": core.to_dict(), **top_kw, "uart": uart,
+                  **({"uart_fifo": options["uart_fifo"]} if "uart_fifo" in options else {})}
+        lib = build.build_library(make, config, stream_bytes=1, threads=threads, buffered=buffered,
+                                  progress=progress, force=force)
+        return lib, config
 
     def make():
         from hbfp.hw.top import AcceleratorTop
@@ -360,9 +399,12 @@ class SimBackend:
         """Open a simulated accelerator. ``arg``: ``key=value`` options separated by commas
         (``format``, ``rows``, ``cols``, ``mantissa_bits``, ``tile``, ``size``, ``functions``,
         ``leaky_shift``, ``stream_bytes``, ``frame_timeout``, ``clock_hz``, ``max_payload``,
-        ``threads``, ``buffered``, ``timeout_cycles``). ``buffered=0`` connects the harness to the
-        top's ports directly (port timing exact, about 20% slower) instead of through a 2-entry
-        FIFO on each stream (one cycle of latency each way). Keyword ``options`` add to or override them; they may
+        ``threads``, ``buffered``, ``timeout_cycles``, ``uart``, ``uart_fifo``). ``buffered=0``
+        connects the harness to the top's ports directly (port timing exact, about 20% slower)
+        instead of through a 2-entry FIFO on each stream (one cycle of latency each way).
+        ``uart=N`` (clock cycles per bit, >= 4; 0: none) puts the top behind its UART
+        (``hw.uart.UartLoop``, module docstring), ``uart_fifo`` sets its receive FIFO's bytes.
+        Keyword ``options`` add to or override them; they may
         also be ``config`` (a ``CoreConfig``), ``progress`` (a callable for build messages) and
         ``rebuild`` (bool: build even if cached)."""
         progress = options.pop("progress", None)

