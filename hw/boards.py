@@ -363,7 +363,6 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
         log(f"{board.name}: Quartus project in {directory} (compile: cd {directory} && sh build_{project}.sh)")
         return BuildResult(board.name, cfg, directory, project, files, seconds=time.perf_counter() - t0)
 
-    env = yowasp_env(board.flow)
     report_json = f"{project}.report.json"
     kwargs = {"nextpnr_opts": f"--report {report_json} --timing-allow-fail --seed {seed}"}
     if board.flow == "ice40":
@@ -373,6 +372,7 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
     if not run:
         files = sorted(p for p in directory.iterdir() if p.is_file())
         return BuildResult(board.name, cfg, directory, project, files, seconds=time.perf_counter() - t0)
+    env = yowasp_env(board.flow)
     log(f"{board.name}: yosys, nextpnr-{board.flow}, pack (minutes; the log is {directory / 'build.log'})")
     import subprocess
 
