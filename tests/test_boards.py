@@ -108,3 +108,16 @@ def test_yowasp_tools_are_found_or_named():
         assert "pip install" in str(e)
     else:
         assert set(env) == {"YOSYS", "NEXTPNR_ECP5", "ECPPACK"}
+
+
+def test_cli_build_lists_boards_and_refuses_bad_options(capsys):
+    from hbfp import cli
+
+    assert cli.main(["build", "--list"]) == 0
+    out = capsys.readouterr().out
+    for name in boards.BOARDS:
+        assert name in out
+    assert cli.main(["build", "--board", "nosuchboard"]) == 1
+    assert "unknown board 'nosuchboard'" in capsys.readouterr().err
+    assert cli.main(["build", "--board", "stratix5", "--baud", "9600"]) == 1
+    assert "no UART" in capsys.readouterr().err
