@@ -338,7 +338,40 @@ def _pump(device, fileno: int, recv, send, stop: threading.Event, poll: float, i
             return
 
 
-class Server:
+class _Serving:
+    """Runs ``run()`` on a daemon thread: ``start()``, ``stop()``, and a ``with`` block."""
+
+    _thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def _thread_name(self) -> str:
+        raise NotImplementedError
+
+    def _stopped_before_start(self) -> None:
+        """Release what ``__init__`` took when ``stop`` comes before ``start``."""
+
+    def start(self):
+        self._thread = threading.Thread(target=self.run, name=self._thread_name(), daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            self._stopped_before_start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class Server(_Serving):
     """Serves a byte device on a local TCP port, one connection at a time.
 
     ``Server(device, "127.0.0.1", 0)`` binds at once (port 0: an ephemeral port, see
@@ -384,24 +417,11 @@ class Server:
         finally:
             self.sock.close()
 
-    def start(self) -> "Server":
-        self._thread = threading.Thread(target=self.run, name=f"hbfp-serve-{self.port}", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
+    def _thread_name(self) -> str:
+        return f"hbfp-serve-{self.port}"
 
 
-class PtyServer:
+class PtyServer(_Serving):
     """Serves a byte device on a pseudo-terminal: a serial port for ``serial:`` clients
     (``hbfp.host.open(server.spec)``), as a board's UART appears to the host.
 
@@ -442,17 +462,11 @@ class PtyServer:
         finally:
             self._close_fds()
 
-    def start(self) -> "PtyServer":
-        self._thread = threading.Thread(target=self.run, name=f"hbfp-serve-{self.path}", daemon=True)
-        self._thread.start()
-        return self
+    def _thread_name(self) -> str:
+        return f"hbfp-serve-{self.path}"
 
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        else:
-            self._close_fds()
+    def _stopped_before_start(self) -> None:
+        self._close_fds()
 
     def _close_fds(self) -> None:
         for name in ("slave", "master"):
@@ -463,12 +477,6 @@ class PtyServer:
                     os.close(fd)
                 except OSError:
                     pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 def serve(device, host: str = "127.0.0.1", port: int = 0, **options) -> None:
