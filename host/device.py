@@ -6,9 +6,10 @@ quantizes on the host (``input="codes"``) or lets the device quantize (``"fp32"`
 ``"bf16"``), tiles products larger than the device's buffers, and keeps the contract's
 K-tile order by chaining K chunks onto the accumulator (docs/host.md).
 
-Requests are pipelined: the next block's operands are sent before the previous block's
-reply is awaited, so on a streaming link (TCP, UART) they travel while the device computes
-and answers. Every request is retried on a bad CRC (either way), a lost or truncated frame
+Requests are pipelined where the link has flow control (TCP, the simulator): the next
+block's operands are sent before the previous block's reply is awaited, so they travel
+while the device computes and answers. Over a serial port (no flow control: the board's
+receive FIFO would overflow) the next heavy request waits for the previous reply. Every request is retried on a bad CRC (either way), a lost or truncated frame
 or a timeout, with a new tag; replies with other tags are stale and ignored. A failure in
 the middle of a K chain restarts the chain (the accumulator's contents are then unknown).
 """
