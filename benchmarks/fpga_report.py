@@ -25,13 +25,13 @@ from amaranth.back import verilog
 
 from hbfp.hw import boards
 from hbfp.hw.mac_array import MacArray
-from hbfp.hw.openflow import bin_path, run_tool, synth_ecp5
+from hbfp.hw.openflow import RESOURCES, bin_path, run_tool, synth_ecp5
 
 ROOT = Path(__file__).resolve().parents[1]
 
 #: nextpnr resource names -> the report's columns.
 COLUMNS = {
-    "ecp5": {"logic": "TRELLIS_COMB", "ff": "TRELLIS_FF", "dsp": "MULT18X18D", "bram": "DP16KD"},
+    "ecp5": dict(zip(("logic", "ff", "dsp", "bram"), RESOURCES)),
     "ice40": {"logic": "ICESTORM_LC", "ff": None, "dsp": "ICESTORM_DSP", "bram": "ICESTORM_RAM"},
 }
 

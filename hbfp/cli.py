@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--tile", type=int, nargs=2, metavar=("ROWS", "COLS"))
     bp.add_argument("--size", type=int, help="buffer side (default: the board's)")
     bp.add_argument("--functions", nargs="+", help="activation units to build (default: the board's)")
-    bp.add_argument("--baud", type=int, help="UART boards: line rate (default 1000000)")
+    bp.add_argument("--baud", type=int, help="UART boards: line rate (default: the board's, hbfp.hw.boards.DEFAULT_BAUD)")
     bp.add_argument("--fifo-depth", type=int, help="UART boards: bytes of the receive FIFO")
     bp.add_argument("--max-payload", type=int, help="bytes of the request buffer")
     bp.add_argument("--seed", type=int, default=1, help="nextpnr placement seed")

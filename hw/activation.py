@@ -51,20 +51,9 @@ __all__ = [
     "Activation",
 ]
 
-#: Runtime function codes: the code of a function is its index here.
-FUNCTIONS = (
-    "relu",
-    "leaky_relu",
-    "gelu",
-    "sigmoid",
-    "tanh",
-    "exp",
-    "relu_grad",
-    "leaky_relu_grad",
-    "gelu_grad",
-    "sigmoid_grad",
-    "tanh_grad",
-)
+#: Runtime function codes: the code of a function is its index here. The golden registries'
+#: order: the unary functions, then the gradients as ``<name>_grad``.
+FUNCTIONS = tuple(activations.UNARY) + tuple(f"{name}_grad" for name in activations.GRADIENTS)
 #: Functions of ``x`` alone (``hbfp.golden.activations.UNARY``); ``g`` is ignored.
 UNARY_FUNCTIONS = tuple(n for n in FUNCTIONS if not n.endswith("_grad"))
 #: Functions of ``(x, g)``: ``bf16.mul(<name>_deriv(x), g)`` (``activations.GRADIENTS``).

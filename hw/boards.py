@@ -45,9 +45,9 @@ from amaranth.vendor import AlteraPlatform
 from .packet import beat_layout
 from .params import CoreConfig
 from .top import AcceleratorTop
-from .uart import UartTop, divisor_for
+from .uart import DEFAULT_FIFO_DEPTH, UartTop, divisor_for
 
-__all__ = ["Board", "BOARDS", "DoesNotFit", "StratixVGXPlatform", "UartBoardTop", "AvalonStBoardTop", "build", "BuildResult",
+__all__ = ["Board", "BOARDS", "DEFAULT_BAUD", "DoesNotFit", "StratixVGXPlatform", "UartBoardTop", "AvalonStBoardTop", "build", "BuildResult",
            "board_config", "yowasp_env"]
 
 
@@ -132,6 +132,11 @@ class StratixVGXPlatform(AlteraPlatform):
 # ---- the boards -------------------------------------------------------------------------
 
 
+#: The UART boards' default line rate: the FTDI bridges of ULX3S and iCEBreaker take up to
+#: 3 Mbaud; 1 Mbaud leaves margin and needs a clock of at least 4 MHz.
+DEFAULT_BAUD = 1_000_000
+
+
 def _ulx3s():
     from amaranth_boards.ulx3s import ULX3S_85F_Platform
 
@@ -169,15 +174,15 @@ class Board:
 BOARDS: dict[str, Board] = {b.name: b for b in (
     Board("ulx3s", "Radiona ULX3S 85F (ECP5 LFE5U-85F)", _ulx3s, "ecp5", "uart",
           CoreConfig(rows=8, cols=8, size=96, functions=("relu", "gelu")),
-          {"baud": 1_000_000, "fifo_depth": 4096},
+          {"baud": DEFAULT_BAUD, "fifo_depth": DEFAULT_FIFO_DEPTH},
           "UART over the board's FTDI FT231X USB port (up to 3 Mbaud)."),
     Board("icebreaker", "1BitSquared iCEBreaker (iCE40 UP5K)", _icebreaker, "ice40", "uart",
           CoreConfig(rows=1, cols=1, size=24, functions=("relu",)),
-          {"baud": 1_000_000, "fifo_depth": 16, "max_payload": 2048},
+          {"baud": DEFAULT_BAUD, "fifo_depth": 16, "max_payload": 2048},
           "The largest configuration that fits the UP5K's 5,280 LUTs: see docs/reports/boards.md."),
     Board("de10_nano", "Terasic DE10-Nano (Cyclone V 5CSEBA6U23I7)", _de10_nano, "quartus", "uart",
           CoreConfig(rows=8, cols=8, size=96),
-          {"baud": 1_000_000, "fifo_depth": 4096},
+          {"baud": DEFAULT_BAUD, "fifo_depth": DEFAULT_FIFO_DEPTH},
           "UART on GPIO header pins AG13 (rx) / AF13 (tx), 3.3 V: connect a USB-UART adapter."),
     Board("stratix5", "Intel Stratix V GX FPGA Development Kit (5SGXEA7K2F40C2)", StratixVGXPlatform, "quartus",
           "avalon-st", CoreConfig(rows=32, cols=32, tile=(32, 32), size=256),
@@ -421,9 +426,10 @@ def _nextpnr_utilisation(log: Path) -> dict:
 
 
 def parse_nextpnr_report(path: Path, clock_hz: int) -> dict:
-    """Utilization and Fmax from a nextpnr ``--report`` JSON file."""
-    report = json.loads(path.read_text())
-    util = {k: {"used": v["used"], "available": v["available"]} for k, v in report["utilization"].items()
-            if v["used"]}
-    fmax = min(v["achieved"] for v in report["fmax"].values())
+    """Utilization (resources in use) and Fmax from a nextpnr ``--report`` JSON file."""
+    from .openflow import read_nextpnr_report
+
+    report = read_nextpnr_report(path)
+    util = {k: {"used": used, "available": avail} for k, (used, avail) in report["utilization"].items() if used}
+    fmax = report["fmax_min"]
     return {"utilization": util, "fmax_mhz": fmax, "clock_mhz": clock_hz / 1e6, "timing_met": fmax >= clock_hz / 1e6}

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["RESOURCES", "bin_path", "run_tool", "synth_ecp5", "pnr_ecp5"]
+__all__ = ["RESOURCES", "bin_path", "run_tool", "synth_ecp5", "pnr_ecp5", "read_nextpnr_report"]
 
 #: The resources a report lists, in nextpnr's names: logic cells (a LUT4 each, carry
 #: chains included), flip-flops, 18x18 multiplier blocks, 16 kbit block RAMs, and the
@@ -109,7 +109,13 @@ def pnr_ecp5(
     if log:
         log(f"nextpnr-ecp5 --{device}{' --out-of-context' if ooc else ''} ...")
     seconds = run_tool(cmd, work, work / "pnr.log")
-    report = json.loads((work / "report.json").read_text())
+    return {**read_nextpnr_report(work / "report.json"), "seconds": seconds}
+
+
+def read_nextpnr_report(path: str | Path) -> dict:
+    """A nextpnr ``--report`` JSON file: ``{"utilization": {resource: (used, available)},
+    "fmax": {clock: MHz}, "fmax_min": the slowest clock's MHz (None without clocks)}``."""
+    report = json.loads(Path(path).read_text())
     util = {k: (v["used"], v["available"]) for k, v in report["utilization"].items()}
     fmax = {clk: v["achieved"] for clk, v in report.get("fmax", {}).items()}
-    return {"utilization": util, "fmax": fmax, "fmax_min": min(fmax.values()) if fmax else None, "seconds": seconds}
+    return {"utilization": util, "fmax": fmax, "fmax_min": min(fmax.values()) if fmax else None}

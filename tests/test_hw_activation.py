@@ -299,9 +299,7 @@ COCOTB_CASES = [
 
 @pytest.mark.parametrize("sim, functions, shift", COCOTB_CASES)
 def test_activation_cocotb(sim, functions, shift):
-    why = runner.simulator_available(sim)
-    if why:
-        pytest.skip(why)
+    runner.require(sim)
     subset = functions != FUNCTIONS
     config = {
         "seed": 1 + shift,

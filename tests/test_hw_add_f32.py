@@ -118,9 +118,7 @@ def test_verilog_converts():
 
 @pytest.mark.parametrize("sim", runner.SIMULATORS)
 def test_add_f32_cocotb(sim):
-    why = runner.simulator_available(sim)
-    if why:
-        pytest.skip(why)
+    runner.require(sim)
     config = {
         "seed": 1,
         "random": 200_000 if FULL else 20_000,

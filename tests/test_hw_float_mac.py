@@ -25,9 +25,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("rows, cols, fmt, k, sim", CONFIGS)
 def test_float_mac_array_equals_golden(rows, cols, fmt, k, sim):
-    why = runner.simulator_available(sim)
-    if why:
-        pytest.skip(why)
+    runner.require(sim)
     cfg = dict(rows=rows, cols=cols, fmt=fmt, k=k, interleave=FloatMacArray.INTERLEAVE, latency=FloatMacArray.LATENCY,
                runs=200 if FULL else 20, seed=rows * 10 + k)
     tests, failed = runner.run(lambda: FloatMacArray(rows, cols, fmt, k), "float_mac", "tb_float_mac", sim, cfg)

@@ -41,9 +41,7 @@ def tb_config(cfg: CoreConfig, elements: int, seed: int) -> dict:
 @pytest.mark.parametrize("sim", runner.SIMULATORS)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_gemm_core_equals_golden(sim, name):
-    why = runner.simulator_available(sim)
-    if why:
-        pytest.skip(why)
+    runner.require(sim)
     cfg = CONFIGS[name]
     elements = ELEMENTS[sim] * (10 if FULL else 1)
     # The utilization figure is deterministic: measured on Verilator (and everywhere by sim-full).

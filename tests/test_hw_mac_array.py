@@ -20,9 +20,7 @@ CONFIGS = [
 @pytest.mark.parametrize("sim", runner.SIMULATORS)
 @pytest.mark.parametrize("rows, cols, tk, ma, mb", CONFIGS)
 def test_mac_array_equals_partial_sums(sim, rows, cols, tk, ma, mb):
-    why = runner.simulator_available(sim)
-    if why:
-        pytest.skip(why)
+    runner.require(sim)
     cfg = dict(rows=rows, cols=cols, tk=tk, ma=ma, mb=mb, psum_width=psum_width(ma, mb, tk), seed=rows * 100 + tk, tiles=200 if FULL else 40)
     tests, failed = runner.run(lambda: MacArray(rows, cols, tk, ma, mb), "mac_array", "tb_mac_array", sim, cfg)
     assert tests == 2 and failed == 0

@@ -170,9 +170,7 @@ def _cocotb_config(sim: str, ma: int, mb: int, tk: int) -> dict:
 @pytest.mark.parametrize("ma, mb, tk", CONFIGS, ids=[f"m{a}x{b}-tk{t}" for a, b, t in CONFIGS])
 @pytest.mark.parametrize("sim", runner.SIMULATORS)
 def test_normalize_cocotb(sim, ma, mb, tk):
-    why = runner.simulator_available(sim)
-    if why:
-        pytest.skip(why)
+    runner.require(sim)
     w = psum_width(ma, mb, tk)
     tests, failed = runner.run(lambda: Normalize(w, ma, mb), "normalize", "tb_normalize", sim, _cocotb_config(sim, ma, mb, tk))
     assert tests > 0 and failed == 0

@@ -37,9 +37,7 @@ def _config(name: str) -> dict:
 @pytest.mark.parametrize("sim", runner.SIMULATORS)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_quantize_cocotb(sim, name):
-    why = runner.simulator_available(sim)
-    if why:
-        pytest.skip(why)
+    runner.require(sim)
     cfg = _config(name)
     m, tile, lanes, fmt, _ = CONFIGS[name]
     tests, failed = runner.run(lambda: Quantize(m, tile, lanes, fmt), "quantize", "tb_quantize", sim, cfg)

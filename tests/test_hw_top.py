@@ -70,9 +70,7 @@ def make_top(sim: str, name: str) -> AcceleratorTop:
 
 @pytest.mark.parametrize(("name", "sim"), [(name, sim) for name, link in LINKS.items() for sim in link[-1]])
 def test_top_protocol(name, sim):
-    why = runner.simulator_available(sim)
-    if why:
-        pytest.skip(why)
+    runner.require(sim)
     tests, failed = runner.run(lambda: make_top(sim, name), "top", "tb_top", sim, tb_config(sim, name))
     assert tests == 5 and failed == 0
 

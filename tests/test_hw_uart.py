@@ -233,9 +233,7 @@ PAIR_DIVISORS = {"icarus": (4, 7), "verilator": (4, 13)}
 
 @pytest.mark.parametrize(("sim", "divisor"), [(s, d) for s in runner.SIMULATORS for d in PAIR_DIVISORS[s]])
 def test_uart_pair_cocotb(sim, divisor):
-    why = runner.simulator_available(sim)
-    if why:
-        pytest.skip(why)
+    runner.require(sim)
     config = {"divisor": divisor, "seed": divisor, "bytes": 400 if FULL else 60, "ready": 0.4}
     tests, failed = runner.run(lambda: tb.UartPair(divisor), "uart_pair", "tb_uart", sim, config,
                                testcase=["test_rx_random_bytes", "test_rx_framing_error_break_glitch",
@@ -264,9 +262,7 @@ def top_config(sim: str) -> dict:
 
 @pytest.mark.parametrize("sim", runner.SIMULATORS)
 def test_uart_top_cocotb(sim):
-    why = runner.simulator_available(sim)
-    if why:
-        pytest.skip(why)
+    runner.require(sim)
     c = top_config(sim)
     cfg = CoreConfig(c["rows"], c["cols"], c["mantissa_bits"], tuple(c["tile"]), c["size"], functions=TOP_FUNCTIONS)
 

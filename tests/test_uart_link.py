@@ -60,14 +60,14 @@ def test_uart_option_selects_the_uart_loop(recorded):
 
     assert isinstance(top, UartLoop) and top.divisor == DIVISOR and top.cfg.size == 48
     top._MustUse__used = True  # not elaborated here: the build test does
-    _, deep = sim_device.top_library({**opts, "uart": DIVISOR, "uart_fifo": 64})
+    _, deep = sim_device.top_library({**opts, "uart": DIVISOR, "fifo_depth": 64})
     top = recorded[3][0]()
     top._MustUse__used = True
-    assert deep == {**uart, "uart_fifo": 64} and top.device_kw["fifo_depth"] == 64
+    assert deep == {**uart, "fifo_depth": 64} and top.device_kw["fifo_depth"] == 64
 
 
 @pytest.mark.parametrize(("arg", "match"), [
-    ("uart=3", "uart"), ("uart=8,stream_bytes=4", "stream_bytes=1"), ("uart_fifo=64", "needs uart"),
+    ("uart=3", "uart"), ("uart=8,stream_bytes=4", "stream_bytes=1"), ("fifo_depth=64", "needs uart"),
 ])
 def test_uart_option_errors(recorded, arg, match):
     with pytest.raises(ValueError, match=match):
