@@ -21,6 +21,7 @@ __all__ = [
     "NO_ACTIVATION",
     "FRAME_TIMEOUT_TAG",
     "ROUNDING_CODES",
+    "UNITS",
     "Op",
     "Status",
     "Target",
@@ -64,7 +65,7 @@ __all__ = [
 MAGIC = b"HB"
 PROTOCOL_VERSION = 1
 #: The device interface a host speaks: (major, minor). A different major is refused.
-ABI_VERSION = (1, 0)
+ABI_VERSION = (1, 1)
 #: magic, version, opcode, tag, length
 HEADER = struct.Struct("<2sBBHI")
 CRC_SIZE = 4
@@ -75,6 +76,12 @@ NO_ACTIVATION = 0xFF
 FRAME_TIMEOUT_TAG = 0xFFFF
 #: Rounding modes on the wire (WRITE of values, READ and GEMM's BFP output).
 ROUNDING_CODES = {"nearest_even": 0, "toward_zero": 1, "stochastic": 2}
+#: The units a reduced device may be built without, and their bits in IDENTIFY's ``omitted``
+#: mask (a set bit: the unit is not there; 0, as from an ABI 1.0 device: the full device).
+#: ``value_quantizer``: WRITE of values (the device quantizes); ``bfp_output``: GEMM and READ
+#: results in BFP; ``stochastic``: stochastic rounding in the device's quantizers. The names
+#: are ``hw.params.CoreConfig``'s fields.
+UNITS = {"value_quantizer": 0, "bfp_output": 1, "stochastic": 2}
 
 
 class Op(enum.IntEnum):
@@ -339,6 +346,7 @@ class Identity:
     clock_hz: int
     max_payload: int
     frame_timeout: int
+    omitted: int = 0  # the units left out: bit UNITS[name]
 
     @property
     def abi(self) -> tuple[int, int]:
@@ -370,6 +378,17 @@ class Identity:
 
         return tuple(name for code, name in enumerate(FUNCTIONS) if self.functions_mask >> code & 1)
 
+    def has(self, unit: str) -> bool:
+        """Whether the device was built with ``unit`` (a name of ``UNITS``)."""
+        if unit not in UNITS:
+            raise ValueError(f"unknown unit {unit!r}; units: {', '.join(UNITS)}")
+        return not self.omitted >> UNITS[unit] & 1
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        """The optional units built (``UNITS`` names)."""
+        return tuple(u for u in UNITS if self.has(u))
+
 
 #: Size of the IDENTIFY reply's data.
 IDENTITY_SIZE = _IDENTITY.size
@@ -379,13 +398,13 @@ def encode_identity(ident: Identity) -> bytes:
     return _IDENTITY.pack(
         ident.protocol_version, ident.abi_major, ident.abi_minor, ident.stream_bytes, ident.rows, ident.cols,
         ident.mantissa_bits, ident.tile_rows, ident.tile_cols, ident.leaky_shift, ident.size,
-        ident.functions_mask, ident.clock_hz, ident.max_payload, ident.frame_timeout, 0,
+        ident.functions_mask, ident.clock_hz, ident.max_payload, ident.frame_timeout, ident.omitted,
     )
 
 
 def decode_identity(data: bytes) -> Identity:
     fields = _IDENTITY.unpack(data[: _IDENTITY.size])
-    return Identity(*fields[:15])
+    return Identity(*fields)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ __all__ = [
     "BF16",
     "ACTIVATION_INPUT",
     "function_code",
+    "evaluate",
     "table_of",
     "rom_bits",
     "MulBF16Datapath",
@@ -77,6 +78,16 @@ def function_code(name: str) -> int:
         return FUNCTIONS.index(name)
     except ValueError:
         raise ValueError(f"unknown function {name!r}; known: {', '.join(FUNCTIONS)}") from None
+
+
+def evaluate(name: str, x, g=None, leaky_shift: int = LEAKY_SHIFT):
+    """What function ``name`` computes on bf16 patterns ``x`` (and ``g`` for a gradient), by
+    the golden model, with the unit's ``leaky_shift``: the ``emu`` device's ELEMENTWISE, and
+    the host's for a device built without the unit."""
+    function_code(name)
+    if name.endswith("_grad"):
+        return activations.get(name[: -len("_grad")], "grad", leaky_shift=leaky_shift)(x, g)
+    return activations.get(name, leaky_shift=leaky_shift)(x)
 
 
 def table_of(name: str) -> str | None:

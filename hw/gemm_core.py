@@ -24,12 +24,12 @@ from amaranth.lib import data, fifo, memory, stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from . import convert
-from .activation import FUNC_WIDTH, ActivationDatapath
+from .activation import FUNC_WIDTH, UNARY_FUNCTIONS, ActivationDatapath
 from .add_f32 import AddF32Datapath
 from .buffers import READ_COLUMN, READ_ROW, OperandBuffer
 from .mac_array import MacArray
 from .normalize import NormalizeDatapath
-from .params import EXP_WIDTH, FP32_WIDTH, CoreConfig
+from .params import EXP_WIDTH, FP32_WIDTH, ROUNDING_CODES, CoreConfig
 from .quantize import Quantize
 
 __all__ = ["GemmCore", "TARGETS", "OUT_FORMATS", "write_layout", "command_layout", "output_layout"]
@@ -92,8 +92,9 @@ class GemmCore(wiring.Component):
       row-major over ``ceil(N / cols)`` beats a row; BFP tile-major, ``exponent`` carrying the
       tile's code and the codes sign-extended in ``lanes``. Values outside M x N are zero.
       ``last`` marks the final beat.
-    - ``busy``, ``error`` (a command with a zero M or N, a side above ``size``, or transposes
-      a non-square tile cannot serve; it produces no output), ``cycles`` (length of the last
+    - ``busy``, ``error`` (a command with a zero M or N, a side above ``size``, transposes
+      a non-square tile cannot serve, or a BFP output the core was built without (no
+      ``cfg.bfp_output``, or stochastic without ``cfg.stochastic``); it produces no output), ``cycles`` (length of the last
       command, from acceptance to its last output beat).
 
     A command with K = 0 runs the epilogue alone: it reads the accumulator (C), with bias,
@@ -102,7 +103,6 @@ class GemmCore(wiring.Component):
 
     def __init__(self, cfg: CoreConfig = CoreConfig()):
         self.cfg = cfg
-        self.functions = cfg.functions
         super().__init__({
             "w": In(stream.Signature(write_layout(cfg))),
             "cmd": In(stream.Signature(command_layout(cfg))),
@@ -173,6 +173,11 @@ class GemmCore(wiring.Component):
         bad = (cmd.m == 0) | (cmd.n == 0) | (cmd.m > D) | (cmd.n > D) | (cmd.k > D)
         if not cfg.square:
             bad = bad | ((cmd.k != 0) & (cmd.transpose_a | ~cmd.transpose_b))
+        cmd_bfp = cmd.out_format == OUT_FORMATS["bfp"]
+        if not cfg.bfp_output:
+            bad = bad | cmd_bfp
+        elif not cfg.stochastic:
+            bad = bad | (cmd_bfp & (cmd.rounding == ROUNDING_CODES["stochastic"]))
         m.d.comb += self.cmd.ready.eq(~busy & ~self.w.valid)
         start = Signal()
         m.d.comb += start.eq(self.cmd.valid & self.cmd.ready & ~bad)
@@ -395,7 +400,7 @@ class GemmCore(wiring.Component):
 
         # Epilogue issue order: row-major (row, word) for fp32/bf16; tile-major for BFP. The
         # row, word and address are counters (no multiplier between them and the buffer).
-        bfp_out = desc.out_format == OUT_FORMATS["bfp"]
+        bfp_out = desc.out_format == OUT_FORMATS["bfp"] if cfg.bfp_output else Const(0)
         words_tile = tw // C
         row_now = Signal(range(D + 1))
         word_now = Signal(range(D // C + 1))
@@ -467,46 +472,52 @@ class GemmCore(wiring.Component):
         # only matters for a C read back with K = 0 (sums never come out subnormal).
         b_vals = [Mux(bias_en, adders[j].result, convert.flush_f32(by_line[La - 1].acc[j])) for j in range(C)]
 
-        # Activation stage: C units (or a bypass line), bf16 in and out.
+        # Activation stage: C units (or a bypass line), bf16 in and out. A core built without
+        # unary functions has no stage (its commands never ask for an activation).
         act_en = desc.act_en
-        acts = []
-        for j in range(C):
-            kw = {} if self.functions is None else {"functions": self.functions}
-            ad = ActivationDatapath(leaky_shift=cfg.leaky_shift, **kw)
-            m.submodules[f"act{j}"] = ad
-            acts.append(ad)
-        Lact = ActivationDatapath.LATENCY
-        a_line = [Signal(data.StructLayout({"meta": meta, "val": acc_word}), name=f"act_bypass{s}") for s in range(Lact)]
-        with m.If(epi_advance):
-            m.d.sync += [a_line[0].meta.eq(b_meta)]
-            for j in range(C):
-                m.d.sync += a_line[0].val[j].eq(b_vals[j])
-            for s in range(1, Lact):
-                m.d.sync += a_line[s].eq(a_line[s - 1])
-        for j in range(C):
-            m.d.comb += [
-                acts[j].advance.eq(epi_advance),
-                # The adders also run during the MAC phase: only epilogue values go on.
-                acts[j].i_valid.eq(b_valid & epi_phase),
-                acts[j].i.x.eq(convert.from_f32(b_vals[j])),
-                acts[j].i.g.eq(0),
-                acts[j].i.func.eq(desc.act_func),
-            ]
-        f_valid = acts[0].o_valid
-        f_meta = a_line[Lact - 1].meta
+        unary = tuple(f for f in cfg.built_functions if f in UNARY_FUNCTIONS)
         fp32_vals, bf16_vals = [], []
-        for j in range(C):
-            acc32 = a_line[Lact - 1].val[j]
-            fp32_vals.append(Mux(act_en, convert.to_f32(acts[j].o), acc32))
-            bf16_vals.append(Mux(act_en, acts[j].o, convert.from_f32(acc32)))
+        if not unary:
+            # The adders also run during the MAC phase: only epilogue values go on.
+            f_valid, f_meta = b_valid & epi_phase, b_meta
+            for j in range(C):
+                fp32_vals.append(b_vals[j])
+                bf16_vals.append(convert.from_f32(b_vals[j]))
+        else:
+            acts = []
+            for j in range(C):
+                ad = ActivationDatapath(leaky_shift=cfg.leaky_shift, functions=cfg.built_functions)
+                m.submodules[f"act{j}"] = ad
+                acts.append(ad)
+            Lact = ActivationDatapath.LATENCY
+            a_line = [Signal(data.StructLayout({"meta": meta, "val": acc_word}), name=f"act_bypass{s}")
+                      for s in range(Lact)]
+            with m.If(epi_advance):
+                m.d.sync += [a_line[0].meta.eq(b_meta)]
+                for j in range(C):
+                    m.d.sync += a_line[0].val[j].eq(b_vals[j])
+                for s in range(1, Lact):
+                    m.d.sync += a_line[s].eq(a_line[s - 1])
+            for j in range(C):
+                m.d.comb += [
+                    acts[j].advance.eq(epi_advance),
+                    # The adders also run during the MAC phase: only epilogue values go on.
+                    acts[j].i_valid.eq(b_valid & epi_phase),
+                    acts[j].i.x.eq(convert.from_f32(b_vals[j])),
+                    acts[j].i.g.eq(0),
+                    acts[j].i.func.eq(desc.act_func),
+                ]
+            f_valid = acts[0].o_valid
+            f_meta = a_line[Lact - 1].meta
+            for j in range(C):
+                acc32 = a_line[Lact - 1].val[j]
+                fp32_vals.append(Mux(act_en, convert.to_f32(acts[j].o), acc32))
+                bf16_vals.append(Mux(act_en, acts[j].o, convert.from_f32(acc32)))
 
         # Output stage: a register for fp32/bf16, the quantizer for BFP.
         out_reg = Signal(output_layout(cfg))
         out_valid = Signal()
-        m.submodules.quantize = qz = Quantize(mb, cfg.tile, C, "fp32")
-        m.d.comb += [qz.rounding.eq(desc.rounding), qz.seed.eq(desc.seed), qz.clear.eq(start)]
         sink_ready = Signal()
-        m.d.comb += sink_ready.eq(Mux(bfp_out, qz.i.ready, self.o.ready))
         m.d.comb += epi_advance.eq(~out_valid | sink_ready)
         with m.If(epi_advance):
             m.d.sync += out_valid.eq(f_valid & epi_phase)
@@ -515,31 +526,37 @@ class GemmCore(wiring.Component):
                 inside = (f_meta.row < desc.m) & (f_meta.col + j < desc.n)
                 val = Mux(desc.out_format == OUT_FORMATS["bf16"], bf16_vals[j], fp32_vals[j])
                 m.d.sync += out_reg.lanes[j].eq(Mux(inside, val, 0))
-        for j in range(C):
-            m.d.comb += qz.i.payload[j].eq(out_reg.lanes[j])
-        m.d.comb += qz.i.valid.eq(out_valid & bfp_out)
-
-        # BFP output: count tiles so that the last beat of the last tile carries ``last``.
-        tiles_left = Signal(range((D // th) * (D // tw) + 1))
-        with m.If(start):
-            m.d.sync += tiles_left.eq(0)
-        with m.If(epi_start):
-            m.d.sync += tiles_left.eq(tiles_m * tiles_n)
-        q_last = qz.o.payload.last & (tiles_left == 1)
-        with m.If(bfp_out):
-            m.d.comb += [
-                self.o.valid.eq(qz.o.valid),
-                qz.o.ready.eq(self.o.ready),
-                self.o.payload.exponent.eq(qz.o.payload.exponent),
-                self.o.payload.last.eq(q_last),
-            ]
-            for j in range(C):
-                m.d.comb += self.o.payload.lanes[j].eq(qz.o.payload.codes[j].as_signed())
-        with m.Else():
-            m.d.comb += [self.o.valid.eq(out_valid), self.o.payload.eq(out_reg)]
         out_fire = self.o.valid & self.o.ready
-        with m.If(out_fire & bfp_out & qz.o.payload.last):
-            m.d.sync += tiles_left.eq(tiles_left - 1)
+        if not cfg.bfp_output:  # a reduced core: fp32 and bf16 results only
+            m.d.comb += [sink_ready.eq(self.o.ready), self.o.valid.eq(out_valid), self.o.payload.eq(out_reg)]
+        else:
+            m.submodules.quantize = qz = Quantize(mb, cfg.tile, C, "fp32", stochastic=cfg.stochastic)
+            m.d.comb += [qz.rounding.eq(desc.rounding), qz.seed.eq(desc.seed), qz.clear.eq(start)]
+            m.d.comb += sink_ready.eq(Mux(bfp_out, qz.i.ready, self.o.ready))
+            for j in range(C):
+                m.d.comb += qz.i.payload[j].eq(out_reg.lanes[j])
+            m.d.comb += qz.i.valid.eq(out_valid & bfp_out)
+
+            # BFP output: count tiles so that the last beat of the last tile carries ``last``.
+            tiles_left = Signal(range((D // th) * (D // tw) + 1))
+            with m.If(start):
+                m.d.sync += tiles_left.eq(0)
+            with m.If(epi_start):
+                m.d.sync += tiles_left.eq(tiles_m * tiles_n)
+            q_last = qz.o.payload.last & (tiles_left == 1)
+            with m.If(bfp_out):
+                m.d.comb += [
+                    self.o.valid.eq(qz.o.valid),
+                    qz.o.ready.eq(self.o.ready),
+                    self.o.payload.exponent.eq(qz.o.payload.exponent),
+                    self.o.payload.last.eq(q_last),
+                ]
+                for j in range(C):
+                    m.d.comb += self.o.payload.lanes[j].eq(qz.o.payload.codes[j].as_signed())
+            with m.Else():
+                m.d.comb += [self.o.valid.eq(out_valid), self.o.payload.eq(out_reg)]
+            with m.If(out_fire & bfp_out & qz.o.payload.last):
+                m.d.sync += tiles_left.eq(tiles_left - 1)
         with m.If(out_fire & self.o.payload.last):
             m.d.sync += [busy.eq(0), epi_phase.eq(0)]
         return m

@@ -25,15 +25,19 @@ def components(cfg: CoreConfig) -> dict:
     (the accelerator with its protocol engine, default link parameters) needs a square array
     and is left out otherwise."""
     m, tk = cfg.mantissa_bits, cfg.tk
-    functions = cfg.functions or activation.FUNCTIONS
+    functions = cfg.built_functions
     tops = {"top": lambda: top.AcceleratorTop(cfg)} if cfg.rows == cfg.cols else {}
+    units = {}  # the optional units, when built
+    if functions:
+        units["activation"] = lambda: activation.Activation(functions=functions, leaky_shift=cfg.leaky_shift)
+    if cfg.value_quantizer or cfg.bfp_output:
+        units["quantize"] = lambda: quantize.Quantize(m, cfg.tile, cfg.cols, "fp32", stochastic=cfg.stochastic)
     return {
         "gemm_core": lambda: gemm_core.GemmCore(cfg),
         "mac_array": lambda: mac_array.MacArray(cfg.rows, cfg.cols, tk, m, m),
         "normalize": lambda: normalize.Normalize(psum_width(m, m, tk), m, m),
         "add_f32": lambda: add_f32.AddF32(),
-        "activation": lambda: activation.Activation(functions=functions, leaky_shift=cfg.leaky_shift),
-        "quantize": lambda: quantize.Quantize(m, cfg.tile, cfg.cols, "fp32"),
+        **units,
         "operand_buffer_a": lambda: buffers.OperandBuffer(cfg.rows, m, cfg.size, cfg.size),
         "operand_buffer_b": lambda: buffers.OperandBuffer(cfg.cols, m, cfg.size, cfg.size),
         **tops,
@@ -57,14 +61,14 @@ def parameters(cfg: CoreConfig) -> dict:
             "out_formats": core.OUT_FORMATS,
             "rounding": ROUNDING_CODES,
             "functions": {name: i for i, name in enumerate(activation.FUNCTIONS)},
-            "functions_built": list(cfg.functions or activation.FUNCTIONS),
+            "functions_built": list(cfg.built_functions),
         },
         "ports": {
             "w": {name: _width(f.shape) for name, f in core.write_layout(cfg)},
             "cmd": {name: _width(f.shape) for name, f in core.command_layout(cfg)},
             "o": {name: _width(f.shape) for name, f in core.output_layout(cfg)},
         },
-        "rom_bits": activation.rom_bits(cfg.functions or activation.FUNCTIONS),
+        "rom_bits": activation.rom_bits(cfg.built_functions) if cfg.built_functions else 0,
     }
 
 

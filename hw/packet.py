@@ -341,7 +341,7 @@ class ResultSerializer(wiring.Component):
         cols_left = Signal(range(cfg.size + 1))  # columns of the row from this beat on
         tile_beat = Signal(range(beats_per_tile))
         exp_sent = Signal()
-        bfp = self.out_format == OUT_FORMATS["bfp"]
+        bfp = self.out_format == OUT_FORMATS["bfp"] if cfg.bfp_output else Const(0)
         bytes_per_lane = Mux(bfp, self.code_bytes, Mux(self.out_format == OUT_FORMATS["bf16"], 2, 4))
         lanes_here = Mux(bfp | (cols_left >= C), C, cols_left)
         exp_phase = bfp & (tile_beat == 0) & ~exp_sent
@@ -407,8 +407,9 @@ class PacketEngine(wiring.Component):
     Deciding (2 cycles after the last CRC byte): the first failing check gives the status:
     CRC, version, opcode, then per command: a length too short for the command's fixed part,
     the region (WRITE: BAD_ADDRESS, also for an unknown target), the descriptor (encoding,
-    rounding; GEMM/READ: sides, transposes, activation, format, rounding; ELEMENTWISE: the
-    function), and last the length against what the fields imply. Two exceptions come
+    rounding; GEMM/READ: sides, transposes, activation, format, rounding; a reduced device's
+    omitted units, ``CoreConfig.value_quantizer``, ``bfp_output``, ``stochastic``;
+    ELEMENTWISE: the function), and last the length against what the fields imply. Two exceptions come
     earlier: a length beyond ``max_payload`` is refused (BAD_LENGTH) as soon as the header
     is in, and then ``length + 4`` bytes are skipped (or until ``frame_timeout`` cycles pass
     without a byte); a frame that stops for ``frame_timeout`` cycles after its magic gets a
@@ -447,7 +448,7 @@ class PacketEngine(wiring.Component):
         self.max_payload = max_payload
         self.frame_timeout = frame_timeout
         self.code_bytes = 1 if cfg.mantissa_bits <= 8 else 2
-        self.functions = tuple(n for n in FUNCTIONS if n in (cfg.functions or FUNCTIONS))
+        self.functions = cfg.built_functions
         C = cfg.cols
         super().__init__({
             "i": In(stream.Signature(8)),
@@ -488,6 +489,7 @@ class PacketEngine(wiring.Component):
             clock_hz=self.clock_hz,
             max_payload=self.max_payload,
             frame_timeout=self.frame_timeout,
+            omitted=cfg.omitted,
         ))
 
     def elaborate(self, platform):
@@ -550,7 +552,13 @@ class PacketEngine(wiring.Component):
                 Mux(w_target == Target.BIAS, (w_row == 0) & (w_rows == 1) & in_elements & chunked,
                     Mux(is_values, in_elements & tiled, 0))))
         value_bf16 = w_encoding == protocol.Encoding.BF16
+        stochastic = ROUNDING_CODES["stochastic"]
         write_desc_ok = ~is_values | ((w_encoding <= max(protocol.Encoding)) & (w_rounding <= max(ROUNDING_CODES.values())))
+        # A reduced device refuses the work of the units it was built without (CoreConfig).
+        if not cfg.value_quantizer:
+            write_desc_ok = ~is_values
+        elif not cfg.stochastic:
+            write_desc_ok = write_desc_ok & (w_rounding != stochastic)
         element_bytes = Mux(is_codes, cb, Mux(is_exps, 1, Mux(is_values & value_bf16, 2, 4)))
         region = Signal(32)
         m.d.comb += region.eq(w_rows * w_cols)
@@ -576,6 +584,11 @@ class PacketEngine(wiring.Component):
         transposes_ok = 1 if cfg.square else (is_read | (~flag["transpose_a"] & flag["transpose_b"]))
         command_ok = (sides_ok & act_ok & transposes_ok & (c_format <= max(OUT_FORMATS.values()))
                       & (c_rounding <= max(ROUNDING_CODES.values())))
+        c_bfp = c_format == OUT_FORMATS["bfp"]
+        if not cfg.bfp_output:
+            command_ok = command_ok & ~c_bfp
+        elif not cfg.stochastic:
+            command_ok = command_ok & ~(c_bfp & (c_rounding == stochastic))
         tiles = Signal(32)
         m.d.comb += tiles.eq(_ceil_div(c_m, th, D) * _ceil_div(c_n, tw, D))
         elements = Signal(32)
@@ -891,7 +904,10 @@ class PacketEngine(wiring.Component):
                 m.d.comb += [count_status.eq(1), counted.eq(status)]
                 # Registers of the WRITE replay (used only if it runs).
                 m.d.sync += [
-                    path.eq(Mux(is_op[Op.ELEMENTWISE], PATH_ACT, Mux(is_values, PATH_VALUES, PATH_ROWS))),
+                    # Paths to units a reduced device lacks are never taken (refused above):
+                    # their logic is not built.
+                    path.eq(Mux(is_op[Op.ELEMENTWISE] if self.functions else 0, PATH_ACT,
+                                Mux(is_values if cfg.value_quantizer else 0, PATH_VALUES, PATH_ROWS))),
                     wr_target.eq(Mux(is_values, w_target - (Target.A_VALUES - Target.A_CODES), w_target)),
                     wr_row.eq(w_row),
                     wr_col.eq(w_col),
@@ -978,7 +994,7 @@ class PacketEngine(wiring.Component):
                         with m.If(r_stream == 0):
                             m.next = "HUNT"
             with m.State("REPLY_STREAM"):
-                with m.If(is_op[Op.ELEMENTWISE]):
+                with m.If(path == PATH_ACT):  # ELEMENTWISE
                     m.d.comb += [
                         tx.valid.eq(self.act_o.valid),
                         tx.payload.eq(Mux(act_high, self.act_o.payload[8:], self.act_o.payload[:8])),

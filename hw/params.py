@@ -78,9 +78,26 @@ class CoreConfig:
     size: int = 96
     functions: tuple[str, ...] | None = None  # None: every function of hw.activation.FUNCTIONS
     leaky_shift: int = 7
+    value_quantizer: bool = True
+    bfp_output: bool = True
+    stochastic: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "tile", tuple(self.tile))
+        from hbfp.host.protocol import UNITS  # here: hbfp.host imports this module
+
+        for name in UNITS:
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.functions is not None:
+            from .activation import FUNCTIONS
+
+            unknown = [f for f in self.functions if f not in FUNCTIONS]
+            if isinstance(self.functions, str) or unknown:
+                raise ValueError(f"functions must be names of {', '.join(FUNCTIONS)} (or None: all of them), "
+                                 f"got {self.functions!r}")
+        if self.stochastic and not (self.value_quantizer or self.bfp_output):
+            raise ValueError("stochastic rounding needs a quantizer: value_quantizer or bfp_output")
         for name in ("rows", "cols"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
@@ -107,6 +124,21 @@ class CoreConfig:
         from hbfp.golden.bfp import Format
 
         return Format(self.mantissa_bits, self.tile, rounding)
+
+    @property
+    def built_functions(self) -> tuple[str, ...]:
+        """The activation units built, in ``hw.activation.FUNCTIONS`` order: every one for
+        ``functions`` None, none for an empty tuple."""
+        from .activation import FUNCTIONS  # here: hw.activation imports this module
+
+        return tuple(f for f in FUNCTIONS if self.functions is None or f in self.functions)
+
+    @property
+    def omitted(self) -> int:
+        """IDENTIFY's mask of the units left out (``hbfp.host.protocol.UNITS``)."""
+        from hbfp.host.protocol import UNITS
+
+        return sum(1 << bit for name, bit in UNITS.items() if not getattr(self, name))
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

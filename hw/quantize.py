@@ -112,13 +112,18 @@ class Quantize(wiring.Component):
     in which the tile's last input beat is accepted (without output stalls), i.e. T/L + 5
     cycles after its first beat on a gapless stream.
 
+    ``stochastic`` False builds no random generator (no key, no multiplies): the stochastic
+    code then rounds to nearest even like the unused code 3, and ``seed`` is unused. A reduced
+    device (``CoreConfig.stochastic``) refuses stochastic requests before they get here.
+
     Resources: a 2T/L x (L * input width) simple dual-port memory; per lane an 8-bit
     max, a 55-bit right shifter, two 32-bit constant multiplies (low halves, one pipeline stage
     each, as trees of 12-13 adders: no DSP blocks) and the rounding logic; two more constant
-    multiplies for the key.
+    multiplies for the key. Without ``stochastic``, no multiplies.
     """
 
-    def __init__(self, mantissa_bits: int, tile: tuple[int, int], lanes: int, input_format: str = "fp32"):
+    def __init__(self, mantissa_bits: int, tile: tuple[int, int], lanes: int, input_format: str = "fp32", *,
+                 stochastic: bool = True):
         try:
             fmt = self._check(mantissa_bits, tile, lanes, input_format)
         except (ValueError, TypeError):
@@ -132,6 +137,7 @@ class Quantize(wiring.Component):
         self.tile = fmt.tile
         self.lanes = lanes
         self.input_format = input_format
+        self.stochastic = bool(stochastic)
         self.tile_elements = rows * cols
         self.beats_per_tile = rows * cols // lanes
         self.element_width = INPUT_FORMATS[input_format]
@@ -171,12 +177,13 @@ class Quantize(wiring.Component):
         ew = self.element_width
 
         # ---- the key: mix32(seed ^ SEED_SALT), one multiply per stage -------------------------
-        key_h1 = Signal(32)
-        key_h2 = Signal(32)
         key = Signal(32)
-        m.d.sync += key_h1.eq(_mix32_first(self.seed ^ SEED_SALT))
-        m.d.comb += key_h2.eq(_mix32_second(key_h1))
-        m.d.sync += key.eq(key_h2 ^ (key_h2 >> 16))
+        if self.stochastic:
+            key_h1 = Signal(32)
+            key_h2 = Signal(32)
+            m.d.sync += key_h1.eq(_mix32_first(self.seed ^ SEED_SALT))
+            m.d.comb += key_h2.eq(_mix32_second(key_h1))
+            m.d.sync += key.eq(key_h2 ^ (key_h2 >> 16))
 
         # ---- the tile buffer: two banks of B beats -----------------------------------------------
         m.submodules.mem = mem = Memory(shape=unsigned(ew * L), depth=2 * B, init=[])
@@ -336,9 +343,10 @@ class Quantize(wiring.Component):
             shift = Signal(range(2**EXP_WIDTH + _MAX_MANTISSA), name=f"s1_shift{l}")
             m.d.comb += shift.eq(s1_exp - field + (_MAX_MANTISSA - mb))  # E - field >= 0: E is the tile's max
             with m.If(advance):
+                if self.stochastic:  # stage 1 -> 2: the random generator's counter and key
+                    m.d.sync += s2_h[l].eq((s1_n + l) ^ s1_key)
                 m.d.sync += [
-                    # Stage 1 -> 2: the random generator's counter and key; the element decoded.
-                    s2_h[l].eq((s1_n + l) ^ s1_key),
+                    # Stage 1 -> 2: the element decoded.
                     s2_sig[l].eq(Cat(x[:_FRAC_BITS], 1)),
                     s2_shift[l].eq(Mux(shift > _SHIFT_CLAMP, _SHIFT_CLAMP, shift)),
                     s2_sign[l].eq(x[-1]),
@@ -351,14 +359,16 @@ class Quantize(wiring.Component):
             m.d.comb += aligned.eq(Cat(Const(0, _SHIFT_CLAMP), s2_sig[l]) >> s2_shift[l])
             drop = _SHIFT_CLAMP - _PRESHIFT
             with m.If(advance):
+                if self.stochastic:  # the two multiplies of mix32, a stage each; R is the top bits
+                    m.d.sync += [
+                        s3_h[l].eq(_mix32_first(s2_h[l])),
+                        s4_r[l].eq(_mix32_second(s3_h[l])[32 - RANDOM_BITS:]),
+                    ]
                 m.d.sync += [
-                    s3_h[l].eq(_mix32_first(s2_h[l])),
                     s3_a[l].eq(aligned[drop:drop + a_width]),
                     s3_sticky[l].eq(aligned[:drop].any()),
                     s3_sign[l].eq(s2_sign[l]),
                     s3_zero[l].eq(s2_zero[l]),
-                    # Stage 3 -> 4: the second multiply; its top bits are R.
-                    s4_r[l].eq(_mix32_second(s3_h[l])[32 - RANDOM_BITS:]),
                     s4_a[l].eq(s3_a[l]),
                     s4_sticky[l].eq(s3_sticky[l]),
                     s4_sign[l].eq(s3_sign[l]),
@@ -372,8 +382,9 @@ class Quantize(wiring.Component):
             with m.Switch(s4_rnd):
                 with m.Case(ROUNDING_CODES["toward_zero"]):
                     m.d.comb += up.eq(0)
-                with m.Case(ROUNDING_CODES["stochastic"]):
-                    m.d.comb += up.eq((frac + s4_r[l])[RANDOM_BITS])
+                if self.stochastic:
+                    with m.Case(ROUNDING_CODES["stochastic"]):
+                        m.d.comb += up.eq((frac + s4_r[l])[RANDOM_BITS])
                 with m.Default():  # nearest_even
                     m.d.comb += up.eq(frac[-1] & (q_int[0] | frac[:-1].any() | s4_sticky[l]))
             q = Signal(mb, name=f"s4_q{l}")  # <= 2**(m-1): q_int <= 2**(m-1) - 1

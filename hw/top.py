@@ -16,7 +16,7 @@ from amaranth import Module
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from .activation import FUNCTIONS, Activation
+from .activation import Activation
 from .gemm_core import GemmCore
 from .packet import BytePacker, ByteUnpacker, PacketEngine, beat_layout
 from .params import CoreConfig
@@ -32,8 +32,8 @@ DEFAULT_FRAME_TIMEOUT = 1 << 20
 
 
 class AcceleratorTop(wiring.Component):
-    """The whole device: packet engine, ``GemmCore(cfg)``, an input quantizer and a bf16
-    activation unit, behind two byte streams.
+    """The whole device: packet engine, ``GemmCore(cfg)``, an input quantizer (unless
+    ``cfg.value_quantizer`` is False) and a bf16 activation unit, behind two byte streams.
 
     Ports: ``i`` (in) and ``o`` (out), streams of ``beat_layout(stream_bytes)``: ``data``
     lanes of one byte, lane 0 first on the wire, and ``keep`` (bit b: lane b holds a byte).
@@ -89,8 +89,6 @@ class AcceleratorTop(wiring.Component):
             max_payload=self.max_payload, frame_timeout=self.frame_timeout)
         m.submodules.packer = packer = BytePacker(self.stream_bytes)
         m.submodules.core = core = GemmCore(cfg)
-        m.submodules.quantize = qz = Quantize(cfg.mantissa_bits, cfg.tile, cfg.cols, "fp32")
-        m.submodules.activation = act = Activation(functions=cfg.functions or FUNCTIONS, leaky_shift=cfg.leaky_shift)
 
         wiring.connect(m, wiring.flipped(self.i), unpacker.i)
         wiring.connect(m, unpacker.o, engine.i)
@@ -102,10 +100,17 @@ class AcceleratorTop(wiring.Component):
         wiring.connect(m, core.o, engine.result)
         m.d.comb += engine.core_cycles.eq(core.cycles)
 
-        wiring.connect(m, engine.q_i, qz.i)
-        wiring.connect(m, qz.o, engine.q_o)
-        m.d.comb += [qz.rounding.eq(engine.q_rounding), qz.seed.eq(engine.q_seed), qz.clear.eq(engine.q_clear)]
+        # Without the value quantizer the engine refuses WRITEs of values: q_i and q_o stay idle.
+        if cfg.value_quantizer:
+            m.submodules.quantize = qz = Quantize(cfg.mantissa_bits, cfg.tile, cfg.cols, "fp32",
+                                                  stochastic=cfg.stochastic)
+            wiring.connect(m, engine.q_i, qz.i)
+            wiring.connect(m, qz.o, engine.q_o)
+            m.d.comb += [qz.rounding.eq(engine.q_rounding), qz.seed.eq(engine.q_seed), qz.clear.eq(engine.q_clear)]
 
-        wiring.connect(m, engine.act_i, act.i)
-        wiring.connect(m, act.o, engine.act_o)
+        # Without activation units the engine refuses ELEMENTWISE: act_i and act_o stay idle.
+        if cfg.built_functions:
+            m.submodules.activation = act = Activation(functions=cfg.built_functions, leaky_shift=cfg.leaky_shift)
+            wiring.connect(m, engine.act_i, act.i)
+            wiring.connect(m, act.o, engine.act_o)
         return m

@@ -36,6 +36,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from hbfp.host import protocol
+
 from .harness import build
 
 __all__ = ["SimDevice", "SimBackend", "backend", "parse_arg", "top_library", "DEFAULT_TIMEOUT_CYCLES",
@@ -279,13 +281,19 @@ def _parse_tile(v: str):
     return tuple(int(p) for p in parts) if len(parts) == 2 else (int(v), int(v))
 
 
-def _parse_format(v: str):
-    # The named formats of the ``emu`` backend, so that "emu:ARG" and "sim:ARG" agree.
-    from hbfp.host.emu import _FORMATS
+def _emu():
+    # The ``emu`` backend's spellings of formats, units and functions, so that "emu:ARG" and
+    # "sim:ARG" agree.
+    from hbfp.host import emu
 
-    if v.upper() not in _FORMATS:
-        raise ValueError(f"unknown format {v!r}; known: {', '.join(_FORMATS)}")
-    return _FORMATS[v.upper()]
+    return emu
+
+
+def _parse_format(v: str):
+    formats = _emu()._FORMATS
+    if v.upper() not in formats:
+        raise ValueError(f"unknown format {v!r}; known: {', '.join(formats)}")
+    return formats[v.upper()]
 
 
 _ARG_FIELDS: dict[str, Callable[[str], object]] = {
@@ -295,19 +303,23 @@ _ARG_FIELDS: dict[str, Callable[[str], object]] = {
     "mantissa_bits": int,
     "tile": _parse_tile,
     "size": int,
-    "functions": lambda v: tuple(f for f in v.replace("+", " ").replace(":", " ").split() if f),
+    "functions": lambda v: _emu().parse_functions(v),
     "leaky_shift": int,
+    "value_quantizer": lambda v: _emu().parse_bool(v),
+    "bfp_output": lambda v: _emu().parse_bool(v),
+    "stochastic": lambda v: _emu().parse_bool(v),
     "stream_bytes": int,
     "frame_timeout": int,
     "clock_hz": int,
     "max_payload": int,
     "threads": int,
-    "buffered": lambda v: v.strip().lower() not in ("0", "false", "no", "off"),
+    "buffered": lambda v: _emu().parse_bool(v),
     "timeout_cycles": int,
     "uart": int,
     "fifo_depth": int,
 }
-_CORE_FIELDS = ("rows", "cols", "mantissa_bits", "tile", "size", "functions", "leaky_shift")
+_CORE_FIELDS = ("rows", "cols", "mantissa_bits", "tile", "size", "functions", "leaky_shift",
+                "value_quantizer", "bfp_output", "stochastic")
 _TOP_FIELDS = ("stream_bytes", "frame_timeout", "clock_hz", "max_payload")
 
 
@@ -391,8 +403,9 @@ def top_library(options: dict | None = None, *, progress: Callable[[str], None] 
 class SimBackend:
     """The ``sim`` entry of the ``hbfp.devices`` group."""
 
+    ABI_VERSION = protocol.ABI_VERSION  # the gateware's packet engine encodes it from the same module
+
     name = "sim"
-    ABI_VERSION = (1, 0)
     description = "the gateware's Verilog under Verilator (hw.top.AcceleratorTop), cycle-accurate"
 
     def open(self, arg: str = "", **options) -> SimDevice:

@@ -11,6 +11,10 @@ Configuration (``tb_config()``): the ``CoreConfig`` fields, ``built`` (the funct
 ``stream_bytes``, ``clock_hz``, ``max_payload``, ``frame_timeout``, ``seed``, ``stall`` and
 ``products`` (how many random products ``random_products`` runs, ``max_side`` their largest
 side).
+
+A reduced device (``CoreConfig``'s ``value_quantizer``, ``bfp_output``, ``stochastic`` False,
+or few ``functions``) gets only requests for the units it has, except in ``bad_frames`` and
+where a test checks that the device refuses the others (BAD_DESCRIPTOR) and keeps working.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from hbfp.sim.runner import CLOCK_PERIOD_NS, tb_config
 from hbfp.sim.streams import StreamSource, start_clock_and_reset
 
 ROUNDINGS = ("nearest_even", "toward_zero", "stochastic")
+LOADS = ("codes", "fp32", "bf16")
 #: Cycles to wait for a reply (the longest: a product's run plus its reply at 1 byte/cycle).
 REPLY_TIMEOUT = 200_000
 
@@ -119,6 +124,43 @@ class Link:
 
     async def idle(self, cycles: int) -> None:
         await ClockCycles(self.dut.clk, cycles)
+
+
+# ---- the device's optional units (hw.params.CoreConfig) -------------------------------------
+
+
+def has(cfg: dict, unit: str) -> bool:
+    """Whether the device was built with ``unit`` (a ``protocol.UNITS`` name)."""
+    return bool(cfg.get(unit, True))
+
+
+def omitted_mask(cfg: dict) -> int:
+    """IDENTIFY's ``omitted``: a bit per unit left out."""
+    return sum(1 << bit for unit, bit in protocol.UNITS.items() if not has(cfg, unit))
+
+
+def roundings(cfg: dict) -> tuple[str, ...]:
+    """The roundings the device's quantizers do (values WRITEs, BFP results)."""
+    return ROUNDINGS if has(cfg, "stochastic") else ROUNDINGS[:2]
+
+
+def loads(cfg: dict) -> tuple[str, ...]:
+    """The ways to load an operand: codes, or values the device quantizes."""
+    return LOADS if has(cfg, "value_quantizer") else LOADS[:1]
+
+
+def out_formats(cfg: dict) -> tuple[OutFormat, ...]:
+    return tuple(OutFormat) if has(cfg, "bfp_output") else (OutFormat.FP32, OutFormat.BF16)
+
+
+def activations_built(cfg: dict) -> list[str]:
+    """The unary functions built: a GEMM's or READ's activations."""
+    return [f for f in cfg["built"] if f in UNARY_FUNCTIONS]
+
+
+def refused_unless(present: bool) -> int:
+    """The status of a request the device serves only with a unit."""
+    return Status.OK if present else Status.BAD_DESCRIPTOR
 
 
 # ---- requests, replies and the golden model --------------------------------------------------
@@ -403,10 +445,12 @@ async def run_product(dev: Device, rng: random.Random, nrng: np.random.Generator
     if prod["read"]:
         # READ re-reads the accumulator the GEMM left (its sums before bias and activation)
         # through another epilogue.
-        r_out = rng.choice(list(OutFormat))
-        r_act = rng.choice([None] + [f for f in dev.cfg["built"] if f in UNARY_FUNCTIONS])
+        # (An fp32 or bf16 result ignores its rounding: any valid code, even one the device's
+        # quantizers lack.)
+        r_out = rng.choice(out_formats(dev.cfg))
+        r_act = rng.choice([None] + activations_built(dev.cfg))
         r_bias = bias is not None and rng.random() < 0.5
-        r_round = rng.choice(ROUNDINGS)
+        r_round = rng.choice(roundings(dev.cfg) if r_out == OutFormat.BFP else ROUNDINGS)
         r_seed = rng.randrange(1 << 32)
         r_fmt = dev.fmt.with_rounding(r_round) if r_out == OutFormat.BFP else ("fp32", "bf16")[r_out]
         want = gemm(qa, qb, c=c, bias=bias if r_bias else None, activation=r_act, out=r_fmt,
@@ -418,15 +462,13 @@ async def run_product(dev: Device, rng: random.Random, nrng: np.random.Generator
         dev.last_cycles = None  # READ's count is not in its reply
 
 
-LOADS = ("codes", "fp32", "bf16")
-
-
 def random_product(rng: random.Random, cfg: dict, index: int = 0) -> dict:
     """A random product; ``index`` rotates the output format and the ways A and B are
-    loaded, so that a few products cover all of them."""
+    loaded (those the device has), so that a few products cover all of them."""
     side = cfg["max_side"]
     square = cfg["tile"][0] == cfg["tile"][1]
-    out = OutFormat(index % 3)
+    outs, lds, rnds = out_formats(cfg), loads(cfg), roundings(cfg)
+    out = outs[index % len(outs)]
     acc = rng.random() < 0.4
     return dict(
         m=rng.randint(1, side), n=rng.randint(1, side), k=rng.randint(1, side),
@@ -434,13 +476,13 @@ def random_product(rng: random.Random, cfg: dict, index: int = 0) -> dict:
         tb=bool(rng.randint(0, 1)) if square else True,
         acc=acc,
         bias=rng.random() < 0.4,
-        act=rng.choice([None, None] + [f for f in cfg["built"] if f in UNARY_FUNCTIONS]),
+        act=rng.choice([None, None] + activations_built(cfg)),
         out=out,
-        rounding=rng.choice(ROUNDINGS) if out == OutFormat.BFP else "nearest_even",
+        rounding=rng.choice(rnds) if out == OutFormat.BFP else "nearest_even",
         seed=rng.randrange(1 << 32),
-        load_a=LOADS[index % 3],
-        load_b=LOADS[(index + 1 + index // 3) % 3],
-        in_rounding=ROUNDINGS[(index + index // 3) % 3],
+        load_a=lds[index % len(lds)],
+        load_b=lds[(index + 1 + index // 3) % len(lds)],
+        in_rounding=rnds[(index + index // 3) % len(rnds)],
         specials=index % 4 == 1,
         read=rng.random() < 0.5,
         corrupt=rng.random() < 0.5,
@@ -470,12 +512,14 @@ async def identify_status_reset(dut):
         stream_bytes=cfg["stream_bytes"], rows=cfg["rows"], cols=cfg["cols"], mantissa_bits=cfg["mantissa_bits"],
         tile_rows=cfg["tile"][0], tile_cols=cfg["tile"][1], leaky_shift=cfg["leaky_shift"], size=cfg["size"],
         functions_mask=mask, clock_hz=cfg["clock_hz"], max_payload=cfg["max_payload"],
-        frame_timeout=cfg["frame_timeout"])
+        frame_timeout=cfg["frame_timeout"], omitted=omitted_mask(cfg))
     assert ident == want, f"IDENTIFY {ident} != {want}"
+    assert ident.units == tuple(u for u in protocol.UNITS if has(cfg, u))
     await dev.check_status()
-    # Empty regions are valid, empty WRITEs.
+    # Empty regions are valid, empty WRITEs (of values: only on a device that quantizes them).
     await dev.write(Target.A_CODES, 0, 0, 0, cfg["cols"], b"")
-    await dev.write(Target.B_VALUES, 0, 0, cfg["tile"][0], 0, b"")
+    await dev.request(Op.WRITE, protocol.encode_write(Target.B_VALUES, 0, 0, cfg["tile"][0], 0, b""),
+                      status=refused_unless(has(cfg, "value_quantizer")))
     await dev.write(Target.A_EXPONENTS, 1, 1, 0, 0, b"")
     await dev.request(0x55, status=Status.BAD_OPCODE)
     await dev.check_status()
@@ -501,7 +545,8 @@ async def random_products(dut):
 
 @cocotb.test()
 async def write_acc_read(dut):
-    """The accumulator written and read back (K = 0 through the epilogue), with bias."""
+    """The accumulator written and read back (K = 0 through the epilogue), with bias, in
+    each output format the device has (BFP in two roundings)."""
     cfg, rng, dev = await setup(dut)
     nrng = np.random.default_rng(cfg["seed"] + 1)
     m, n = rng.randint(1, cfg["max_side"]), rng.randint(1, cfg["max_side"])
@@ -515,20 +560,40 @@ async def write_acc_read(dut):
     th, tw = dev.tile
     zero_a = BFPTensor(np.zeros((m, 1), dev.fmt.code_dtype), np.zeros((-(-m // th), 1), np.uint8), dev.fmt)
     zero_b = BFPTensor(np.zeros((n, 1), dev.fmt.code_dtype), np.zeros((-(-n // th), 1), np.uint8), dev.fmt)
-    for out in OutFormat:  # fp32 as written (DAZ aside); bf16 and BFP with the bias
+    # fp32 as written (DAZ aside); bf16 with the bias and the stochastic rounding code, which
+    # an fp32 or bf16 result ignores (even on a device without stochastic rounding); BFP
+    # (where built) with the bias, rounded to nearest and in the device's last rounding
+    # (stochastic, or toward zero on a device without stochastic rounding).
+    reads = [(OutFormat.FP32, "nearest_even"), (OutFormat.BF16, "stochastic")]
+    if has(cfg, "bfp_output"):
+        reads += [(OutFormat.BFP, "nearest_even"), (OutFormat.BFP, roundings(cfg)[-1])]
+    for out, rounding in reads:
         use_bias = out != OutFormat.FP32
-        fmt = dev.fmt if out == OutFormat.BFP else ("fp32", "bf16")[out]
-        want = gemm(zero_a, zero_b, c=c, bias=bias if use_bias else None, out=fmt, seed=0, transpose_b=True)
-        reply = await dev.request(Op.READ, protocol.encode_read(m, n, out_format=out, bias=use_bias))
-        dev.compare(dev.decode_result(reply.data, m, n, out), want, out, f"READ {OutFormat(out).name}")
+        seed = rng.randrange(1 << 32)
+        fmt = dev.fmt.with_rounding(rounding) if out == OutFormat.BFP else ("fp32", "bf16")[out]
+        want = gemm(zero_a, zero_b, c=c, bias=bias if use_bias else None, out=fmt, seed=seed, transpose_b=True)
+        reply = await dev.request(Op.READ, protocol.encode_read(m, n, out_format=out, bias=use_bias,
+                                                                rounding=ROUNDINGS.index(rounding), seed=seed))
+        dev.compare(dev.decode_result(reply.data, m, n, out), want, out, f"READ {OutFormat(out).name} {rounding}")
     _, _, cycles, _ = await dev.status()
     assert cycles > 0, "STATUS reports the last READ's cycles"
 
 
 @cocotb.test()
 async def elementwise(dut):
-    """ELEMENTWISE: every built function, unary and gradient, on random and special inputs."""
+    """ELEMENTWISE: every built function, unary and gradient, on random and special inputs
+    (a device without functions refuses them all)."""
     cfg, rng, dev = await setup(dut)
+    if not cfg["built"]:
+        for name in ("relu", "relu_grad"):
+            g = b"" if name in UNARY_FUNCTIONS else bytes(4)
+            await dev.request(Op.ELEMENTWISE, protocol.encode_elementwise(FUNCTIONS.index(name), bytes(4), g),
+                              status=Status.BAD_DESCRIPTOR)
+            await dev.request(Op.ELEMENTWISE, protocol.encode_elementwise(FUNCTIONS.index(name), b""),
+                              status=Status.BAD_DESCRIPTOR)
+        await dev.identify()
+        await dev.check_status()
+        return
     nrng = np.random.default_rng(cfg["seed"] + 2)
     specials = np.array([0x0000, 0x8000, 0x0001, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x3F80, 0xBF80, 0x4120, 0xC120],
                         np.uint16)
@@ -622,8 +687,11 @@ async def bad_frames(dut):
     await dev.request(Op.READ, protocol.encode_read(4, 4) + b"\0", status=Status.BAD_LENGTH)
     await dev.request(Op.WRITE, protocol.encode_write(Target.A_CODES, 0, 0, 1, C, bytes(C - 1)), status=Status.BAD_LENGTH)
     await dev.request(Op.WRITE, protocol.encode_write(Target.A_CODES, 0, 0, 1, C, b"")[:15], status=Status.BAD_LENGTH)
-    await dev.request(Op.ELEMENTWISE, protocol.encode_elementwise(FUNCTIONS.index(cfg["built"][0]), bytes(6))[:-1],
-                      status=Status.BAD_LENGTH)
+    if cfg["built"]:
+        await dev.request(Op.ELEMENTWISE, protocol.encode_elementwise(FUNCTIONS.index(cfg["built"][0]), bytes(6))[:-1],
+                          status=Status.BAD_LENGTH)
+    else:  # the function is checked first: only a payload short of the fixed fields will do
+        await dev.request(Op.ELEMENTWISE, protocol.encode_elementwise(0, b"")[:-1], status=Status.BAD_LENGTH)
     # A length beyond max_payload is refused as soon as the header is in; the rest of the
     # frame (length + 4 bytes) is skipped.
     await dev.request(Op.WRITE, bytes(rng.randrange(256) for _ in range(P + 3)), status=Status.BAD_LENGTH)
@@ -680,10 +748,64 @@ async def bad_frames(dut):
     await dev.request(Op.READ, protocol.encode_read(0, 4), status=Status.BAD_DESCRIPTOR)
     await dev.request(Op.READ, protocol.encode_read(4, 4, out_format=3), status=Status.BAD_DESCRIPTOR)
     if unbuilt:
+        await dev.request(Op.READ, protocol.encode_read(4, 4, activation=FUNCTIONS.index(unbuilt[0])),
+                          status=Status.BAD_DESCRIPTOR)
+    if gradient:
+        await dev.request(Op.READ, protocol.encode_read(4, 4, activation=FUNCTIONS.index(gradient[0])),
+                          status=Status.BAD_DESCRIPTOR)
+    if unbuilt:
         await dev.request(Op.ELEMENTWISE, protocol.encode_elementwise(FUNCTIONS.index(unbuilt[0]), bytes(4)),
                           status=Status.BAD_DESCRIPTOR)
     await dev.request(Op.ELEMENTWISE, protocol.encode_elementwise(len(FUNCTIONS), bytes(4)), status=Status.BAD_DESCRIPTOR)
     await works()
+    await dev.check_status()
+
+    # The optional units: a reduced device refuses the work of those it lacks (BAD_DESCRIPTOR)
+    # and goes on working. A device with the unit serves the same requests; they are sent
+    # there only when short (a tile of values, a BFP result of 4 x 4 take up to 2304 and 577
+    # bytes on the byte-wide engine: the products check the same work against the golden
+    # model), and their results are unchecked beyond their size (the buffers hold whatever
+    # came before).
+    vq, bfp, st = (has(cfg, unit) for unit in ("value_quantizer", "bfp_output", "stochastic"))
+    stochastic = ROUNDINGS.index("stochastic")
+    enc_fp32, enc_bf16 = protocol.Encoding.FP32, protocol.Encoding.BF16
+    cheap = 160  # bytes
+    value_writes = [  # (target, rows, encoding, rounding, served)
+        (Target.A_VALUES, th, enc_fp32, 1, vq),
+        (Target.B_VALUES, 0, enc_fp32, 0, vq),  # empty
+        (Target.B_VALUES, th, enc_bf16, stochastic, vq and st),
+        (Target.A_VALUES, 0, enc_bf16, stochastic, vq and st),
+    ]
+    for target, rows, encoding, rounding, served in value_writes:
+        data = bytes(rows * tw * (4 if encoding == enc_fp32 else 2))
+        if served and len(data) > cheap:
+            continue
+        await dev.request(Op.WRITE, protocol.encode_write(target, 0, 0, rows, tw, data, encoding=encoding,
+                                                          rounding=rounding, seed=5), status=refused_unless(served))
+        await works()
+    # GEMM and READ results: BFP needs bfp_output, and stochastic; fp32 and bf16 results take
+    # any valid rounding code.
+    bfp_bytes = -(-4 // th) * -(-4 // tw) * (1 + th * tw * dev.code_dtype.itemsize)
+    results = [  # (opcode, out_format, rounding, served)
+        (Op.GEMM, OutFormat.BFP, 0, bfp),
+        (Op.READ, OutFormat.BFP, 1, bfp),
+        (Op.GEMM, OutFormat.BFP, stochastic, bfp and st),
+        (Op.READ, OutFormat.BFP, stochastic, bfp and st),
+        (Op.GEMM, OutFormat.FP32, stochastic, True),
+        (Op.READ, OutFormat.BF16, stochastic, True),
+    ]
+    for opcode, out, rounding, served in results:
+        if served and out == OutFormat.BFP and bfp_bytes > cheap:
+            continue
+        if opcode == Op.GEMM:
+            payload = protocol.encode_gemm(4, 4, 4, transpose_b=tb, out_format=out, rounding=rounding, seed=9)
+        else:
+            payload = protocol.encode_read(4, 4, out_format=out, rounding=rounding, seed=9)
+        reply = await dev.request(opcode, payload, status=refused_unless(served))
+        if served:
+            dev.decode_result(reply.data[4:] if opcode == Op.GEMM else reply.data, 4, 4, out)  # checks the size
+            dev.last_cycles = struct.unpack_from("<I", reply.data)[0] if opcode == Op.GEMM else None
+        await works()
     await dev.check_status()
 
     # And a product still runs correctly after all that.

@@ -16,11 +16,20 @@ from hbfp.sim import runner
 # "bytes1": a 2x2 core with 12-bit codes (two bytes each on the wire) and 12x12 tiles;
 # "bytes4": a 4x4 HBFP8 core with 24x24 tiles; "mxint8": a 4x4 core with the non-square
 # 1x32 tile, on a 2-byte link, on Icarus only (its build is free). Each max_payload holds a
-# tile of fp32 values and is no power of two.
+# tile of fp32 values and is no power of two. Reduced devices (UNITS below): "reduced", a
+# 2x2 HBFP8 core with none of the optional units; "nostoch", a 4x4 core with 6-bit codes
+# and 16x16 tiles on a 3-byte link whose quantizers round only to nearest and toward zero.
 LINKS = {
     "bytes1": (2, 12, (12, 12), 24, 1, 700, runner.SIMULATORS),
     "bytes4": (4, 8, (24, 24), 48, 4, 3000, runner.SIMULATORS),
     "mxint8": (4, 8, (1, 32), 64, 2, 600, ("icarus",)),
+    "reduced": (2, 8, (24, 24), 24, 1, 2340, runner.SIMULATORS),
+    "nostoch": (4, 6, (16, 16), 32, 3, 1100, ("icarus",)),
+}
+# The CoreConfig fields of the reduced devices (the others are full: every unit, FUNCTIONS).
+UNITS = {
+    "reduced": dict(value_quantizer=False, bfp_output=False, stochastic=False, functions=()),
+    "nostoch": dict(stochastic=False, functions=("relu",)),
 }
 # Icarus compiles any design in seconds, so its cores carry a table activation (gelu) and its
 # gradient; a table unit in each activation lane doubles Verilator's C++ build, so its cores
@@ -39,16 +48,17 @@ ELEMENTWISE = {"verilator": 200, "icarus": 40}
 
 def core_config(sim: str, name: str) -> CoreConfig:
     side, bits, tile, size, *_ = LINKS[name]
-    return CoreConfig(side, side, bits, tile, size, functions=FUNCTIONS[sim])
+    units = {"functions": FUNCTIONS[sim], **UNITS.get(name, {})}
+    return CoreConfig(side, side, bits, tile, size, **units)
 
 
 def tb_config(sim: str, name: str) -> dict:
     *_, stream_bytes, max_payload, _ = LINKS[name]
     products, side = PRODUCTS[sim]
     cfg = core_config(sim, name)
-    d = cfg.to_dict()
+    d = cfg.to_dict()  # value_quantizer, bfp_output, stochastic, functions among them
     d.update(
-        built=list(cfg.functions),
+        built=list(cfg.built_functions),
         stream_bytes=stream_bytes,
         clock_hz=50_000_000,
         max_payload=max_payload,

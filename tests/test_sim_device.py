@@ -244,7 +244,12 @@ def test_parse_arg():
     assert parse_arg("") == {}
     with pytest.raises(ValueError):
         parse_arg("bogus=1")
-    assert backend.ABI_VERSION == (1, 0)
+    # A reduced device: the optional units as the emu backend spells them.
+    assert parse_arg("value_quantizer=0,bfp_output=No,stochastic=off,functions=") == dict(
+        value_quantizer=False, bfp_output=False, stochastic=False, functions=())
+    with pytest.raises(ValueError, match="yes/no"):
+        parse_arg("stochastic=maybe")
+    assert backend.ABI_VERSION == protocol.ABI_VERSION
 
 
 # ---- the accelerator top ----------------------------------------------------------------
