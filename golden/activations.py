@@ -597,9 +597,11 @@ GRADIENTS: Mapping[str, Callable[..., np.ndarray]] = {
 _KINDS = {"unary": UNARY, "deriv": DERIVATIVES, "grad": GRADIENTS}
 
 
-def get(name: str, kind: str = "unary") -> Callable[..., np.ndarray]:
+def get(name: str, kind: str = "unary", leaky_shift: int | None = None) -> Callable[..., np.ndarray]:
     """The function registered as ``name`` in ``UNARY`` (``kind="unary"``), ``DERIVATIVES``
-    (``"deriv"``) or ``GRADIENTS`` (``"grad"``); ``ValueError`` listing the names otherwise."""
+    (``"deriv"``) or ``GRADIENTS`` (``"grad"``); ``ValueError`` listing the names otherwise.
+    ``leaky_shift``: leaky_relu's slope exponent bound into its functions (a device's; None:
+    their default ``LEAKY_SHIFT``)."""
     if kind not in _KINDS:
         raise ValueError(f"unknown kind {kind!r}; expected one of: {', '.join(_KINDS)}")
     registry = _KINDS[kind]
@@ -607,4 +609,8 @@ def get(name: str, kind: str = "unary") -> Callable[..., np.ndarray]:
         raise ValueError(
             f"unknown {kind} activation {name!r}; expected one of: {', '.join(registry)}"
         )
-    return registry[name]
+    fn = registry[name]
+    if name == "leaky_relu" and leaky_shift is not None:
+        shift = check_shift(leaky_shift, "leaky_shift")
+        return lambda *args: fn(*args, shift)
+    return fn

@@ -2,7 +2,8 @@
 
 ``C = act(A @ B + bias)``: for every output, an exact integer partial sum per K-tile, scaled
 by the two tile exponents into fp32 (RNE/FTZ), accumulated in fp32 in ascending K-tile order,
-then the bias, the activation and the output format.
+then the bias, the activation and the output format (``epilogue``: the last two, on their
+own, for a host that applies what a device left out).
 
 Two implementations of the same contract, chosen per call:
 - ``_accumulate_exact``: integer partial sums through float64 BLAS (exact below 2**53),
@@ -25,7 +26,7 @@ from threadpoolctl import ThreadpoolController
 from . import bf16
 from .bfp import EXP_BIAS, EXP_NAN, BFPTensor, Format, quantize
 
-__all__ = ["gemm", "partial_sums", "normalize", "OUTPUTS"]
+__all__ = ["gemm", "epilogue", "partial_sums", "normalize", "OUTPUTS"]
 
 #: Output formats besides a BFP ``Format``.
 OUTPUTS = ("fp32", "bf16")
@@ -203,6 +204,49 @@ def _accumulate_exact(a: BFPTensor, b: BFPTensor, acc: np.ndarray, tk: int, kt_c
     return acc
 
 
+def _activation(name: str | None, leaky_shift: int | None = None):
+    """The bf16 unit called ``name`` (None for None): ``hbfp.golden.activations.get``, with
+    ``leaky_relu``'s slope exponent ``leaky_shift`` (None: the default ``LEAKY_SHIFT``)."""
+    if name is None:
+        return None
+    from . import activations
+
+    return activations.get(name, leaky_shift=leaky_shift)
+
+
+def epilogue(acc, activation: str | None = None, out: str | Format = "fp32", seed: int | None = None, *,
+             leaky_shift: int | None = None):
+    """The end of ``gemm`` after the bias, bit for bit: the activation, then the output format.
+
+    ``acc``: the fp32 sums with the bias added (a float32 array, ``C + A @ B + bias`` as
+    ``gemm`` computes it). ``activation``: a name from ``hbfp.golden.activations.UNARY`` or
+    None; it is applied in bf16 (``acc`` is rounded to bf16 first, RNE/FTZ, so it sees
+    ``bf16.from_f32(acc)`` only), and its bf16 result is widened to fp32 for an fp32 or BFP
+    output. ``leaky_shift``: ``leaky_relu``'s slope exponent (a device's; None: the default
+    ``activations.LEAKY_SHIFT``, as ``gemm`` uses). ``out``: ``"fp32"`` (float32 array),
+    ``"bf16"`` (``ml_dtypes.bfloat16`` array) or a BFP ``Format`` (a BFPTensor quantized
+    whole, ``seed`` for stochastic rounding).
+
+    A device without an activation unit (or without its output quantizer) sends the sums
+    and the host finishes with this (``hbfp.host.Device.gemm``)."""
+    if not (isinstance(out, Format) or out in OUTPUTS):
+        raise ValueError(f"out must be one of {OUTPUTS} or a BFP Format, got {out!r}")
+    act = _activation(activation, leaky_shift)
+    acc = np.asarray(acc)
+    if acc.dtype != np.float32:
+        raise TypeError(f"acc must be float32 (the fp32 sums), got {acc.dtype}")
+    if act is not None:
+        y = act(bf16.from_f32(acc))
+        if out == "bf16":
+            return bf16.to_dtype(y)
+        acc = bf16.to_f32(y)
+    elif out == "bf16":
+        return bf16.to_dtype(bf16.from_f32(acc))
+    if isinstance(out, Format):
+        return quantize(acc, out, seed=seed)
+    return acc
+
+
 def gemm(
     a: BFPTensor,
     b: BFPTensor,
@@ -232,11 +276,7 @@ def gemm(
     m, k, n = _check_operands(a, b)
     if not (isinstance(out, Format) or out in OUTPUTS):
         raise ValueError(f"out must be one of {OUTPUTS} or a BFP Format, got {out!r}")
-    act = None
-    if activation is not None:
-        from . import activations
-
-        act = activations.get(activation)
+    _activation(activation)  # an unknown name fails before the product
 
     tk = a.fmt.tile[1]
     kt_count = -(-k // tk)
@@ -273,13 +313,4 @@ def gemm(
     if bias is not None:
         acc = bf16.add_f32(acc, bias[None, :])
 
-    if act is not None:
-        y = act(bf16.from_f32(acc))
-        if out == "bf16":
-            return bf16.to_dtype(y)
-        acc = bf16.to_f32(y)
-    elif out == "bf16":
-        return bf16.to_dtype(bf16.from_f32(acc))
-    if isinstance(out, Format):
-        return quantize(acc, out, seed=seed)
-    return acc
+    return epilogue(acc, activation, out, seed)

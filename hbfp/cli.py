@@ -55,8 +55,24 @@ def _config_from_args(args):
         tile = tuple(args.tile)
     return CoreConfig(
         rows=args.rows, cols=args.cols, mantissa_bits=bits, tile=tile, size=args.size,
-        functions=tuple(args.functions) if args.functions else None,
+        functions=_functions_from_args(args), **_units_from_args(args),
     )
+
+
+def _functions_from_args(args) -> tuple[str, ...] | None:
+    """``--functions``: the activation units (``none``: no unit; absent: None, the default)."""
+    if not args.functions:
+        return None
+    return () if args.functions == ["none"] else tuple(f for f in args.functions if f != "none")
+
+
+def _units_from_args(args) -> dict:
+    """``--units``: CoreConfig's optional-unit fields (all of them when the option is absent)."""
+    from hbfp.host.protocol import UNITS
+
+    if args.units is None:
+        return {}
+    return {unit: unit in args.units for unit in UNITS}
 
 
 def _verilog(args) -> int:
@@ -76,14 +92,17 @@ def _verilog(args) -> int:
 
 
 def _build(args) -> int:
+    from hbfp.host.protocol import UNITS
     from hbfp.hw import boards
 
     if args.list or not args.board:
         print("boards (hbfp build --board NAME):")
         for b in boards.BOARDS.values():
             c = b.cfg
+            omitted = [u for u in UNITS if not getattr(c, u)]
             print(f"  {b.name:11s} {b.title}; {b.flow} flow, {b.link} link; default {c.rows}x{c.cols}, tile "
-                  f"{c.tile[0]}x{c.tile[1]}, buffers {c.size}x{c.size}")
+                  f"{c.tile[0]}x{c.tile[1]}, buffers {c.size}x{c.size}"
+                  + (f", without {', '.join(omitted)}" if omitted else ""))
         return 0 if args.list else 2
     overrides = {"rows": args.rows, "cols": args.cols, "size": args.size, "baud": args.baud,
                  "fifo_depth": args.fifo_depth, "max_payload": args.max_payload}
@@ -94,14 +113,15 @@ def _build(args) -> int:
     if args.tile:
         overrides["tile"] = tuple(args.tile)
     if args.functions:
-        overrides["functions"] = tuple(args.functions)
+        overrides["functions"] = _functions_from_args(args)
+    overrides.update(_units_from_args(args))
     try:
         result = boards.build(args.board, args.output, run=not args.no_run, seed=args.seed, **overrides)
     except (ValueError, RuntimeError) as e:
         print(f"hbfp build: {e}", file=sys.stderr)
         return 1
     for path in result.files:
-        if path.suffix in (".bit", ".qsf", ".sdc", ".sh", ".v") and not path.name.endswith(".debug.v"):
+        if path.suffix in (".bit", ".bin", ".qsf", ".sdc", ".sh", ".v") and not path.name.endswith(".debug.v"):
             print(f"  {path}")
     if result.report:
         util = ", ".join(f"{k} {v['used']}/{v['available']}" for k, v in result.report["utilization"].items())
@@ -130,6 +150,9 @@ def _info(args) -> int:
                 print(f"  MAC array {R}x{C}, {ident.mantissa_bits}-bit codes, tile {ident.tile_rows}x{ident.tile_cols} "
                       f"(K-tile {ident.tk}), buffers {ident.size}x{ident.size}")
                 print(f"  activation units: {', '.join(ident.functions) or 'none'} (leaky_relu shift {ident.leaky_shift})")
+                omitted = [u for u in host.protocol.UNITS if not ident.has(u)]
+                print(f"  optional units: {', '.join(ident.units) or 'none'}"
+                      + (f" (without {', '.join(omitted)}: the host does their work)" if omitted else ""))
                 clock = f"{ident.clock_hz / 1e6:g} MHz" if ident.clock_hz else "unknown"
                 print(f"  clock {clock}, stream {ident.stream_bytes} byte(s)/beat, max payload {ident.max_payload:,} bytes, "
                       f"frame timeout {ident.frame_timeout:,} cycles")
@@ -187,6 +210,9 @@ def _gemm(args) -> int:
     print(f"  host time {seconds * 1e3:.1f} ms: {macs / seconds / 1e6:.1f} M MAC/s through the driver")
     print(f"  link: {st.bytes_sent:,} bytes sent, {st.bytes_received:,} received, {st.bytes_per_mac:.4f} bytes/MAC, "
           f"{st.frames_sent} frames, {st.retries} retries")
+    if st.host_quantized or st.host_activations:
+        print(f"  done on the host: {st.host_quantized} quantizations, {st.host_activations} activations "
+              "(units the device lacks, or a split stochastic stream: docs/host.md)")
     line = f"  device: {st.cycles:,} cycles, ideal {ideal:,.0f} ({ident.rows}x{ident.cols} MACs/cycle): " \
            f"utilization {100 * ideal / st.cycles:.1f}%" if st.cycles else "  device: no cycle count"
     if ident.clock_hz and st.cycles:
@@ -295,7 +321,17 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mantissa-bits", type=int, help="override the format's mantissa bits")
     p.add_argument("--tile", type=int, nargs=2, metavar=("ROWS", "COLS"), help="override the format's tile")
     p.add_argument("--size", type=int, default=96, help="buffer side: operands and outputs up to SIZE x SIZE (default 96)")
-    p.add_argument("--functions", nargs="+", choices=FUNCTIONS, help="activation units to build (default: all)")
+    p.add_argument("--functions", nargs="+", choices=(*FUNCTIONS, "none"),
+                   help="activation units to build (default: all; none: no unit)")
+    add_units_argument(p, "all")
+
+
+def add_units_argument(p: argparse.ArgumentParser, default: str) -> None:
+    from hbfp.host.protocol import UNITS
+
+    p.add_argument("--units", nargs="*", choices=tuple(UNITS), metavar="UNIT",
+                   help=f"the optional units to build, of {', '.join(UNITS)} (default: {default}; "
+                   "--units alone: none, a reduced device whose host does their work)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -329,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--mantissa-bits", type=int)
     bp.add_argument("--tile", type=int, nargs=2, metavar=("ROWS", "COLS"))
     bp.add_argument("--size", type=int, help="buffer side (default: the board's)")
-    bp.add_argument("--functions", nargs="+", help="activation units to build (default: the board's)")
+    bp.add_argument("--functions", nargs="+", help="activation units to build (default: the board's; none: no unit)")
+    add_units_argument(bp, "the board's")
     bp.add_argument("--baud", type=int, help="UART boards: line rate (default: the board's, hbfp.hw.boards.DEFAULT_BAUD)")
     bp.add_argument("--fifo-depth", type=int, help="UART boards: bytes of the receive FIFO")
     bp.add_argument("--max-payload", type=int, help="bytes of the request buffer")

@@ -4,7 +4,9 @@
 ``hbfp.golden.gemm.gemm`` on the whole problem (``reference_gemm`` is that comparison): it
 quantizes on the host (``input="codes"``) or lets the device quantize (``"fp32"``,
 ``"bf16"``), tiles products larger than the device's buffers, and keeps the contract's
-K-tile order by chaining K chunks onto the accumulator (docs/host.md).
+K-tile order by chaining K chunks onto the accumulator (docs/host.md). On a reduced device
+(IDENTIFY's ``omitted`` units, activation units not built) it quantizes and applies
+activations on the host where the device cannot, so the results stay the same bit for bit.
 
 Requests are pipelined where the link has flow control (TCP, the simulator): the next
 block's operands are sent before the previous block's reply is awaited, so they travel
@@ -27,8 +29,9 @@ import numpy as np
 
 from hbfp.golden import bf16
 from hbfp.golden.bfp import BFPTensor, Format, quantize
+from hbfp.golden.gemm import epilogue as golden_epilogue
 from hbfp.golden.gemm import gemm as golden_gemm
-from hbfp.hw.activation import FUNCTIONS, UNARY_FUNCTIONS
+from hbfp.hw.activation import FUNCTIONS, UNARY_FUNCTIONS, evaluate
 
 from . import protocol as P
 from .errors import (
@@ -60,7 +63,12 @@ class Stats:
     ``M * N * K`` of the completed GEMM commands; ``retries``: requests or K chains sent
     again; ``stale_replies``: replies ignored (old tags, duplicates, damaged frames);
     ``host_quantized``: operands or outputs quantized on the host because the device's
-    quantizer could not reproduce the whole-matrix stochastic stream (docs/host.md)."""
+    quantizer could not reproduce the whole-matrix stochastic stream, or because the device
+    was built without that quantizer or its stochastic rounding (a reduced device;
+    docs/host.md), or because an activation applied on the host comes before it;
+    ``host_activations``: products (``gemm``) and elementwise calls (``activation``,
+    ``gradient``) whose activation or gradient the host applied because the device was
+    built without that unit."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -72,6 +80,7 @@ class Stats:
     retries: int = 0
     stale_replies: int = 0
     host_quantized: int = 0
+    host_activations: int = 0
 
     @property
     def link_bytes(self) -> int:
@@ -484,13 +493,12 @@ class Device:
 
     # ---- elementwise -------------------------------------------------------------------------
 
-    def _function(self, name: str) -> int:
+    def _function(self, name: str) -> int | None:
+        """The code of function ``name`` on this device, None when it was built without it."""
         if name not in FUNCTIONS:
             raise ValueError(f"unknown function {name!r}; known: {', '.join(FUNCTIONS)}")
         code = FUNCTIONS.index(name)
-        if not self.identity.functions_mask >> code & 1:
-            raise NotSupported(f"{self.name} has no {name} unit (built: {', '.join(self.identity.functions) or 'none'})")
-        return code
+        return code if self.identity.functions_mask >> code & 1 else None
 
     @staticmethod
     def _bf16_bits(x, what: str) -> np.ndarray:
@@ -513,6 +521,11 @@ class Device:
             if gb.shape != shape:
                 raise ShapeMismatch(f"g must have x's shape {shape}, got {gb.shape}")
             gb = np.ascontiguousarray(gb, dtype="<u2").reshape(-1)
+        if code is None:  # no unit for it on this device: the golden model, here
+            self.stats.host_activations += 1
+            y = evaluate(function, xb.astype(np.uint16), gb.astype(np.uint16) if g is not None else None,
+                         leaky_shift=self.identity.leaky_shift)
+            return bf16.to_dtype(np.asarray(y, np.uint16).reshape(shape))
         per = max(1, (self.identity.max_payload - P.ELEMENTWISE_HEADER) // (4 if g is not None else 2))
         out = np.empty(xb.size, np.uint16)
         chains = []
@@ -532,14 +545,17 @@ class Device:
     def activation(self, name: str, x) -> np.ndarray:
         """``name(x)`` on the device's bf16 activation unit (``relu``, ``gelu``, ...): bf16
         in (``ml_dtypes.bfloat16`` or uint16 patterns; floats are rounded to bf16 first),
-        an ``ml_dtypes.bfloat16`` array of the same shape out."""
+        an ``ml_dtypes.bfloat16`` array of the same shape out. On a device built without
+        that unit the host computes it with the golden model, the same bits
+        (``stats.host_activations`` counts it)."""
         if name not in UNARY_FUNCTIONS:
             raise ValueError(f"unknown activation {name!r}; known: {', '.join(UNARY_FUNCTIONS)}")
         return self._elementwise(name, x)
 
     def gradient(self, name: str, x, g) -> np.ndarray:
         """``bf16.mul(name'(x), g)``: the activation's derivative at ``x`` times the upstream
-        gradient ``g``, on the device (bf16 in and out, as ``activation``)."""
+        gradient ``g``, on the device (bf16 in and out, as ``activation``; on the host
+        without the device's ``<name>_grad`` unit, as ``activation``)."""
         if name not in UNARY_FUNCTIONS or name + "_grad" not in FUNCTIONS:
             raise ValueError(f"no gradient unit for {name!r}; known: "
                              f"{', '.join(f[: -len('_grad')] for f in FUNCTIONS if f.endswith('_grad'))}")
@@ -620,16 +636,29 @@ class Device:
         a BFP output); an integer seed gives A ``seed``, B ``seed + 1`` and the output
         ``seed + 2``, or pass three. ``bias`` (N values) and ``c`` (M x N) are fp32.
         ``out``: ``"fp32"`` (float32 array), ``"bf16"`` (ml_dtypes.bfloat16 array) or
-        ``"bfp"`` (a BFPTensor in the device's format)."""
+        ``"bfp"`` (a BFPTensor in the device's format).
+
+        On a reduced device, what it lacks is done on the host with the golden model (same
+        result; ``stats.host_quantized`` counts it): values are quantized on the host without
+        the device's value quantizer, a BFP output from the fp32 result without its output
+        quantizer, and either when stochastic rounding is asked of a device without it.
+        Without a unit for ``activation``, the device sends ``op(A) @ op(B) + C + bias``
+        rounded to bf16 (all the activation reads) and the host applies the activation and
+        the output format (``hbfp.golden.gemm.epilogue``; ``stats.host_activations`` counts
+        it, and ``stats.host_quantized`` a BFP output)."""
         ident = self.identity
         if out not in OUTPUTS:
             raise ValueError(f"out must be one of {OUTPUTS}, got {out!r}")
         fmt = ident.fmt(rounding)  # validates the rounding
         act = P.NO_ACTIVATION
+        # The activation is applied on the host when the device has no unit for it.
+        host_act = False
         if activation is not None:
             if activation not in UNARY_FUNCTIONS:
                 raise ValueError(f"unknown activation {activation!r}; known: {', '.join(UNARY_FUNCTIONS)}")
-            act = self._function(activation)
+            code = self._function(activation)
+            host_act = code is None
+            act = P.NO_ACTIVATION if host_act else code
         sa, sb, so = _seeds(seed, rounding)
         A, B, bias, c, M, K, N = _prepare(a, b, bias=bias, c=c, transpose_a=transpose_a, transpose_b=transpose_b,
                                           input=input, fmt=fmt)
@@ -658,23 +687,46 @@ class Device:
         nI, nJ, nP = -(-M // bm), -(-N // bn), max(1, -(-K // bk))
         split_out = nI > 1 or nJ > 1
 
+        stochastic = rounding == "stochastic"
+
+        def on_device(quantizer: str) -> bool:
+            # A reduced device may lack the quantizer, or its stochastic rounding.
+            return ident.has(quantizer) and (ident.has("stochastic") or not stochastic)
+
         opA = _Operand("a", A, input, fmt, sa, transpose_a)
         opB = _Operand("b", B, input, fmt, sb, transpose_b)
         for op, whole in ((opA, nI == 1 and nP == 1), (opB, nJ == 1 and nP == 1)):
-            if op.values and rounding == "stochastic":
+            if op.values and K:  # (with K = 0 no operand is sent)
                 # The device's stream positions start at each written region's first tile:
                 # they are the whole matrix's only if the operand goes in one piece.
                 rp, cp = _round_up(op.shape[0], th), _round_up(op.shape[1], tw)
                 one_write = rp * cp * (4 if input == "fp32" else 2) <= ident.max_payload - P.WRITE_HEADER
-                if not (whole and one_write):
+                if not on_device("value_quantizer") or (stochastic and not (whole and one_write)):
                     op.quantize_on_host()
                     self.stats.host_quantized += 1
-        # A split stochastic BFP output is quantized here from the fp32 result, for the same
-        # reason (the device would start every block's stream at 0).
-        host_out = bfp_out and rounding == "stochastic" and split_out
-        final = OutFormat.FP32 if host_out else _OUT_CODES[out]
+        # A BFP output is quantized here from the fp32 result when the device cannot, or when
+        # it is split and stochastic, for the same reason (the device would start every
+        # block's stream at 0), or after an activation applied here.
+        host_out = bfp_out and (host_act or not on_device("bfp_output") or (stochastic and split_out))
+        if host_act:
+            # The activation reads the sums rounded to bf16 (golden.gemm.epilogue), which is
+            # what the device sends as a bf16 result without one: half the bytes of fp32.
+            final = OutFormat.BF16
+            self.stats.host_activations += 1
+        else:
+            final = OutFormat.FP32 if host_out else _OUT_CODES[out]
         if host_out:
             self.stats.host_quantized += 1
+        # The rounding and seed of a BFP result (unused by fp32 and bf16).
+        out_rounding, out_seed = (P.ROUNDING_CODES[rounding], so) if final == OutFormat.BFP else (0, 0)
+        # K chunks before the last only leave their sums in the accumulator; their reply is
+        # discarded: the smallest result the device can send (BFP, unless a block of few
+        # elements in padded tiles is smaller in bf16 or the device has no output quantizer).
+        def discarded(m: int, n: int) -> OutFormat:
+            if ident.has("bfp_output") and (P.result_size(m, n, OutFormat.BFP, ident.mantissa_bits, ident.tile)
+                                            <= P.result_size(m, n, OutFormat.BF16, ident.mantissa_bits, ident.tile)):
+                return OutFormat.BFP
+            return OutFormat.BF16
 
         if final == OutFormat.FP32:
             result = np.empty((M, N), np.float32)
@@ -720,7 +772,7 @@ class Device:
                 if bias is not None:
                     cmds += self._fp32_writes(Target.BIAS, bias[None, n0:n1])
                 payload = P.encode_read(mi, nj, out_format=final, activation=act, bias=bias is not None,
-                                        rounding=P.ROUNDING_CODES[rounding], seed=so)
+                                        rounding=out_rounding, seed=out_seed)
                 cmds.append(_Cmd(Op.READ, payload, heavy=True, on_reply=lambda d: store(d, m0, m1, n0, n1, 0)))
                 return cmds
             for p in range(nP):
@@ -741,13 +793,11 @@ class Device:
                 if last and bias is not None and resident.get("bias") != ("bias", j):
                     cmds += self._fp32_writes(Target.BIAS, bias[None, n0:n1])
                     resident["bias"] = ("bias", j)
-                # K chunks before the last only leave their sums in the accumulator; their
-                # reply is the smallest result (BFP) and is discarded.
                 payload = P.encode_gemm(
                     mi, nj, k1 - k0, transpose_a=transpose_a, transpose_b=transpose_b,
                     accumulate=p > 0 or c is not None, bias=last and bias is not None,
-                    activation=act if last else P.NO_ACTIVATION, out_format=final if last else OutFormat.BFP,
-                    rounding=P.ROUNDING_CODES[rounding] if last else 0, seed=so if last else 0)
+                    activation=act if last else P.NO_ACTIVATION, out_format=final if last else discarded(mi, nj),
+                    rounding=out_rounding if last else 0, seed=out_seed if last else 0)
                 if last:
                     done = lambda d, k=k1 - k0: store(d, m0, m1, n0, n1, k)  # noqa: E731
                 else:
@@ -758,8 +808,13 @@ class Device:
         self._resident.clear()  # a new product: nothing of the last one is reused
         self._run([lambda resident, i=i, j=j: chain(i, j, resident) for i, j in order])
 
-        if host_out:
-            return quantize(result, fmt, seed=so)
+        if host_act or host_out:
+            # What the device left out, as golden.gemm.gemm ends on the whole matrix (the
+            # output's stochastic stream included). A bf16 result widens to fp32 exactly, and
+            # the epilogue's rounding to bf16 gives back the same patterns.
+            sums = bf16.to_f32(result) if final == OutFormat.BF16 else result
+            return golden_epilogue(sums, activation if host_act else None, fmt if bfp_out else out, so,
+                                   leaky_shift=ident.leaky_shift)
         if final == OutFormat.BF16:
             return bf16.to_dtype(result)
         return result

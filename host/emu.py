@@ -19,16 +19,22 @@ offers the same):
   The clock is virtual: the emulator has no notion of wall time of its own;
   ``cycles_per_second`` is the rate at which a server or transport converts waiting time
   into cycles.
+
+A reduced device (``CoreConfig`` with ``value_quantizer``, ``bfp_output`` or ``stochastic``
+False) reports the units it lacks in IDENTIFY's ``omitted`` mask and refuses, with
+``BAD_DESCRIPTOR``, what needs them: a WRITE of values without the value quantizer, a
+GEMM or READ with a BFP output without the output quantizer, stochastic rounding in either
+without the stochastic rounding unit (docs/protocol.md).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from hbfp.golden import activations, bf16
+from hbfp.golden import bf16
 from hbfp.golden.bfp import BFPTensor, quantize
-from hbfp.golden.gemm import gemm
-from hbfp.hw.activation import FUNCTIONS
+from hbfp.golden.gemm import epilogue, gemm
+from hbfp.hw.activation import FUNCTIONS, evaluate
 from hbfp.hw.params import CoreConfig
 
 from . import protocol as P
@@ -86,7 +92,8 @@ class _Refused(Exception):
 class EmuDevice:
     """The device as a byte pipe, computed with ``hbfp.golden`` (module docstring).
 
-    ``config``: the core (array shape, format, buffer side, activation units built);
+    ``config``: the core (array shape, format, buffer side, activation units built, the
+    optional units of a reduced device);
     ``max_payload``: the largest request payload (default: a whole buffer of fp32 values);
     ``frame_timeout``: cycles without a byte after which a begun frame is dropped;
     ``clock_hz``: reported by IDENTIFY (0: unknown); ``abi_version``: the ABI reported
@@ -99,11 +106,7 @@ class EmuDevice:
         self.config = cfg
         D = cfg.size
         th, tw = cfg.tile
-        functions = FUNCTIONS if cfg.functions is None else cfg.functions
-        unknown = set(functions) - set(FUNCTIONS)
-        if unknown:
-            raise ValueError(f"unknown activation functions {sorted(unknown)}; known: {', '.join(FUNCTIONS)}")
-        self.functions = tuple(functions)
+        self.functions = cfg.built_functions  # (CoreConfig checks the names)
         if max_payload is None:
             max_payload = P.WRITE_HEADER + 4 * D * D
         self.identity = P.Identity(
@@ -111,7 +114,7 @@ class EmuDevice:
             stream_bytes=stream_bytes, rows=cfg.rows, cols=cfg.cols, mantissa_bits=cfg.mantissa_bits,
             tile_rows=th, tile_cols=tw, leaky_shift=cfg.leaky_shift, size=D,
             functions_mask=sum(1 << FUNCTIONS.index(f) for f in self.functions), clock_hz=clock_hz,
-            max_payload=max_payload, frame_timeout=frame_timeout,
+            max_payload=max_payload, frame_timeout=frame_timeout, omitted=cfg.omitted,
         )
         self.cycles_per_second = clock_hz or NOMINAL_HZ
         code_dtype = cfg.fmt().code_dtype
@@ -277,6 +280,8 @@ class EmuDevice:
             region(D, D, th, tw)
             if encoding not in (0, 1) or rounding not in _ROUNDINGS:
                 raise _Refused(Status.BAD_DESCRIPTOR)
+            if not self._quantizes(cfg.value_quantizer, rounding):  # a reduced device
+                raise _Refused(Status.BAD_DESCRIPTOR)
             width = 4 if encoding == P.Encoding.FP32 else 2
             length(rows * cols * width)
             if rows * cols == 0:
@@ -295,18 +300,19 @@ class EmuDevice:
             exps[row // th : (row + rows) // th, col // tw : (col + cols) // tw] = t.exponents
         return b""
 
+    def _quantizes(self, unit: bool, rounding: int) -> bool:
+        """Whether a quantizer (``unit``: it is built) can round with ``rounding`` (a code)."""
+        return unit and (self.config.stochastic or rounding != P.ROUNDING_CODES["stochastic"])
+
     # ---- GEMM and READ ----------------------------------------------------------------
 
-    def _activation(self, code: int):
+    def _activation(self, code: int) -> str | None:
+        """The name of the built unary function ``code`` (None: no activation)."""
         if code == P.NO_ACTIVATION:
             return None
         if code >= len(FUNCTIONS) or FUNCTIONS[code] not in self.functions or FUNCTIONS[code].endswith("_grad"):
             raise _Refused(Status.BAD_DESCRIPTOR)
-        name = FUNCTIONS[code]
-        if name == "leaky_relu":
-            shift = self.config.leaky_shift
-            return lambda x: activations.leaky_relu(x, shift)
-        return activations.get(name)
+        return FUNCTIONS[code]
 
     def _product(self, d: dict, read: bool = False) -> bytes:
         cfg = self.config
@@ -322,6 +328,10 @@ class EmuDevice:
         if not cfg.square and k and (ta or not tb):
             raise _Refused(Status.BAD_DESCRIPTOR)
         if d["out_format"] not in OutFormat._value2member_map_ or d["rounding"] not in _ROUNDINGS:
+            raise _Refused(Status.BAD_DESCRIPTOR)
+        # A reduced device: a BFP output needs the output quantizer (and its stochastic
+        # rounding). The rounding of an fp32 or bf16 output is unused.
+        if d["out_format"] == OutFormat.BFP and not self._quantizes(cfg.bfp_output, d["rounding"]):
             raise _Refused(Status.BAD_DESCRIPTOR)
         act = self._activation(d["activation"])
         out_format = OutFormat(d["out_format"])
@@ -352,19 +362,12 @@ class EmuDevice:
         )
 
     def _epilogue(self, acc, bias, act, out_format, rounding, seed):
-        # hbfp.golden.gemm.gemm's epilogue, step for step, on the accumulator's sums.
+        # hbfp.golden.gemm.gemm's end on the accumulator's sums: the bias, then its epilogue.
         if bias is not None:
             acc = bf16.add_f32(acc, bias[None, :])
-        if act is not None:
-            y = act(bf16.from_f32(acc))
-            if out_format == OutFormat.BF16:
-                return y
-            acc = bf16.to_f32(y)
-        elif out_format == OutFormat.BF16:
-            return bf16.from_f32(acc)
-        if out_format == OutFormat.BFP:
-            return quantize(acc, self.config.fmt(rounding), seed=seed)
-        return acc
+        out = {OutFormat.FP32: "fp32", OutFormat.BF16: "bf16"}.get(out_format) or self.config.fmt(rounding)
+        result = epilogue(acc, act, out, seed, leaky_shift=self.config.leaky_shift)
+        return result.view(np.uint16) if out_format == OutFormat.BF16 else result  # bf16 as patterns
 
     # ---- ELEMENTWISE --------------------------------------------------------------------
 
@@ -380,13 +383,8 @@ class EmuDevice:
         if len(data) != (4 if grad else 2) * count:
             raise _Refused(Status.BAD_LENGTH)
         x = np.frombuffer(data, "<u2", count=count).astype(np.uint16)
-        shift = self.config.leaky_shift
-        if grad:
-            g = np.frombuffer(data, "<u2", count=count, offset=2 * count).astype(np.uint16)
-            base = name[: -len("_grad")]
-            y = activations.leaky_relu_grad(x, g, shift) if base == "leaky_relu" else activations.get(base, "grad")(x, g)
-        else:
-            y = activations.leaky_relu(x, shift) if name == "leaky_relu" else activations.get(name)(x)
+        g = np.frombuffer(data, "<u2", count=count, offset=2 * count).astype(np.uint16) if grad else None
+        y = evaluate(name, x, g, leaky_shift=self.config.leaky_shift)
         return np.ascontiguousarray(y, dtype="<u2").tobytes()
 
 
@@ -395,12 +393,32 @@ class EmuDevice:
 _FORMATS = {"HBFP8": (8, (24, 24)), "HBFP16": (16, (24, 24)), "MXINT8": (8, (1, 32))}
 _CONFIG_KEYS = ("rows", "cols", "mantissa_bits", "size", "leaky_shift")
 _DEVICE_KEYS = ("max_payload", "frame_timeout", "clock_hz")
+_UNIT_KEYS = tuple(P.UNITS)
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def parse_bool(value: str) -> bool:
+    """An option's yes or no: 0/1, true/false, yes/no, on/off (any case)."""
+    word = value.strip().lower()
+    if word not in _BOOLS:
+        raise ValueError(f"expected 0/1, true/false, yes/no or on/off, got {value!r}")
+    return _BOOLS[word]
+
+
+def parse_functions(value: str) -> tuple[str, ...]:
+    """An option's activation units: ``relu+gelu`` (or separated by spaces or colons); ``none``
+    or nothing: no unit."""
+    names = value.replace("+", " ").replace(":", " ").split()
+    return () if [n.lower() for n in names] == ["none"] else tuple(names)
 
 
 def parse_options(arg: str) -> dict:
     """``"rows=4,cols=4,size=48"`` -> keyword arguments of ``EmuDevice`` (a ``config`` and
     device options). Keys: rows, cols, size, mantissa_bits, leaky_shift, tile (``24x24``),
-    format (HBFP8, HBFP16, MXINT8), functions (``relu+gelu``), max_payload, frame_timeout,
+    format (HBFP8, HBFP16, MXINT8), functions (the activation units built: ``relu+gelu``;
+    ``none`` or nothing, ``functions=``, for none; every one without the key), the optional units
+    value_quantizer, bfp_output, stochastic (``0``/``1``, ``false``/``true``, ``no``/``yes``,
+    ``off``/``on``: ``bfp_output=0`` is a reduced device), max_payload, frame_timeout,
     clock_hz."""
     cfg: dict = {}
     dev: dict = {}
@@ -420,14 +438,19 @@ def parse_options(arg: str) -> dict:
                 raise ValueError(f"tile must be ROWSxCOLS, got {value!r}") from None
             cfg["tile"] = (th, tw)
         elif key == "functions":
-            cfg["functions"] = tuple(filter(None, value.split("+")))
+            cfg["functions"] = parse_functions(value)
+        elif key in _UNIT_KEYS:
+            try:
+                cfg[key] = parse_bool(value)
+            except ValueError as e:
+                raise ValueError(f"emu option {key}: {e}") from None
         elif key in _CONFIG_KEYS:
             cfg[key] = int(value)
         elif key in _DEVICE_KEYS:
             dev[key] = int(value)
         else:
             raise ValueError(f"unknown emu option {key!r}; known: format, tile, functions, "
-                             f"{', '.join(_CONFIG_KEYS + _DEVICE_KEYS)}")
+                             f"{', '.join(_CONFIG_KEYS + _UNIT_KEYS + _DEVICE_KEYS)}")
     return dict(config=CoreConfig(**cfg), **dev)
 
 

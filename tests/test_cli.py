@@ -56,6 +56,25 @@ def test_verilog_writes_components_and_parameters(tmp_path, capsys):
     assert params["ports"]["o"]["lanes"] == 4 * 32
 
 
+def test_verilog_of_a_reduced_device(tmp_path):
+    """``--units`` alone and ``--functions none``: no optional unit, no quantizer or activation
+    component; params.json records it."""
+    import json
+
+    out = tmp_path / "v"
+    assert cli.main(["verilog", "--rows", "2", "--cols", "2", "--size", "24", "--units", "--functions", "none",
+                     "--only", "gemm_core", "-o", str(out)]) == 0
+    config = json.loads((out / "params.json").read_text())["config"]
+    assert config["functions"] == [] and not (config["value_quantizer"] or config["bfp_output"] or config["stochastic"])
+    assert "module gemm_core" in (out / "gemm_core.v").read_text()
+    from hbfp.hw.generate import components
+    from hbfp.hw.params import CoreConfig
+
+    names = set(components(CoreConfig(rows=2, cols=2, size=24, functions=(), value_quantizer=False,
+                                      bfp_output=False, stochastic=False)))
+    assert "quantize" not in names and "activation" not in names and "gemm_core" in names
+
+
 def test_verilog_rejects_bad_configuration(tmp_path, capsys):
     assert cli.main(["verilog", "--rows", "3", "-o", str(tmp_path)]) == 2
     assert "power of two" in capsys.readouterr().err
