@@ -23,6 +23,7 @@ from pathlib import Path
 
 from amaranth.back import verilog
 
+from hbfp.host.protocol import UNITS
 from hbfp.hw import boards
 from hbfp.hw.mac_array import MacArray
 from hbfp.hw.openflow import RESOURCES, bin_path, run_tool, synth_ecp5
@@ -54,13 +55,29 @@ def mac_array_logic(flow: str, cfg, work: Path) -> dict:
     return {"logic": cells.get("SB_LUT4", 0), "dsp": cells.get("SB_MAC16", 0)}
 
 
+def configuration(cfg) -> str:
+    """A board's core configuration in a few words."""
+    functions = "+".join(cfg.built_functions) if cfg.functions is not None else "all functions"
+    omitted = [u.replace("_", " ") for u in UNITS if not getattr(cfg, u)]
+    return (f"{cfg.rows}x{cfg.cols}, {cfg.mantissa_bits}-bit, tile {cfg.tile[0]}x{cfg.tile[1]}, "
+            f"{cfg.size}x{cfg.size}, {functions or 'no activation units'}"
+            + (f", without {', '.join(omitted)}" if omitted else ""))
+
+
+def gmacs(mmacs: float) -> str:
+    """Millions of MACs per second as GMAC/s, with three significant digits below 1."""
+    g = mmacs / 1e3
+    return f"{g:.2f}" if g >= 1 else f"{g:.3g}"
+
+
 def reusable(directory: Path, board, cfg, top_kw) -> dict | None:
     cfg_file = directory / "config.json"
     report = directory / f"hbfp_{board.name}.report.json"
-    if not (cfg_file.exists() and report.exists() and (directory / f"hbfp_{board.name}.bit").exists()):
+    bitstream = directory / f"hbfp_{board.name}{boards.BITSTREAM_SUFFIX[board.flow]}"
+    if not (cfg_file.exists() and report.exists() and bitstream.exists()):
         return None
     saved = json.loads(cfg_file.read_text())
-    if saved.get("core") != cfg.to_dict() or any(saved.get(k) != v for k, v in top_kw.items()):
+    if saved.get("core") != json.loads(json.dumps(cfg.to_dict())) or any(saved.get(k) != v for k, v in top_kw.items()):
         return None
     return boards.parse_nextpnr_report(report, saved["clock_hz"])
 
@@ -78,15 +95,14 @@ def main(argv=None) -> int:
     for name in args.boards:
         board, cfg, top_kw = boards.board_config(name)
         clock_mhz = boards.BOARDS[name].platform().default_clk_frequency / 1e6
-        conf = (f"{cfg.rows}x{cfg.cols}, {cfg.mantissa_bits}-bit, tile {cfg.tile[0]}x{cfg.tile[1]}, "
-                f"{cfg.size}x{cfg.size}, {'+'.join(cfg.functions) if cfg.functions else 'all functions'}")
+        conf = configuration(cfg)
         macs = cfg.rows * cfg.cols
         if board.flow == "quartus":
             t0 = time.perf_counter()
             result = boards.build(name, args.out)
             files = ", ".join(f.name for f in result.files if f.suffix in (".qsf", ".sdc", ".sh", ".v"))
             rows.append(f"| {name} | {board.title} | {conf} | Quartus project | | | | | | {clock_mhz:.0f} | | "
-                        f"{macs * clock_mhz / 1e3:.1f} | |")
+                        f"{gmacs(macs * clock_mhz)} | |")
             notes.append(f"- **{name}**: Quartus project written in {time.perf_counter() - t0:.0f} s ({files}); "
                          f"compile with `sh build_hbfp_{name}.sh` where Quartus Prime is installed. {board.notes}")
             continue
@@ -125,8 +141,8 @@ def main(argv=None) -> int:
         rows.append(
             f"| {name} | {board.title} | {conf} | {cell('logic')} | {cell('ff')} | {cell('dsp')} | {cell('bram')} | "
             f"{fmax:.1f} | {'met' if report['timing_met'] else '**not met**'} | {clock_mhz:.0f} | "
-            f"{macs * fmax / 1e3:.2f} | {macs * clock_mhz / 1e3:.2f} | {100 * outside:.0f}% |")
-        notes.append(f"- **{name}**: bitstream `build/boards/{name}/hbfp_{name}.bit`"
+            f"{gmacs(macs * fmax)} | {gmacs(macs * clock_mhz)} | {100 * outside:.0f}% |")
+        notes.append(f"- **{name}**: bitstream `build/boards/{name}/hbfp_{name}{boards.BITSTREAM_SUFFIX[board.flow]}`"
                      + (f", built in {seconds / 60:.1f} min" if seconds else " (reused build)")
                      + f"; the MAC array alone: {mac['logic']:,} logic cells and {mac['dsp']} DSP blocks of "
                      f"{used('logic'):,} and {used('dsp')}. {board.notes}")

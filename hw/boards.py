@@ -4,7 +4,7 @@
 | board | FPGA | flow | host link | clock | default configuration |
 |---|---|---|---|---|---|
 | ``ulx3s`` | ECP5 LFE5U-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | UART (FTDI) | 25 MHz | 8x8, HBFP8, 96x96 buffers, relu + gelu |
-| ``icebreaker`` | iCE40 UP5K | yosys + nextpnr-ice40 (YoWASP) to a bitstream | UART (FTDI) | 12 MHz | 1x1, HBFP8, 24x24 buffers, relu |
+| ``icebreaker`` | iCE40 UP5K | yosys + nextpnr-ice40 (YoWASP) to a bitstream | UART (FTDI) | 12 MHz | 1x1, HBFP8, 24x24 buffers, a reduced device (below) |
 | ``de10_nano`` | Cyclone V 5CSEBA6U23I7 | Quartus project | UART (GPIO header pins) | 50 MHz | 8x8, HBFP8, 96x96, all functions |
 | ``stratix5`` | Stratix V GX 5SGXEA7K2F40C2 | Quartus project | Avalon-ST, 16 bytes wide (PCIe) | 100 MHz | 32x32, 8-bit mantissas, 32x32 tiles, 256x256 buffers |
 
@@ -12,6 +12,11 @@ The UART boards run ``hw.uart.UartTop`` (``AcceleratorTop`` behind an 8N1 receiv
 transmitter) at the board's oscillator; LED 0 blinks at about 1 Hz (the clock runs), LED 1
 shows the receive line's activity, LED 2 a framing error, LED 3 an overrun. The host opens
 them with ``serial:PORT:BAUD`` (e.g. ``serial:/dev/ttyUSB0:1000000``).
+
+The iCEBreaker's UP5K (5,280 logic cells) holds the smallest device only: a 1x1 array
+built without the optional units (``CoreConfig.value_quantizer``, ``bfp_output``,
+``stochastic`` False, no activation units); the host does their work, bit for bit the same
+(docs/host.md, "Reduced devices"). The whole device with them needs about 12,000 cells.
 
 The Stratix board shows where the design scales: a 32x32 array (with 24x24 tiles the array
 side must divide 24, so this configuration uses 32x32 tiles) behind a 128-bit Avalon-ST
@@ -42,7 +47,6 @@ from amaranth.build import Attrs, Clock, Pins, PinsN, Resource, ResourceError, S
 from amaranth.lib import io
 from amaranth.vendor import AlteraPlatform
 
-from .packet import beat_layout
 from .params import CoreConfig
 from .top import AcceleratorTop
 from .uart import DEFAULT_FIFO_DEPTH, UartTop, divisor_for
@@ -177,9 +181,11 @@ BOARDS: dict[str, Board] = {b.name: b for b in (
           {"baud": DEFAULT_BAUD, "fifo_depth": DEFAULT_FIFO_DEPTH},
           "UART over the board's FTDI FT231X USB port (up to 3 Mbaud)."),
     Board("icebreaker", "1BitSquared iCEBreaker (iCE40 UP5K)", _icebreaker, "ice40", "uart",
-          CoreConfig(rows=1, cols=1, size=24, functions=("relu",)),
-          {"baud": DEFAULT_BAUD, "fifo_depth": 16, "max_payload": 2048},
-          "The largest configuration that fits the UP5K's 5,280 LUTs: see docs/reports/boards.md."),
+          CoreConfig(rows=1, cols=1, size=24, functions=(), value_quantizer=False, bfp_output=False,
+                     stochastic=False),
+          {"baud": DEFAULT_BAUD, "fifo_depth": 512, "max_payload": 2048},  # one 4 kbit block RAM each
+          "The largest configuration that fits the UP5K's 5,280 logic cells: a reduced device (no input "
+          "or output quantizer, no activation units; the host does their work)."),
     Board("de10_nano", "Terasic DE10-Nano (Cyclone V 5CSEBA6U23I7)", _de10_nano, "quartus", "uart",
           CoreConfig(rows=8, cols=8, size=96),
           {"baud": DEFAULT_BAUD, "fifo_depth": DEFAULT_FIFO_DEPTH},
@@ -371,7 +377,7 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
     report_json = f"{project}.report.json"
     kwargs = {"nextpnr_opts": f"--report {report_json} --timing-allow-fail --seed {seed}"}
     if board.flow == "ice40":
-        kwargs["synth_opts"] = "-dsp"
+        kwargs["synth_opts"] = "-dsp -dff"
     plan = platform.build(top, name=project, build_dir=str(directory), do_build=False, **kwargs)
     plan.extract(str(directory))
     if not run:
@@ -395,14 +401,20 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
         tail = (directory / "build.log").read_text().splitlines()[-15:]
         raise RuntimeError(f"{board.name}: the build failed (exit {proc.returncode}); last lines of build.log:\n"
                            + "\n".join(tail))
-    bitstream = directory / f"{project}.bit"
+    bitstream = directory / f"{project}{BITSTREAM_SUFFIX[board.flow]}"
+    if not bitstream.exists():
+        raise RuntimeError(f"{board.name}: the tools ran but wrote no bitstream {bitstream.name}; see "
+                           f"{directory / 'build.log'}")
     files = sorted(p for p in directory.iterdir() if p.is_file())
     report = parse_nextpnr_report(directory / report_json, int(platform.default_clk_frequency))
-    result = BuildResult(board.name, cfg, directory, project, files, bitstream if bitstream.exists() else None,
-                         report, time.perf_counter() - t0)
+    result = BuildResult(board.name, cfg, directory, project, files, bitstream, report, time.perf_counter() - t0)
     log(f"{board.name}: bitstream {result.bitstream} ({result.seconds:.0f} s); Fmax {report['fmax_mhz']:.1f} MHz, "
         f"clock {report['clock_mhz']:.1f} MHz: timing {'met' if report['timing_met'] else 'NOT met'}")
     return result
+
+
+#: The bitstream file each open flow writes (Amaranth's build plans): ecppack's .bit, icepack's .bin.
+BITSTREAM_SUFFIX = {"ecp5": ".bit", "ice40": ".bin"}
 
 
 class DoesNotFit(RuntimeError):

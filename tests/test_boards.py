@@ -3,6 +3,7 @@ are complete (every top-level port has a pin or is a virtual pin, sources presen
 constrained, a compile script), and the open-flow projects carry the board's pins and clock.
 Small configurations keep the elaboration short; the full builds run in ``make fpga-report``."""
 
+import json
 import re
 
 import pytest
@@ -121,3 +122,33 @@ def test_cli_build_lists_boards_and_refuses_bad_options(capsys):
     assert "unknown board 'nosuchboard'" in capsys.readouterr().err
     assert cli.main(["build", "--board", "stratix5", "--baud", "9600"]) == 1
     assert "no UART" in capsys.readouterr().err
+
+
+def test_icebreaker_is_a_reduced_device(tmp_path):
+    """The UP5K holds only the reduced 1x1 device: the board's default omits every optional
+    unit, the project has the board's pins and synthesizes with the UP5K's DSPs."""
+    result = boards.build("icebreaker", tmp_path, run=False, log=lambda s: None)
+    core = json.loads((result.directory / "config.json").read_text())["core"]
+    assert (core["rows"], core["cols"], core["size"], core["functions"]) == (1, 1, 24, [])
+    assert not (core["value_quantizer"] or core["bfp_output"] or core["stochastic"])
+    pcf = (result.directory / f"{result.name}.pcf").read_text()
+    for pin in ("35", "6", "9"):  # clk12, UART rx, tx (FTDI)
+        assert re.search(rf"set_io \S+ {pin}\b", pcf), pin
+    script = (result.directory / f"build_{result.name}.sh").read_text()
+    assert "NEXTPNR_ICE40" in script and "ICEPACK" in script and "--report" in script
+    ys = (result.directory / f"{result.name}.ys").read_text()
+    assert "synth_ice40 -dsp -dff" in ys
+
+
+def test_cli_build_units(tmp_path, capsys):
+    """``--units`` lists the optional units to build (none when given alone)."""
+    from hbfp import cli
+
+    assert cli.main(["build", "--board", "ulx3s", "--rows", "2", "--cols", "2", "--size", "24", "--no-run",
+                     "-o", str(tmp_path), "--units", "value_quantizer"]) == 0
+    core = json.loads((tmp_path / "ulx3s" / "config.json").read_text())["core"]
+    assert (core["value_quantizer"], core["bfp_output"], core["stochastic"]) == (True, False, False)
+    assert cli.main(["build", "--board", "ulx3s", "--no-run", "-o", str(tmp_path), "--units", "stochastic"]) == 1
+    assert "stochastic rounding needs a quantizer" in capsys.readouterr().err
+    assert cli.main(["build", "--list"]) == 0
+    assert "without value_quantizer, bfp_output, stochastic" in capsys.readouterr().out

@@ -14,7 +14,7 @@ from amaranth.back import verilog
 from amaranth.sim import Simulator
 
 from hbfp.hw.params import CoreConfig
-from hbfp.hw.uart import UartLoop, UartRx, UartTop, UartTx, divisor_for
+from hbfp.hw.uart import UartLoop, UartRx, UartTop, UartTx, divisor_for, min_fifo_depth
 from hbfp.sim import runner
 from hbfp.sim import tb_uart as tb
 
@@ -171,6 +171,10 @@ def test_parameters_are_checked():
         UartTop(cfg, divisor=2)
     with pytest.raises(ValueError, match="fifo_depth"):
         UartTop(cfg, divisor=8, fifo_depth=1)
+    # A WRITE of 4096 bytes executes for 4096+ cycles: 52 bytes of 80 cycles, and 15 of its reply.
+    assert min_fifo_depth(8, 4096) == 52 + 15 + 1
+    with pytest.raises(ValueError, match="fifo_depth 67 is too small: 68 bytes"):
+        UartTop(cfg, divisor=8, fifo_depth=67)
     with pytest.raises(ValueError, match="max_payload"):
         UartTop(cfg, divisor=8, max_payload=8)
     with pytest.raises(ValueError, match="rows == cols"):
@@ -183,7 +187,7 @@ def test_parameters_are_checked():
 
 def test_verilog_ports():
     cfg = CoreConfig(4, 4, 8, (24, 24), 48, functions=("relu",))
-    text = verilog.convert(UartTop(cfg, divisor=8, fifo_depth=64), name="uart_top")
+    text = verilog.convert(UartTop(cfg, divisor=8, fifo_depth=128), name="uart_top")
     header = text[text.index("module uart_top("):]
     header = header[: header.index(");")]
     assert {p.strip() for p in header[len("module uart_top("):].split(",")} == {
@@ -196,7 +200,7 @@ def test_loop_through_the_device_path_in_amaranth():
     from hbfp.host import protocol
 
     cfg = CoreConfig(2, 2, 8, (12, 12), 24, functions=("relu",))
-    dut = UartLoop(cfg, divisor=4, fifo_depth=16, clock_hz=1234, max_payload=64, frame_timeout=5000)
+    dut = UartLoop(cfg, divisor=4, fifo_depth=32, clock_hz=1234, max_payload=64, frame_timeout=5000)
     request = protocol.encode_frame(protocol.Op.IDENTIFY, 0x1234)
     parser = protocol.FrameParser()
     frames = []

@@ -60,10 +60,10 @@ def test_uart_option_selects_the_uart_loop(recorded):
 
     assert isinstance(top, UartLoop) and top.divisor == DIVISOR and top.cfg.size == 48
     top._MustUse__used = True  # not elaborated here: the build test does
-    _, deep = sim_device.top_library({**opts, "uart": DIVISOR, "fifo_depth": 64})
+    _, deep = sim_device.top_library({**opts, "uart": DIVISOR, "fifo_depth": 128})
     top = recorded[3][0]()
     top._MustUse__used = True
-    assert deep == {**uart, "fifo_depth": 64} and top.device_kw["fifo_depth"] == 64
+    assert deep == {**uart, "fifo_depth": 128} and top.device_kw["fifo_depth"] == 128
 
 
 @pytest.mark.parametrize(("arg", "match"), [
