@@ -345,9 +345,13 @@ class GemmCore(wiring.Component):
         epi_read = Signal()
         at_norm_out = side_line[Ln - 1]  # aligned with the normalizers' outputs
         mac_read = side_line[Ln - 2]  # the read is issued one cycle before its data is used
+        # Without a bias the epilogue reads each word again La - 1 stages later (``late_read``,
+        # below), when its value is due at the bias stage's end: no delay line of values.
+        late_read = Signal(range(D * words_per_row))
+        epi_advance = Signal()
         m.d.comb += [
-            acc_rd.en.eq(Mux(mac_phase, 1, epi_read)),
-            acc_rd.addr.eq(Mux(mac_phase, mac_read.addr, epi_addr)),
+            acc_rd.en.eq(Mux(mac_phase, 1, Mux(desc.bias, epi_read, epi_advance))),
+            acc_rd.addr.eq(Mux(mac_phase, mac_read.addr, Mux(desc.bias, epi_addr, late_read))),
         ]
         for j in range(C):
             nd, ad = norms[j], adders[j]
@@ -360,9 +364,9 @@ class GemmCore(wiring.Component):
             ]
 
         # ---- epilogue ----------------------------------------------------------------
-        epi_advance = Signal()
         # e0: the read issued in the previous advancing cycle; aligned with the read data.
-        e0 = Signal(data.StructLayout({"valid": 1, "row": range(D + 1), "col": range(D + C), "last": 1}))
+        e0 = Signal(data.StructLayout({"valid": 1, "row": range(D + 1), "col": range(D + C), "last": 1,
+                                       "addr": range(D * words_per_row)}))
         bias_en = desc.bias
         # Adders: the MAC phase's accumulation, then the epilogue's bias.
         for j in range(C):
@@ -456,21 +460,27 @@ class GemmCore(wiring.Component):
                 e0.row.eq(row_now),
                 e0.col.eq(word_now * C),  # C is a power of two: a shift
                 e0.last.eq(last_now),
+                e0.addr.eq(epi_addr),
             ]
 
-        # Bias stage: the adders (La cycles) or a bypass delay line of the same length.
+        # Bias stage: the adders (La cycles), or, without a bias, the accumulator read again
+        # from the address the stage before last carries, so that the read port's data (which
+        # moves only when the pipeline advances) comes with the last stage's position.
+        assert La >= 2
         meta = data.StructLayout({"row": range(D + 1), "col": range(D + C), "last": 1})
-        by_line = [Signal(data.StructLayout({"meta": meta, "acc": acc_word}), name=f"bypass{s}") for s in range(La)]
+        by_line = [Signal(data.StructLayout({"meta": meta, "addr": range(D * words_per_row)}), name=f"bias_stage{s}")
+                   for s in range(La)]
         with m.If(epi_advance):
-            m.d.sync += [by_line[0].meta.row.eq(e0.row), by_line[0].meta.col.eq(e0.col), by_line[0].meta.last.eq(e0.last)]
-            m.d.sync += by_line[0].acc.eq(acc_rd.data)
+            m.d.sync += [by_line[0].meta.row.eq(e0.row), by_line[0].meta.col.eq(e0.col), by_line[0].meta.last.eq(e0.last),
+                         by_line[0].addr.eq(e0.addr)]
             for s in range(1, La):
                 m.d.sync += by_line[s].eq(by_line[s - 1])
+        m.d.comb += late_read.eq(by_line[La - 2].addr)
         b_valid = adders[0].out_valid
         b_meta = by_line[La - 1].meta
         # Without a bias the value bypasses the adder; the flush is the adder's DAZ, which
         # only matters for a C read back with K = 0 (sums never come out subnormal).
-        b_vals = [Mux(bias_en, adders[j].result, convert.flush_f32(by_line[La - 1].acc[j])) for j in range(C)]
+        b_vals = [Mux(bias_en, adders[j].result, convert.flush_f32(acc_rd.data[j])) for j in range(C)]
 
         # Activation stage: C units (or a bypass line), bf16 in and out. A core built without
         # unary functions has no stage (its commands never ask for an activation).

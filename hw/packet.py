@@ -577,7 +577,7 @@ class PacketEngine(wiring.Component):
         flag = {name: c_flags & bit != 0 for name, bit in protocol.GEMM_FLAGS.items()}
         unary_mask = sum(1 << FUNCTIONS.index(n) for n in self.functions if n in UNARY_FUNCTIONS)
         built_mask = sum(1 << FUNCTIONS.index(n) for n in self.functions)
-        gradient_mask = sum(1 << i for i, n in enumerate(FUNCTIONS) if n not in UNARY_FUNCTIONS)
+        gradient_mask = sum(1 << FUNCTIONS.index(n) for n in self.functions if n not in UNARY_FUNCTIONS)
         act_ok = (c_act == protocol.NO_ACTIVATION) | Const(unary_mask, 256).bit_select(c_act, 1)
         sides_ok = ((c_m >= 1) & (c_m <= D) & (c_n >= 1) & (c_n <= D)
                     & (is_read | ((c_k >= 1) & (c_k <= D))))
@@ -598,7 +598,10 @@ class PacketEngine(wiring.Component):
 
         # ELEMENTWISE
         e_function, e_count = field(0, 1), field(4, 4)
-        e_gradient = Const(gradient_mask, 256).bit_select(e_function, 1)
+        e_gradient = Const(gradient_mask, 256).bit_select(e_function, 1)  # a built gradient function
+        # An ELEMENTWISE that runs: none on a device without functions (it is refused), whose
+        # path to the activation unit is then not built.
+        elementwise = is_op[Op.ELEMENTWISE] if self.functions else Const(0)
         e_built = Const(built_mask, 256).bit_select(e_function, 1)
         e_bytes = Signal(35)
         m.d.comb += e_bytes.eq(Mux(e_gradient, e_count << 2, e_count << 1))
@@ -680,7 +683,7 @@ class PacketEngine(wiring.Component):
         with m.If(rd_kick):
             m.d.sync += [
                 rd_phase.eq(0),
-                rd_interleave.eq(is_op[Op.ELEMENTWISE] & e_gradient),
+                rd_interleave.eq(elementwise & e_gradient),
                 rd_a.eq(Mux(is_op[Op.WRITE], WRITE_HEADER, ELEMENTWISE_HEADER)),
                 rd_b.eq(ELEMENTWISE_HEADER + (e_count << 1)),
                 rd_left.eq(Mux(is_op[Op.WRITE], length - WRITE_HEADER, length - ELEMENTWISE_HEADER)),
@@ -898,7 +901,7 @@ class PacketEngine(wiring.Component):
                     r_status.eq(status),
                     r_fixed.eq(Mux(~ok, 0, Mux(is_op[Op.IDENTIFY], 32, Mux(is_op[Op.STATUS], 16,
                                                                             Mux(is_op[Op.GEMM], 4, 0))))),
-                    r_stream.eq(Mux(~ok, 0, Mux(is_op[Op.ELEMENTWISE], e_count << 1,
+                    r_stream.eq(Mux(~ok, 0, Mux(elementwise, e_count << 1,
                                                 Mux(is_op[Op.GEMM] | is_read, result_bytes, 0)))),
                 ]
                 m.d.comb += [count_status.eq(1), counted.eq(status)]
@@ -906,7 +909,7 @@ class PacketEngine(wiring.Component):
                 m.d.sync += [
                     # Paths to units a reduced device lacks are never taken (refused above):
                     # their logic is not built.
-                    path.eq(Mux(is_op[Op.ELEMENTWISE] if self.functions else 0, PATH_ACT,
+                    path.eq(Mux(elementwise, PATH_ACT,
                                 Mux(is_values if cfg.value_quantizer else 0, PATH_VALUES, PATH_ROWS))),
                     wr_target.eq(Mux(is_values, w_target - (Target.A_VALUES - Target.A_CODES), w_target)),
                     wr_row.eq(w_row),
@@ -929,8 +932,8 @@ class PacketEngine(wiring.Component):
                     q_seed.eq(w_seed),
                     e_func.eq(e_function),
                     act_high.eq(0),
-                    a_bytes.eq(Mux(is_op[Op.ELEMENTWISE], Mux(e_gradient, 4, 2), element_bytes)),
-                    a_elems.eq(Mux(is_op[Op.ELEMENTWISE] | is_exps, 1, C)),
+                    a_bytes.eq(Mux(elementwise, Mux(e_gradient, 4, 2), element_bytes)),
+                    a_elems.eq(Mux(elementwise | is_exps, 1, C)),
                     a_mode.eq(Mux(is_codes & is_op[Op.WRITE], ASSEMBLE_MODES["sign_extend"],
                                   Mux(is_values & value_bf16 & is_op[Op.WRITE], ASSEMBLE_MODES["high_half"],
                                       ASSEMBLE_MODES["raw"]))),
