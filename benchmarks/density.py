@@ -43,6 +43,8 @@ from hbfp.hw.normalize import NormalizeDatapath
 from hbfp.hw.openflow import pnr_ecp5, synth_ecp5
 from hbfp.hw.params import EXP_WIDTH, FP32_WIDTH, psum_width
 
+from report import publish  # benchmarks/report.py
+
 ROOT = Path(__file__).resolve().parents[1]
 #: The paper's figures (Drumond et al., NeurIPS 2018, section 5).
 PAPER_MULTIPLIER_AREA = 5.8  # fp16 multiplier / 8-bit fixed-point multiplier
@@ -371,12 +373,7 @@ def main(argv=None) -> int:
     (work / "results.json").write_text(json.dumps({f"{k[0]}-{k[1]}": v for k, v in results.items()}, indent=1))
     dsp_eq = results[("mult18", "lut")]["lut4"]
     text = report(results, dsp_eq, args, seconds)
-    print(text)
-    if args.write:
-        out = ROOT / "docs" / "reports" / "density.md"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        print(f"written {out}")
+    publish(text, "density.md", args.write)
     return 0
 
 

@@ -18,6 +18,8 @@ from hbfp.hw.generate import generate
 from hbfp.hw.openflow import pnr_ecp5, synth_ecp5
 from hbfp.hw.params import CoreConfig
 
+from report import publish  # benchmarks/report.py
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -66,12 +68,7 @@ def main(argv=None) -> int:
     stat = synth["stat"]
     lines += ["Yosys cell counts (before packing):", "", "```", stat.strip(), "```", ""]
     text = "\n".join(lines)
-    print(text)
-    if args.write:
-        out = ROOT / "docs" / "reports" / f"ecp5-{name}.md"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        print(f"written {out}")
+    publish(text, f"ecp5-{name}.md", args.write)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +27,8 @@ from hbfp.hw import boards
 from hbfp.hw.mac_array import MacArray
 from hbfp.hw.openflow import RESOURCES, bin_path, run_tool, synth_ecp5
 
-ROOT = Path(__file__).resolve().parents[1]
+from report import publish  # benchmarks/report.py
+
 
 #: nextpnr resource names -> the report's columns.
 COLUMNS = {
@@ -58,7 +58,7 @@ def mac_array_logic(flow: str, cfg, work: Path) -> dict:
 def configuration(cfg) -> str:
     """A board's core configuration in a few words."""
     functions = "+".join(cfg.built_functions) if cfg.functions is not None else "all functions"
-    omitted = [u.replace("_", " ") for u in UNITS if not getattr(cfg, u)]
+    omitted = [u for u in UNITS if not getattr(cfg, u)]  # as `hbfp build --list` names them
     return (f"{cfg.rows}x{cfg.cols}, {cfg.mantissa_bits}-bit, tile {cfg.tile[0]}x{cfg.tile[1]}, "
             f"{cfg.size}x{cfg.size}, {functions or 'no activation units'}"
             + (f", without {', '.join(omitted)}" if omitted else ""))
@@ -165,11 +165,7 @@ def main(argv=None) -> int:
         "",
     ]
     text = "\n".join(lines)
-    print(text)
-    if args.write:
-        out = ROOT / "docs" / "reports" / "boards.md"
-        out.write_text(text)
-        print(f"written {out}", file=sys.stderr)
+    publish(text, "boards.md", args.write)
     return 0
 
 

@@ -66,7 +66,7 @@ def min_fifo_depth(divisor: int, max_payload: int) -> int:
     arrive while the engine replays the largest WRITE's payload (a byte a cycle) and sends
     its reply (a byte a byte time), plus one."""
     byte_cycles = BITS_PER_BYTE * divisor
-    write_reply = protocol.HEADER.size + 1 + protocol.CRC_SIZE  # magic .. length, status, CRC
+    write_reply = len(protocol.encode_reply(protocol.Op.WRITE, 0))  # a WRITE's reply: no data
     return -(-max_payload // byte_cycles) + write_reply + 1
 
 

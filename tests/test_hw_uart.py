@@ -141,22 +141,22 @@ def test_tx_against_reference(divisor):
     assert max(b - a for a, b in zip(starts, starts[1:])) >= 10 * divisor
 
 
-def test_reference_decoder_catches_bad_timing():
-    """``decode_line`` refuses a line whose bits are not ``divisor`` cycles long."""
-    runs = tb.line_runs([tb.Byte(0x3C)], 8.5)
+def _edges(runs) -> tuple[list[tuple[int, int]], int]:
+    """(cycle, new level) at each change of a line drawn as ``runs``, and the cycle it ends."""
     edges, t = [], 0
     for level, n in runs:
         if level != (edges[-1][1] if edges else 1):
             edges.append((t, level))
         t += n
+    return edges, t
+
+
+def test_reference_decoder_catches_bad_timing():
+    """``decode_line`` refuses a line whose bits are not ``divisor`` cycles long."""
+    edges, t = _edges(tb.line_runs([tb.Byte(0x3C)], 8.5))
     with pytest.raises(AssertionError, match="bit boundary"):
         tb.decode_line(edges, 8, t + 100)
-    good = tb.line_runs([tb.Byte(0x3C)], 8)
-    edges, t = [], 0
-    for level, n in good:
-        if level != (edges[-1][1] if edges else 1):
-            edges.append((t, level))
-        t += n
+    edges, t = _edges(tb.line_runs([tb.Byte(0x3C)], 8))
     assert tb.decode_line(edges, 8, t + 10) == [(0, 0x3C)]
 
 

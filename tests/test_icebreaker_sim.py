@@ -46,8 +46,10 @@ def board():
 
 
 def test_the_board_reports_a_reduced_device(board):
+    _, cfg, top_kw = boards.board_config("icebreaker")
     ident = board.info()
-    assert (ident.rows, ident.cols, ident.size, ident.max_payload) == (1, 1, 24, 2048)
+    assert (ident.rows, ident.cols, ident.size, ident.max_payload) == (cfg.rows, cfg.cols, cfg.size,
+                                                                       top_kw["max_payload"])
     assert ident.units == () and ident.functions == ()
     assert ident.omitted == sum(1 << bit for bit in protocol.UNITS.values())
 

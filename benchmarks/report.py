@@ -1,0 +1,18 @@
+"""Shared by the benchmarks that write a report: print it, and with ``--write`` save it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+#: Where the reports live.
+REPORTS = Path(__file__).resolve().parents[1] / "docs" / "reports"
+
+
+def publish(text: str, name: str, write: bool) -> None:
+    """Print ``text``; with ``write`` also save it as docs/reports/``name``."""
+    print(text)
+    if write:
+        out = REPORTS / name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(f"written {out}")
