@@ -7,7 +7,7 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test bench accuracy sim sim-full verilog fpga fpga-report clean distclean venv
+.PHONY: demo test bench accuracy sim sim-full fuzz verilog fpga fpga-report clean distclean venv
 
 venv: $(STAMP)
 
@@ -45,6 +45,11 @@ sim: $(STAMP)
 ## sim-full: the long cocotb regression (more vectors, exhaustive on both simulators)
 sim-full: $(STAMP)
 	HBFP_SIM_FULL=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests/test_hw_*.py
+
+## fuzz: the long protocol fuzz (20,000 bursts per emu configuration, 5,000 on the RTL, 4 seeds)
+## and the conformance table on the default top
+fuzz: $(STAMP)
+	HBFP_FUZZ_FULL=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests/test_fuzz_protocol.py tests/test_conformance.py
 
 ## verilog: the default core (8x8, HBFP8, 96x96 buffers) and its components into build/verilog
 verilog: $(STAMP)

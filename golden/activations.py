@@ -62,6 +62,7 @@ from . import bf16
 from .bf16 import QNAN, as_bits, from_f64, to_f32
 
 __all__ = [
+    "evaluate",
     "LEAKY_SHIFT",
     "TABLE_NAMES",
     "REFERENCE_NAMES",
@@ -614,3 +615,15 @@ def get(name: str, kind: str = "unary", leaky_shift: int | None = None) -> Calla
         shift = check_shift(leaky_shift, "leaky_shift")
         return lambda *args: fn(*args, shift)
     return fn
+
+
+def evaluate(name: str, x, g=None, leaky_shift: int = LEAKY_SHIFT) -> np.ndarray:
+    """What the activation unit's function ``name`` computes on bf16 patterns ``x`` (and the
+    upstream gradient ``g`` for a gradient function, named ``<name>_grad``) with the unit's
+    ``leaky_shift``: the ``emu`` device's ELEMENTWISE, and the host's for a device built
+    without the unit. ``ValueError`` for an unknown name."""
+    if name.endswith("_grad"):
+        if g is None:
+            raise TypeError(f"{name} needs the upstream gradient g")
+        return get(name[: -len("_grad")], "grad", leaky_shift=leaky_shift)(x, g)
+    return get(name, leaky_shift=leaky_shift)(x)

@@ -63,24 +63,67 @@ def _pad_k(codes: np.ndarray, kp: int, axis: int) -> np.ndarray:
     return np.pad(codes, widths)
 
 
+def _tiles_with_codes(t: BFPTensor) -> np.ndarray:
+    """Per tile (the shape of ``exponents``): whether any of its codes is nonzero."""
+    th, tw = t.fmt.tile
+    tr, tc = t.exponents.shape
+    codes = t.codes
+    if codes.shape != (tr * th, tc * tw):
+        codes = np.zeros((tr * th, tc * tw), dtype=t.codes.dtype)
+        codes[: t.shape[0], : t.shape[1]] = t.codes
+    # The OR of the codes' bits, read as the widest words that a tile's row is a whole
+    # number of: over the tile's rows, then across its words (a few times faster than any()).
+    width = tw * codes.itemsize
+    word = next(w for w in (np.uint64, np.uint32, np.uint16, np.uint8) if width % np.dtype(w).itemsize == 0)
+    u = np.ascontiguousarray(codes).view(word).reshape(tr, th, tc, width // np.dtype(word).itemsize)
+    rows = np.bitwise_or.reduce(u, axis=1) if th > 1 else u[:, 0]
+    if rows.shape[2] > 8:
+        return np.bitwise_or.reduce(rows, axis=2) != 0
+    bits = rows[..., 0].copy()
+    for i in range(1, rows.shape[2]):
+        bits |= rows[..., i]
+    return bits != 0
+
+
 def _nonzero_range(t: BFPTensor) -> tuple[int, int] | None:
     """(min, max) of ``E - frac_bits`` over the tiles that hold a nonzero, finite value."""
     live = (t.exponents != 0) & (t.exponents != EXP_NAN)
+    empty = t.exponents == 0
+    if empty.any():
+        # Code 0 (E = -127) is what quantize gives a tile of zeros, but a BFPTensor or a raw
+        # WRITE may hold nonzero codes under it: such a tile holds values (code steps of
+        # 2**(-127 - frac_bits), below the fast path's range) and counts.
+        live |= empty & _tiles_with_codes(t)
     if not live.any():
         return None
     s = t.scale_exponents()[live]
     return int(s.min()), int(s.max())
 
 
+def _code_magnitude(t: BFPTensor) -> int:
+    """The largest code magnitude the format allows, or that the codes hold if larger (a
+    BFPTensor or a raw WRITE may hold -2**(m-1), one beyond ``qmax``)."""
+    if t.codes.size == 0:
+        return t.fmt.qmax
+    return max(t.fmt.qmax, int(t.codes.max()), -int(t.codes.min()))
+
+
 def _fast_path_ok(a: BFPTensor, b: BFPTensor, tk: int, c: np.ndarray | None) -> bool:
     # Every product term is code_a * code_b * 2**(sa + sb); a K-tile sum is an integer below
-    # tk * qmax_a * qmax_b times that power of two. In fp32 BLAS it is exact, whatever the
-    # summation order, when the integer fits 24 bits, when 2**(sa + sb) is a normal number,
-    # and when the largest possible sum stays below 2**128.
-    bound = tk * a.fmt.qmax * b.fmt.qmax
+    # tk * qmax_a * qmax_b times that power of two (qmax, or a larger code a raw tensor
+    # holds). In fp32 BLAS it is exact, whatever the summation order, when the integer fits
+    # 24 bits, when 2**(sa + sb) is a normal number, and when the largest possible sum stays
+    # below 2**128.
+    qa, qb = _code_magnitude(a), _code_magnitude(b)
+    bound = tk * qa * qb
     if bound >= 2**24:
         return False
     ra, rb = _nonzero_range(a), _nonzero_range(b)
+    # Every scaled operand must be a finite fp32 (an inf would turn a zero product into NaN):
+    # |code| * 2**s < 2**128. Always true for codes within qmax (s <= 127 - frac_bits).
+    for r, q in ((ra, qa), (rb, qb)):
+        if r is not None and r[1] + q.bit_length() > _MAX_EXP + 1:
+            return False
     if ra is None or rb is None:
         return True  # every product is zero
     if ra[0] < _MIN_NORMAL_EXP or rb[0] < _MIN_NORMAL_EXP:
@@ -123,13 +166,16 @@ def _run_blocks(work, blocks, parallel: bool) -> None:
             f.result()
 
 
-def _scaled(codes: np.ndarray, scale_exp: np.ndarray, tile: tuple[int, int], padded: tuple[int, int]) -> np.ndarray:
+def _scaled(t: BFPTensor, padded: tuple[int, int]) -> np.ndarray:
     """Codes times their tile's power of two, as fp32, padded to whole tiles (exact under
-    the fast path's preconditions; tiles that hold only zeros get any normal scale)."""
-    th, tw = tile
+    the fast path's preconditions; tiles that hold only zeros get any normal scale). NaN
+    tiles scale to 0: their outputs are replaced, and their codes (0 from quantize, anything
+    in a raw tensor) must not overflow."""
+    th, tw = t.fmt.tile
     out = np.zeros(padded, dtype=np.float32)
-    out[: codes.shape[0], : codes.shape[1]] = codes
-    scale = np.ldexp(np.float32(1), np.clip(scale_exp, _MIN_NORMAL_EXP, _MAX_EXP)).astype(np.float32)
+    out[: t.codes.shape[0], : t.codes.shape[1]] = t.codes
+    scale = np.ldexp(np.float32(1), np.clip(t.scale_exponents(), _MIN_NORMAL_EXP, _MAX_EXP)).astype(np.float32)
+    scale[t.nan_tiles] = 0
     tiles = out.reshape(padded[0] // th, th, padded[1] // tw, tw)
     tiles *= scale[:, None, :, None]
     return out
@@ -137,13 +183,15 @@ def _scaled(codes: np.ndarray, scale_exp: np.ndarray, tile: tuple[int, int], pad
 
 def _accumulate_fast(a: BFPTensor, b: BFPTensor, acc: np.ndarray, tk: int, kt_count: int) -> np.ndarray:
     m, n = acc.shape
+    if m == 0 or n == 0:
+        return acc  # no outputs (and no block of them to size)
     kp = kt_count * tk
     ma = a.exponents.shape[0] * a.fmt.tile[0]
     nb = b.exponents.shape[1] * b.fmt.tile[1]
     # Operands laid out K-tile-major: A as (KT, M, tk), B as (KT, tk, N).
-    a_f = _scaled(a.codes, a.scale_exponents(), a.fmt.tile, (ma, kp))[:m]
+    a_f = _scaled(a, (ma, kp))[:m]
     a_f = np.ascontiguousarray(a_f.reshape(m, kt_count, tk).transpose(1, 0, 2))
-    b_f = _scaled(b.codes, b.scale_exponents(), b.fmt.tile, (kp, nb))[:, :n].reshape(kt_count, tk, n)
+    b_f = _scaled(b, (kp, nb))[:, :n].reshape(kt_count, tk, n)
     cols = min(n, _FAST_BLOCK_COLS)
     rows = max(1, min(m, _FAST_BLOCK_BYTES // (4 * kt_count * cols)))
     blocks = [(r, c) for r in range(0, m, rows) for c in range(0, n, cols)]
@@ -298,9 +346,12 @@ def gemm(
             raise TypeError(f"bias must be float32, got {bias.dtype}")
 
     if kt_count and _fast_path_ok(a, b, tk, c):
-        # -0 + p and +0 + p agree on every p the contract can produce (p = +0 for a zero).
-        acc += np.float32(0)
-        acc = _accumulate_fast(a, b, acc, tk, kt_count)
+        # -0 + p and +0 + p agree on every p the contract can produce (p = +0 for a zero). A
+        # signalling NaN in C (a raw WRITE may hold one) stays a NaN: IEEE arithmetic quiets it,
+        # which is the contract's NaN by class, and its "invalid" flag means nothing here.
+        with np.errstate(invalid="ignore"):
+            acc += np.float32(0)
+            acc = _accumulate_fast(a, b, acc, tk, kt_count)
     else:
         acc = _accumulate_exact(a, b, acc, tk, kt_count)
 

@@ -7,6 +7,8 @@ import sys
 
 import numpy as np
 
+from hbfp import contract
+
 
 def _golden_demo(args) -> int:
     from hbfp.golden import HBFP8, HBFP16, MXINT8, bf16, quantize
@@ -42,18 +44,19 @@ def _golden_demo(args) -> int:
     return 0
 
 
-FORMATS = {"HBFP8": (8, (24, 24)), "HBFP16": (16, (24, 24)), "MXINT8": (8, (1, 32))}
+#: The contract's named formats as (mantissa bits, tile), the options they set.
+FORMATS = {name: (f.mantissa_bits, f.tile) for name, f in contract.FORMATS.items()}
 
 
 def _config_from_args(args):
-    from hbfp.hw.params import CoreConfig
-
+    """The ``CoreConfig`` of the configuration options (``add_config_arguments``), checked by the
+    contract as ``emu:``/``sim:`` options are."""
     bits, tile = FORMATS[args.format]
     if args.mantissa_bits is not None:
         bits = args.mantissa_bits
     if args.tile is not None:
         tile = tuple(args.tile)
-    return CoreConfig(
+    return contract.CoreConfig(
         rows=args.rows, cols=args.cols, mantissa_bits=bits, tile=tile, size=args.size,
         functions=_functions_from_args(args), **_units_from_args(args),
     )
@@ -78,17 +81,45 @@ def _units_from_args(args) -> dict:
 def _verilog(args) -> int:
     from pathlib import Path
 
-    from hbfp.hw.generate import generate
+    from hbfp.hw.generate import components, generate
 
     try:
         cfg = _config_from_args(args)
     except ValueError as e:
         print(f"hbfp verilog: {e}", file=sys.stderr)
         return 2
+    if args.only:
+        known = list(components(cfg))
+        unknown = [name for name in args.only if name not in known]
+        if unknown:
+            print(f"hbfp verilog: unknown component(s) {', '.join(map(repr, unknown))} for --only; this "
+                  f"configuration has {', '.join(known)}", file=sys.stderr)
+            return 2
+    output = Path(args.output)
+    in_the_way = _not_a_folder(output)
+    if in_the_way is not None:
+        print(f"hbfp verilog: {in_the_way} is {'a file' if in_the_way.exists() else 'a broken symbolic link'}, not a "
+              f"folder: -o names the folder the Verilog goes to", file=sys.stderr)
+        return 2
     print(f"GEMM core {cfg.rows}x{cfg.cols}, {cfg.mantissa_bits}-bit codes, tile {cfg.tile[0]}x{cfg.tile[1]}, "
           f"buffers {cfg.size}x{cfg.size} -> {args.output}")
-    generate(cfg, Path(args.output), only=args.only)
+    try:
+        generate(cfg, output, only=args.only)
+    except OSError as e:
+        print(f"hbfp verilog: cannot write {output}: {e}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _not_a_folder(path):
+    """The first of ``path`` and its parents that exists but is not a folder (a file, a broken
+    symbolic link), or None when ``path`` is a folder or can be made one."""
+    import os
+
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            return None if p.is_dir() else p
+    return None
 
 
 def _build(args) -> int:
@@ -117,8 +148,14 @@ def _build(args) -> int:
     overrides.update(_units_from_args(args))
     try:
         result = boards.build(args.board, args.output, run=not args.no_run, seed=args.seed, **overrides)
+    except boards.OutputConflict as e:  # a file or a symbolic link in the way, or the user's files
+        print(f"hbfp build: {e}", file=sys.stderr)
+        return 2
     except (ValueError, RuntimeError) as e:
         print(f"hbfp build: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"hbfp build: cannot write {args.output}: {e}", file=sys.stderr)
         return 1
     for path in result.files:
         if path.suffix in (".bit", ".bin", ".qsf", ".sdc", ".sh", ".v") and not path.name.endswith(".debug.v"):
@@ -226,10 +263,18 @@ def _sim_server(args) -> int:
     from hbfp.host.registry import open_backend
     from hbfp.host.transports import PtyServer, Server, Transport, TransportDevice
 
-    if args.pty and args.connections is not None:
-        print("hbfp sim-server: --connections counts TCP connections; a pseudo-terminal (--pty) has none "
-              "(use --idle-timeout)", file=sys.stderr)
+    tcp_only = {"--connections": args.connections, "--client-timeout": args.client_timeout,
+                "--max-queued": args.max_queued, "--max-clients": args.max_clients,
+                "--reply-timeout": args.reply_timeout}
+    given = [name for name, value in tcp_only.items() if value is not None]
+    if args.pty and given:
+        print(f"hbfp sim-server: {', '.join(given)} are options of the TCP server; a pseudo-terminal (--pty) "
+              "has one peer and no connections (use --idle-timeout)", file=sys.stderr)
         return 2
+    for name in ("--max-queued", "--max-clients"):
+        if tcp_only[name] is not None and tcp_only[name] < 1:
+            print(f"hbfp sim-server: {name} must be at least 1", file=sys.stderr)
+            return 2
     try:
         device = open_backend(args.device)
     except HbfpError as e:
@@ -241,8 +286,14 @@ def _sim_server(args) -> int:
         if args.pty:
             server = PtyServer(device, idle_timeout=args.idle_timeout)
         else:
-            server = Server(device, args.host, args.port, connections=args.connections,
-                            idle_timeout=args.idle_timeout)
+            # The options given; Server's defaults for the others.
+            options = {key: getattr(args, key) for key in ("max_queued", "max_clients", "reply_timeout")
+                       if getattr(args, key) is not None}
+            if args.client_timeout is not None:
+                options["client_timeout"] = args.client_timeout or None  # 0: never
+            server = Server(device, args.host, args.port, connections=args.connections, idle_timeout=args.idle_timeout,
+                            log=lambda message: print(f"hbfp sim-server: {message}", file=sys.stderr, flush=True),
+                            **options)
     except OSError as e:
         where = "a pseudo-terminal" if args.pty else f"{args.host}:{args.port}"
         print(f"hbfp sim-server: cannot serve on {where}: {e}", file=sys.stderr)
@@ -255,6 +306,9 @@ def _sim_server(args) -> int:
         server.run()
     except KeyboardInterrupt:
         pass
+    except HbfpError as e:
+        print(f"hbfp sim-server: {args.device}: {e}", file=sys.stderr)
+        return 1
     finally:
         close = getattr(device, "close", None)
         if close:
@@ -313,7 +367,7 @@ def _train(args) -> int:
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """The core configuration options (shared by the commands that build a core)."""
-    from hbfp.hw.activation import FUNCTIONS
+    from hbfp.contract import FUNCTIONS
 
     p.add_argument("--rows", type=int, default=8, help="MAC array rows (a power of two; default 8)")
     p.add_argument("--cols", type=int, default=8, help="MAC array columns (a power of two; default 8)")
@@ -388,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("-o", "--out", default="build/demo", help="output folder (default build/demo)")
     tp.set_defaults(func=_train)
 
-    from hbfp.hw.activation import UNARY_FUNCTIONS
+    from hbfp.contract import UNARY_FUNCTIONS
 
     info = sub.add_parser("info", help="a device's identity (array, format, buffers, units) and the device backends")
     info.add_argument("device", nargs="?", default="emu", help="device spec (default emu; e.g. tcp:127.0.0.1:7000, "
@@ -414,13 +468,21 @@ def build_parser() -> argparse.ArgumentParser:
     gm.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each reply (default 5)")
     gm.set_defaults(func=_gemm)
 
-    srv = sub.add_parser("sim-server", help="serve a device (default: the simulator) on a local TCP port or, with "
-                                            "--pty, on a pseudo-terminal (a serial port)")
+    srv = sub.add_parser("sim-server", help="serve a device (default: the simulator) on a local TCP port to several "
+                                            "clients at once or, with --pty, on a pseudo-terminal (a serial port)")
     srv.add_argument("--device", default="sim", help="device spec to serve (default sim; emu for a quick test)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=7000, help="TCP port (default 7000; 0 picks a free one)")
     srv.add_argument("--connections", type=int, help="stop after this many connections (default: no limit)")
     srv.add_argument("--idle-timeout", type=float, help="stop after this many seconds without a client or a byte")
+    srv.add_argument("--client-timeout", type=float, metavar="SECONDS",
+                     help="close a connection that sends no complete frame for this long (default 30; 0: never)")
+    srv.add_argument("--max-queued", type=int, metavar="BYTES",
+                     help="stop running and reading a client's requests while this many bytes of its replies are "
+                          "unread (default 4194304)")
+    srv.add_argument("--max-clients", type=int, metavar="N", help="clients served at once; more are closed (default 16)")
+    srv.add_argument("--reply-timeout", type=float, metavar="SECONDS",
+                     help="a device silent this long has lost a request; its client gets no reply (default 1)")
     srv.add_argument("--pty", action="store_true",
                      help="serve on a pseudo-terminal instead of TCP: prints serial:/dev/pts/N for serial: clients "
                           "(with sim:...,uart=N the bytes also cross the gateware's UART)")
@@ -437,7 +499,20 @@ def main(argv=None) -> int:
     for name in ("m", "k", "n"):
         if getattr(args, name, 1) < 1:
             parser.error(f"--{name} must be at least 1")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except contract.ConfigError as e:
+        print(f"hbfp {args.command}: {e}", file=sys.stderr)  # a configuration no core can have: one line
+        return 2
+    except ModuleNotFoundError as e:
+        from hbfp.host.registry import missing_extra
+
+        hint = missing_extra(e)
+        if hint is None:
+            raise
+        # A host-only install: the HDL, simulator or training packages are extras.
+        print(f"hbfp {args.command} needs an optional part: {hint}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

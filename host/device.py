@@ -19,9 +19,11 @@ the middle of a K chain restarts the chain (the accumulator's contents are then 
 from __future__ import annotations
 
 import math
+import operator
 import random
 import time
 from collections import deque
+from collections.abc import Generator, Iterator, Mapping, Set
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -31,7 +33,8 @@ from hbfp.golden import bf16
 from hbfp.golden.bfp import BFPTensor, Format, quantize
 from hbfp.golden.gemm import epilogue as golden_epilogue
 from hbfp.golden.gemm import gemm as golden_gemm
-from hbfp.hw.activation import FUNCTIONS, UNARY_FUNCTIONS, evaluate
+from hbfp.contract import FUNCTIONS, UNARY_FUNCTIONS
+from hbfp.golden.activations import evaluate
 
 from . import protocol as P
 from .errors import (
@@ -119,9 +122,15 @@ class _Retry(Exception):
 # ---- operands --------------------------------------------------------------------------
 
 
+#: What an operand may be (``_as_array``'s TypeError says it).
+_ACCEPTED = "a NumPy array, a nested list of numbers, a BFPTensor or a __dlpack__ tensor"
+
+
 def _as_array(x, what: str):
     """numpy arrays and BFPTensors as they are; any ``__dlpack__`` producer through
-    ``hbfp.host.dlpack`` (zero-copy, bfloat16 included); anything else through ``np.asarray``."""
+    ``hbfp.host.dlpack`` (zero-copy, bfloat16 included); numbers and (nested, rectangular)
+    sequences of numbers through ``np.asarray``. Anything else (None, a str, a mapping, a set,
+    an iterator or generator, a ragged list, objects) is a ``TypeError`` naming ``what``."""
     if isinstance(x, (np.ndarray, BFPTensor)):
         return x
     if hasattr(x, "__dlpack__"):
@@ -131,7 +140,18 @@ def _as_array(x, what: str):
             return dlpack.to_numpy(x, what)
         except BufferError as e:  # the producer cannot export (e.g. NumPy's ml_dtypes.bfloat16)
             raise NotSupported(f"{what}: cannot import the tensor through DLPack ({e})") from e
-    return np.asarray(x)
+    if x is None or isinstance(x, (str, bytes, bytearray, Mapping, Set, Iterator)):
+        kind = "None" if x is None else ("a generator" if isinstance(x, Generator) else f"a {type(x).__name__}")
+        raise TypeError(f"{what} must be {_ACCEPTED}, got {kind}")
+    try:
+        arr = np.asarray(x)
+    except (ValueError, TypeError) as e:  # ragged nesting: NumPy's "inhomogeneous shape"
+        raise TypeError(f"{what} must be {_ACCEPTED}; got a {type(x).__name__} that is not a rectangular "
+                        f"array of numbers ({e})") from None
+    if arr.dtype == object:
+        raise TypeError(f"{what} must be {_ACCEPTED}; got a {type(x).__name__} that NumPy holds as Python "
+                        "objects (not numbers of one type)")
+    return arr
 
 
 def _check_float(x: np.ndarray, what: str) -> None:
@@ -157,6 +177,17 @@ def _quantize_values(v: np.ndarray, input: str, fmt: Format, seed: int) -> BFPTe
     return quantize(bf16.to_dtype(v) if input == "bf16" else v, fmt, seed=seed)
 
 
+def _seed_int(s, seed) -> int:
+    """An integer seed (a Python or NumPy integer, not a bool or a float): a TypeError otherwise."""
+    if not isinstance(s, bool):
+        try:
+            return operator.index(s)
+        except TypeError:
+            pass
+    raise TypeError(f"seed must be an integer or three integers (A, B, output), got {seed!r} "
+                    f"({type(s).__name__}{' in it' if s is not seed else ''})")
+
+
 def _seeds(seed, rounding: str) -> tuple[int, int, int]:
     """Seeds of A, B and a BFP output: ``seed`` gives (seed, seed + 1, seed + 2)."""
     if seed is None:
@@ -166,8 +197,8 @@ def _seeds(seed, rounding: str) -> tuple[int, int, int]:
     if isinstance(seed, (tuple, list)):
         if len(seed) != 3:
             raise ValueError(f"seed must be an integer or three (A, B, output), got {seed!r}")
-        return tuple(int(s) & 0xFFFFFFFF for s in seed)
-    s = int(seed)
+        return tuple(_seed_int(s, seed) & 0xFFFFFFFF for s in seed)
+    s = _seed_int(seed, seed)
     return (s & 0xFFFFFFFF, (s + 1) & 0xFFFFFFFF, (s + 2) & 0xFFFFFFFF)
 
 
@@ -281,6 +312,29 @@ class _Operand:
     def quantize_on_host(self) -> None:
         self.t = _quantize_values(self.v, self.input, self.fmt, self.seed)
         self.v = None
+
+
+def _check_identity(ident: P.Identity, name: str) -> None:
+    """An IDENTIFY reply the driver can work with: every side positive, the mantissa bits a
+    format's, the buffers a whole number of tiles and of array lanes, a payload buffer larger
+    than a request's header. ``ProtocolError`` names the field otherwise (a device bug)."""
+
+    def bad(field: str, why: str) -> ProtocolError:
+        return ProtocolError(f"{name} reported an identity the driver cannot use: {field} = "
+                             f"{getattr(ident, field)} ({why})")
+
+    for field in ("rows", "cols", "tile_rows", "tile_cols", "size", "stream_bytes"):
+        if getattr(ident, field) < 1:
+            raise bad(field, "must be at least 1")
+    if not 2 <= ident.mantissa_bits <= 16:
+        raise bad("mantissa_bits", "must be 2..16")
+    for field in ("tile_rows", "tile_cols", "rows", "cols"):
+        if ident.size % getattr(ident, field):
+            raise ProtocolError(f"{name} reported an inconsistent identity: size = {ident.size} is not a multiple of "
+                                f"{field} = {getattr(ident, field)}")
+    header = max(P.WRITE_HEADER, P.ELEMENTWISE_HEADER)
+    if ident.max_payload <= header:
+        raise bad("max_payload", f"must exceed a request's {header}-byte header")
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -452,6 +506,7 @@ class Device:
         if len(data) < P.IDENTITY_SIZE:
             raise ProtocolError(f"IDENTIFY reply has {len(data)} bytes, expected {P.IDENTITY_SIZE}")
         ident = P.decode_identity(data)
+        _check_identity(ident, self.name)
         self._identity = ident
         # The longest reply this device sends: a full fp32 result, or an elementwise one.
         longest = max(ident.max_payload, 1 + 4 + 4 * ident.size * ident.size)
@@ -512,6 +567,9 @@ class Device:
         raise TypeError(f"{what} must be bf16 (ml_dtypes.bfloat16, or uint16 patterns) or float, got {x.dtype}")
 
     def _elementwise(self, function: str, x, g=None) -> np.ndarray:
+        if function in FUNCTIONS and (g is None) != (function in UNARY_FUNCTIONS):  # before anything is sent
+            raise TypeError(f"{function} takes x and g (the upstream gradient), got g=None" if g is None
+                            else f"{function} is a function of x alone, got a g")
         code = self._function(function)
         xb = self._bf16_bits(x, "x")
         shape = xb.shape
@@ -548,7 +606,7 @@ class Device:
         an ``ml_dtypes.bfloat16`` array of the same shape out. On a device built without
         that unit the host computes it with the golden model, the same bits
         (``stats.host_activations`` counts it)."""
-        if name not in UNARY_FUNCTIONS:
+        if not isinstance(name, str) or name not in UNARY_FUNCTIONS:
             raise ValueError(f"unknown activation {name!r}; known: {', '.join(UNARY_FUNCTIONS)}")
         return self._elementwise(name, x)
 
@@ -556,9 +614,12 @@ class Device:
         """``bf16.mul(name'(x), g)``: the activation's derivative at ``x`` times the upstream
         gradient ``g``, on the device (bf16 in and out, as ``activation``; on the host
         without the device's ``<name>_grad`` unit, as ``activation``)."""
-        if name not in UNARY_FUNCTIONS or name + "_grad" not in FUNCTIONS:
+        if not isinstance(name, str) or name not in UNARY_FUNCTIONS or name + "_grad" not in FUNCTIONS:
             raise ValueError(f"no gradient unit for {name!r}; known: "
                              f"{', '.join(f[: -len('_grad')] for f in FUNCTIONS if f.endswith('_grad'))}")
+        if g is None:
+            raise TypeError(f"gradient({name!r}, x, g) needs g, the upstream gradient (bf16 values of x's shape), "
+                            "got None")
         return self._elementwise(name + "_grad", x, g)
 
     # ---- writes ---------------------------------------------------------------------------

@@ -4,9 +4,12 @@ golden model (bit for bit as the gateware, and fast).
 It holds the buffers the gateware holds (docs/architecture.md): the stored A and B codes
 (``size`` x ``size``, as written: A or A^T, B or B^T), their exponent grids, the fp32
 accumulator (``size`` x ``size``) and the bias (``size``). Nothing is cleared between
-commands: a product reads only the region its descriptor names (codes beyond K read as
-zeros, as the MAC array's K padding does), and leaves the fp32 sums (before bias and
-activation) in the accumulator.
+commands. A product leaves the fp32 sums (before bias and activation) in the accumulator as
+the gateware does: over whole array blocks (rows to ceil(M/R)*R, columns to ceil(N/C)*C),
+where the padding rows and columns hold the product of the stored operands' stale contents
+(codes beyond K read as zeros, as the MAC array's K padding does); the reply carries the
+M x N region. Every reply, the accumulator's contents and the cycle counts equal the
+gateware's (docs/protocol.md).
 
 The byte interface, the one ``LoopbackTransport`` and ``serve`` drive (a simulator device
 offers the same):
@@ -29,13 +32,25 @@ without the stochastic rounding unit (docs/protocol.md).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from hbfp.golden import bf16
 from hbfp.golden.bfp import BFPTensor, quantize
 from hbfp.golden.gemm import epilogue, gemm
-from hbfp.hw.activation import FUNCTIONS, evaluate
-from hbfp.hw.params import CoreConfig
+from hbfp.contract import (
+    ACTIVATION_LATENCY,
+    ADD_LATENCY,
+    FUNCTIONS,
+    NORMALIZE_LATENCY,
+    QUANTIZE_LATENCY,
+    UNARY_FUNCTIONS,
+    CoreConfig,
+    DeviceSpec,
+)
+from hbfp.contract import parse_options as parse_device_options
+from hbfp.golden.activations import evaluate
 
 from . import protocol as P
 from .protocol import Op, OutFormat, Status, Target
@@ -47,40 +62,87 @@ __all__ = [
     "backend",
     "DRAIN_CYCLES",
     "BFP_EPILOGUE_CYCLES",
-    "DEFAULT_FRAME_TIMEOUT",
     "NOMINAL_HZ",
 ]
 
-#: Pipeline drain and write-back after a product's MAC phase (docs/architecture.md).
-DRAIN_CYCLES = 20
-#: Extra cycles of a BFP epilogue (the quantizer's tile latency).
-BFP_EPILOGUE_CYCLES = 30
-#: Cycles without a byte after which a begun frame is dropped.
-DEFAULT_FRAME_TIMEOUT = 10_000_000
 #: The rate at which waiting time becomes cycles when the device reports no clock (0 Hz).
 NOMINAL_HZ = 100_000_000
 
 _ROUNDINGS = {code: name for name, code in P.ROUNDING_CODES.items()}
+#: ``DeviceSpec``'s fields beside the core: what ``EmuDevice`` takes as keywords.
+DEVICE_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceSpec) if f.name != "config")
+
+
+# ---- the gateware's cycle count (docs/architecture.md, "Latency and throughput of a command")
+
+# The latencies of the gateware's components that the count adds up are the contract's
+# (``NORMALIZE_LATENCY``, ``ADD_LATENCY``, ``ACTIVATION_LATENCY``, ``QUANTIZE_LATENCY``: the
+# gateware builds its components to them; tests/test_emu_gateware.py checks that they agree).
+#: The stages that only hw/gemm_core.py's structure sets. A beat read from the operand buffers
+#: (``OperandBuffer``: synchronous read) reaches the MAC array through the beat FIFO (a
+#: ``SyncFIFO``: readable the cycle after the write).
+OPERAND_READ_CYCLES = 1
+BEAT_FIFO_CYCLES = 1
+#: ``MacArray``: a K-tile's first row of sums leaves 3 cycles after its last beat enters; its R
+#: rows drain one a cycle.
+MAC_LATENCY = 3
+#: The exponent prefetch of a K-tile keeps the core busy for ``max(R, C) + 2`` cycles after
+#: the K-tile's first beat is issued, and the next K-tile's first beat waits for it: K-tiles
+#: start every ``max(tk, max(R, C) + PREFETCH_CYCLES)`` cycles (``tk`` unless tk < max(R, C) + 3).
+PREFETCH_CYCLES = 3
+#: The MAC phase ends ``NORMALIZE_LATENCY + ADD_LATENCY + FLUSH_MARGIN`` quiet cycles after the
+#: last row drained (the last write-back is done: the core's ``flush`` counter).
+FLUSH_MARGIN = 2
+#: Cycles from a product's last operand beat to its epilogue's start, beyond the R cycles the
+#: MAC array takes to drain the last K-tile: the beat's way to the array, the array, and the
+#: flush (1 + 1 + 3 + 4 + 5 + 2 = 16).
+DRAIN_CYCLES = OPERAND_READ_CYCLES + BEAT_FIFO_CYCLES + MAC_LATENCY + NORMALIZE_LATENCY + ADD_LATENCY + FLUSH_MARGIN
+#: A command with K = 0 (READ, and the GEMM's second pass) starts its epilogue one cycle after
+#: it is accepted (the descriptor's register).
+READ_START_CYCLES = 1
+#: From the epilogue's last accumulator read to its last output beat without the activation
+#: stage: the read's register, the bias adders (a value without bias waits beside them), the
+#: output register (1 + 5 + 1 = 7). A core with unary activation units built adds
+#: ``ACTIVATION_LATENCY`` (whether or not the command uses one).
+EPILOGUE_CYCLES = 1 + ADD_LATENCY + 1
+#: A BFP output then passes the quantizer: its last beat leaves ``QUANTIZE_LATENCY - 1`` cycles
+#: plus one tile's beats (``th * tw / C``) after the last value entered.
+BFP_EPILOGUE_CYCLES = QUANTIZE_LATENCY - 1
+
+
+def _activation_stage(cfg: CoreConfig) -> bool:
+    """Whether the core's epilogue has the activation stage (any unary function built)."""
+    return any(f in UNARY_FUNCTIONS for f in cfg.built_functions)
 
 
 def command_cycles(cfg: CoreConfig, m: int, n: int, k: int, out_format: int) -> int:
-    """The cycles a GEMM (or, with ``k = 0``, a READ) takes on the gateware, by the formula of
-    docs/architecture.md ("Latency and throughput of a command")::
+    """The cycles a GEMM (or, with ``k = 0``, a READ) takes on the gateware: the core's count
+    from the cycle after it accepts the command to the cycle of its last output beat, which
+    the reply and STATUS report (docs/architecture.md, "Latency and throughput of a
+    command")::
 
-        ceil(M/R) * ceil(N/C) * ceil(K/tk) * tk          MAC phase, one beat per cycle
-        + DRAIN_CYCLES (when K > 0)                      pipeline drain and write-back
-        + M * ceil(N/C)                       (fp32, bf16) epilogue, one beat per cycle
-          or ceil(M/th) * ceil(N/tw) * th * tw / C + BFP_EPILOGUE_CYCLES   (BFP)
-    """
+        K > 0:  start = (T - 1) * max(tk, max(R, C) + PREFETCH_CYCLES) + tk + R + DRAIN_CYCLES
+                        with T = ceil(M/R) * ceil(N/C) * ceil(K/tk) K-tiles
+        K = 0:  start = READ_START_CYCLES
+        cycles = start + beats + EPILOGUE_CYCLES (+ ACTIVATION_LATENCY if unary units are built)
+                 (BFP: + BFP_EPILOGUE_CYCLES + th * tw / C)
+        beats  = M * ceil(N/C)  (fp32, bf16)   or   ceil(M/th) * ceil(N/tw) * th * tw / C  (BFP)
+
+    It depends on the configuration and the sides and output format only: not on transposes,
+    bias, the activation chosen, accumulation, rounding or the data."""
     R, C, tk = cfg.rows, cfg.cols, cfg.tk
     th, tw = cfg.tile
-    mac = -(-m // R) * -(-n // C) * -(-k // tk) * tk
-    drain = DRAIN_CYCLES if k else 0
-    if out_format == OutFormat.BFP:
-        epilogue = -(-m // th) * -(-n // tw) * th * tw // C + BFP_EPILOGUE_CYCLES
+    if k:
+        ktiles = -(-m // R) * -(-n // C) * -(-k // tk)
+        period = max(tk, max(R, C) + PREFETCH_CYCLES)
+        start = (ktiles - 1) * period + tk + R + DRAIN_CYCLES
     else:
-        epilogue = m * -(-n // C)
-    return mac + drain + epilogue
+        start = READ_START_CYCLES
+    cycles = start + EPILOGUE_CYCLES + (ACTIVATION_LATENCY if _activation_stage(cfg) else 0)
+    if out_format == OutFormat.BFP:
+        tile_beats = th * tw // C
+        return cycles + -(-m // th) * -(-n // tw) * tile_beats + BFP_EPILOGUE_CYCLES + tile_beats
+    return cycles + m * -(-n // C)
 
 
 class _Refused(Exception):
@@ -92,31 +154,34 @@ class _Refused(Exception):
 class EmuDevice:
     """The device as a byte pipe, computed with ``hbfp.golden`` (module docstring).
 
-    ``config``: the core (array shape, format, buffer side, activation units built, the
-    optional units of a reduced device);
-    ``max_payload``: the largest request payload (default: a whole buffer of fp32 values);
-    ``frame_timeout``: cycles without a byte after which a begun frame is dropped;
-    ``clock_hz``: reported by IDENTIFY (0: unknown); ``abi_version``: the ABI reported
-    (a different one only to test hosts)."""
+    ``config``: the core (a ``CoreConfig``: array shape, format, buffer side, activation units
+    built, the optional units of a reduced device) or the whole device (a ``DeviceSpec``, also
+    as ``spec``); keywords set the spec's other fields, with the contract's defaults (those of
+    the gateware's top): ``stream_bytes``, ``clock_hz`` (reported by IDENTIFY; 0: unknown),
+    ``max_payload`` (the largest request payload), ``frame_timeout`` (cycles without a byte
+    after which a begun frame is dropped). ``abi_version``: the ABI reported (a different one
+    only to test hosts)."""
 
-    def __init__(self, config: CoreConfig | None = None, *, max_payload: int | None = None,
-                 frame_timeout: int = DEFAULT_FRAME_TIMEOUT, clock_hz: int = 0, stream_bytes: int = 1,
-                 abi_version: tuple[int, int] = P.ABI_VERSION):
-        cfg = config or CoreConfig()
-        self.config = cfg
+    def __init__(self, config: CoreConfig | DeviceSpec | None = None, *, spec: DeviceSpec | None = None,
+                 abi_version: tuple[int, int] = P.ABI_VERSION, **device):
+        if isinstance(config, DeviceSpec):
+            spec, config = config, None
+        spec = spec or DeviceSpec()
+        if config is not None:
+            spec = dataclasses.replace(spec, config=config)
+        unknown = set(device) - set(DEVICE_FIELDS)
+        if unknown:
+            raise TypeError(f"EmuDevice: unknown options {sorted(unknown)}; device options: {', '.join(DEVICE_FIELDS)}")
+        if device.get("max_payload", 0) is None:  # None: the default
+            del device["max_payload"]
+        spec = dataclasses.replace(spec, **device) if device else spec
+        self.spec = spec
+        cfg = self.config = spec.config
         D = cfg.size
         th, tw = cfg.tile
-        self.functions = cfg.built_functions  # (CoreConfig checks the names)
-        if max_payload is None:
-            max_payload = P.WRITE_HEADER + 4 * D * D
-        self.identity = P.Identity(
-            protocol_version=P.PROTOCOL_VERSION, abi_major=abi_version[0], abi_minor=abi_version[1],
-            stream_bytes=stream_bytes, rows=cfg.rows, cols=cfg.cols, mantissa_bits=cfg.mantissa_bits,
-            tile_rows=th, tile_cols=tw, leaky_shift=cfg.leaky_shift, size=D,
-            functions_mask=sum(1 << FUNCTIONS.index(f) for f in self.functions), clock_hz=clock_hz,
-            max_payload=max_payload, frame_timeout=frame_timeout, omitted=cfg.omitted,
-        )
-        self.cycles_per_second = clock_hz or NOMINAL_HZ
+        self.functions = cfg.built_functions
+        self.identity = spec.identity(abi_version)
+        self.cycles_per_second = spec.clock_hz or NOMINAL_HZ
         code_dtype = cfg.fmt().code_dtype
         # Buffer contents start as zeros (the gateware's memories have no reset either:
         # after RESET they keep whatever they held, "undefined" to the host).
@@ -126,7 +191,7 @@ class EmuDevice:
         self.b_exponents = np.zeros((D // th, D // tw), dtype=np.uint8)
         self.acc = np.zeros((D, D), dtype=np.float32)
         self.bias = np.zeros(D, dtype=np.float32)
-        self._parser = P.FrameParser(max_payload, device=True)
+        self._parser = P.FrameParser(spec.max_payload, device=True)
         self._out = bytearray()
         self._idle = 0
         self._clear_counters()
@@ -340,11 +405,18 @@ class EmuDevice:
             # The epilogue alone, on the accumulator as it is.
             sums = bf16.flush_f32(self.acc[:m, :n])
         else:
-            a = self._stored(self.a_codes, self.a_exponents, (k, m) if ta else (m, k))
-            b = self._stored(self.b_codes, self.b_exponents, (n, k) if tb else (k, n))
-            c = self.acc[:m, :n].copy() if accumulate else None
-            sums = gemm(a, b, c=c, transpose_a=ta, transpose_b=tb)
-            self.acc[:m, :n] = sums
+            # The MAC array computes whole R x C blocks, and the core writes all of them back:
+            # the accumulator changes out to rows ceil(M/R)*R and columns ceil(N/C)*C. Beyond
+            # M and N the array reads the buffers as they are (stale codes and exponents);
+            # beyond K it reads A's codes as zeros (B's as they are, times zero). So the
+            # padding holds the product of the stored operands' padded region, from the
+            # accumulator's old contents with ``accumulate``, from +0 without.
+            mp, np_ = -(-m // cfg.rows) * cfg.rows, -(-n // cfg.cols) * cfg.cols
+            a = self._stored(self.a_codes, self.a_exponents, (k, mp) if ta else (mp, k))
+            b = self._stored(self.b_codes, self.b_exponents, (np_, k) if tb else (k, np_))
+            c = self.acc[:mp, :np_].copy() if accumulate else None
+            self.acc[:mp, :np_] = gemm(a, b, c=c, transpose_a=ta, transpose_b=tb)
+            sums = self.acc[:m, :n].copy()
         result = self._epilogue(sums, self.bias[:n] if add_bias else None, act, out_format,
                                 _ROUNDINGS[d["rounding"]], d["seed"])
         cycles = command_cycles(cfg, m, n, k, out_format)
@@ -390,68 +462,15 @@ class EmuDevice:
 
 # ---- the ``emu`` backend (entry point ``hbfp.devices: emu``) --------------------------------
 
-_FORMATS = {"HBFP8": (8, (24, 24)), "HBFP16": (16, (24, 24)), "MXINT8": (8, (1, 32))}
-_CONFIG_KEYS = ("rows", "cols", "mantissa_bits", "size", "leaky_shift")
-_DEVICE_KEYS = ("max_payload", "frame_timeout", "clock_hz")
-_UNIT_KEYS = tuple(P.UNITS)
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-
-
-def parse_bool(value: str) -> bool:
-    """An option's yes or no: 0/1, true/false, yes/no, on/off (any case)."""
-    word = value.strip().lower()
-    if word not in _BOOLS:
-        raise ValueError(f"expected 0/1, true/false, yes/no or on/off, got {value!r}")
-    return _BOOLS[word]
-
-
-def parse_functions(value: str) -> tuple[str, ...]:
-    """An option's activation units: ``relu+gelu`` (or separated by spaces or colons); ``none``
-    or nothing: no unit."""
-    names = value.replace("+", " ").replace(":", " ").split()
-    return () if [n.lower() for n in names] == ["none"] else tuple(names)
-
 
 def parse_options(arg: str) -> dict:
-    """``"rows=4,cols=4,size=48"`` -> keyword arguments of ``EmuDevice`` (a ``config`` and
-    device options). Keys: rows, cols, size, mantissa_bits, leaky_shift, tile (``24x24``),
-    format (HBFP8, HBFP16, MXINT8), functions (the activation units built: ``relu+gelu``;
-    ``none`` or nothing, ``functions=``, for none; every one without the key), the optional units
-    value_quantizer, bfp_output, stochastic (``0``/``1``, ``false``/``true``, ``no``/``yes``,
-    ``off``/``on``: ``bfp_output=0`` is a reduced device), max_payload, frame_timeout,
-    clock_hz."""
-    cfg: dict = {}
-    dev: dict = {}
-    for item in filter(None, (s.strip() for s in arg.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep:
-            raise ValueError(f"emu option {item!r} is not key=value")
-        if key == "format":
-            if value.upper() not in _FORMATS:
-                raise ValueError(f"unknown format {value!r}; known: {', '.join(_FORMATS)}")
-            cfg["mantissa_bits"], cfg["tile"] = _FORMATS[value.upper()]
-        elif key == "tile":
-            try:
-                th, tw = (int(v) for v in value.lower().split("x"))
-            except ValueError:
-                raise ValueError(f"tile must be ROWSxCOLS, got {value!r}") from None
-            cfg["tile"] = (th, tw)
-        elif key == "functions":
-            cfg["functions"] = parse_functions(value)
-        elif key in _UNIT_KEYS:
-            try:
-                cfg[key] = parse_bool(value)
-            except ValueError as e:
-                raise ValueError(f"emu option {key}: {e}") from None
-        elif key in _CONFIG_KEYS:
-            cfg[key] = int(value)
-        elif key in _DEVICE_KEYS:
-            dev[key] = int(value)
-        else:
-            raise ValueError(f"unknown emu option {key!r}; known: format, tile, functions, "
-                             f"{', '.join(_CONFIG_KEYS + _UNIT_KEYS + _DEVICE_KEYS)}")
-    return dict(config=CoreConfig(**cfg), **dev)
+    """``"rows=4,cols=4,size=48"`` -> keyword arguments of ``EmuDevice``: the ``config`` (a
+    ``CoreConfig``) and the ``DeviceSpec``'s other fields. The keys are the contract's device
+    options (``hbfp.contract.OPTIONS``: format, rows, cols, mantissa_bits, tile, size,
+    functions, leaky_shift, value_quantizer, bfp_output, stochastic, stream_bytes, clock_hz,
+    max_payload, frame_timeout), parsed as for ``sim:``."""
+    spec = DeviceSpec.from_options(parse_device_options(arg, what="emu"))
+    return dict(config=spec.config, **{name: getattr(spec, name) for name in DEVICE_FIELDS})
 
 
 class _EmuBackend:
@@ -461,12 +480,17 @@ class _EmuBackend:
     description = "in-process bit-exact model of the device (hbfp.golden)"
 
     def open(self, arg: str = "", **options) -> EmuDevice:
-        kwargs = parse_options(arg)
+        parsed = parse_options(arg)
+        spec = DeviceSpec(parsed.pop("config"), **parsed)
         config = options.pop("config", None)
-        if config is not None:
-            kwargs["config"] = config
-        kwargs.update(options)
-        return EmuDevice(**kwargs)
+        if isinstance(config, DeviceSpec):
+            spec = config
+        elif config is not None:
+            spec = dataclasses.replace(spec, config=config)
+        device = {k: options.pop(k) for k in list(options) if k in DEVICE_FIELDS}
+        if device:
+            spec = dataclasses.replace(spec, **device)
+        return EmuDevice(spec, **options)
 
 
 backend = _EmuBackend()

@@ -4,12 +4,33 @@ gateware testbenches."""
 
 from __future__ import annotations
 
-import enum
 import struct
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
+
+from hbfp import contract as C
+from hbfp.contract import (
+    ABI_VERSION,
+    CRC_SIZE,
+    FRAME_TIMEOUT_TAG,
+    MAGIC,
+    NO_ACTIVATION,
+    PROTOCOL_VERSION,
+    REPLY,
+    ROUNDING_CODES,
+    DeviceStatus,
+    Encoding,
+    GemmFlag,
+    Identity,
+    Op,
+    OutFormat,
+    Rounding,
+    Status,
+    Target,
+    Unit,
+)
 
 __all__ = [
     "MAGIC",
@@ -62,72 +83,12 @@ __all__ = [
     "IDENTITY_SIZE",
 ]
 
-MAGIC = b"HB"
-PROTOCOL_VERSION = 1
-#: The device interface a host speaks: (major, minor). A different major is refused.
-ABI_VERSION = (1, 1)
-#: magic, version, opcode, tag, length
-HEADER = struct.Struct("<2sBBHI")
-CRC_SIZE = 4
-#: A reply's opcode is the request's with this bit set.
-REPLY = 0x80
-NO_ACTIVATION = 0xFF
-#: The tag of a TIMEOUT reply (the truncated frame's tag may not have arrived).
-FRAME_TIMEOUT_TAG = 0xFFFF
-#: Rounding modes on the wire (WRITE of values, READ and GEMM's BFP output).
-ROUNDING_CODES = {"nearest_even": 0, "toward_zero": 1, "stochastic": 2}
-#: The units a reduced device may be built without, and their bits in IDENTIFY's ``omitted``
-#: mask (a set bit: the unit is not there; 0, as from an ABI 1.0 device: the full device).
-#: ``value_quantizer``: WRITE of values (the device quantizes); ``bfp_output``: GEMM and READ
-#: results in BFP; ``stochastic``: stochastic rounding in the device's quantizers. The names
-#: are ``hw.params.CoreConfig``'s fields.
-UNITS = {"value_quantizer": 0, "bfp_output": 1, "stochastic": 2}
-
-
-class Op(enum.IntEnum):
-    IDENTIFY = 0x01
-    WRITE = 0x02
-    READ = 0x03
-    GEMM = 0x04
-    ELEMENTWISE = 0x05
-    STATUS = 0x06
-    RESET = 0x07
-
-
-class Status(enum.IntEnum):
-    OK = 0
-    BAD_CRC = 1
-    BAD_OPCODE = 2
-    BAD_LENGTH = 3
-    BAD_ADDRESS = 4
-    BAD_DESCRIPTOR = 5
-    BAD_VERSION = 6
-    TIMEOUT = 7
-
-
-class Target(enum.IntEnum):
-    A_CODES = 0
-    B_CODES = 1
-    A_EXPONENTS = 2
-    B_EXPONENTS = 3
-    ACC = 4
-    BIAS = 5
-    A_VALUES = 6
-    B_VALUES = 7
-
-
-class Encoding(enum.IntEnum):
-    FP32 = 0
-    BF16 = 1
-
-
-class OutFormat(enum.IntEnum):
-    FP32 = 0
-    BF16 = 1
-    BFP = 2
-
-
-GEMM_FLAGS = {"transpose_a": 1, "transpose_b": 2, "accumulate": 4, "bias": 8}
+# The codes and layouts are the device contract's (hbfp.contract), re-exported here for the
+# host's code that reads them as protocol names.
+HEADER = C.HEADER.struct  # magic, version, opcode, tag, length
+#: The optional units by ``CoreConfig`` field name -> bit of IDENTIFY's ``omitted`` mask.
+UNITS = {u.label: int(u) for u in Unit}
+GEMM_FLAGS = {f.name.lower(): int(f) for f in GemmFlag}
 
 
 @dataclass(frozen=True)
@@ -153,7 +114,8 @@ class Frame:
 
 
 def encode_frame(opcode: int, tag: int, payload: bytes = b"", *, version: int = PROTOCOL_VERSION) -> bytes:
-    head = HEADER.pack(MAGIC, version, opcode, tag & 0xFFFF, len(payload))
+    head = C.HEADER.pack(magic=C.MAGIC_WORD, version=version, opcode=opcode, tag=tag & 0xFFFF,
+                         length=len(payload))
     body = head + payload
     return body + struct.pack("<I", zlib.crc32(body))
 
@@ -256,175 +218,93 @@ class FrameParser:
             del self.buf[:end]
 
 
-# ---- command payloads -------------------------------------------------------------------
+# ---- command payloads: generated from the contract's descriptors --------------------------
 
-_WRITE = struct.Struct("<BBBBIHHHH")
-_GEMM = struct.Struct("<HHHBBBBHI")
-_READ = struct.Struct("<HHBBBBI")
-_ELEMENTWISE = struct.Struct("<BBHI")
-_IDENTITY = struct.Struct("<BBBBHHBBBBHHIIII")
-_STATUS = struct.Struct("<IIIB3x")
-_CYCLES = struct.Struct("<I")
-
+_CYCLES = C.CYCLES.struct
 #: Size of a WRITE request's header (before the data).
-WRITE_HEADER = _WRITE.size
+WRITE_HEADER = C.WRITE.size
 #: Size of an ELEMENTWISE request's header (before x and g).
-ELEMENTWISE_HEADER = _ELEMENTWISE.size
+ELEMENTWISE_HEADER = C.ELEMENTWISE.size
+#: Size of the IDENTIFY reply's data.
+IDENTITY_SIZE = C.IDENTITY.size
+
+
+def _flags(**named) -> int:
+    return int(sum((GemmFlag[name.upper()] for name, on in named.items() if on), GemmFlag(0)))
 
 
 def encode_write(target: int, row: int, col: int, rows: int, cols: int, data: bytes, *,
                  encoding: int = 0, rounding: int = 0, seed: int = 0) -> bytes:
-    return _WRITE.pack(target, encoding, rounding, 0, seed & 0xFFFFFFFF, row, col, rows, cols) + data
+    return C.WRITE.pack(target=target, encoding=encoding, rounding=rounding, seed=seed & 0xFFFFFFFF,
+                        row=row, col=col, rows=rows, cols=cols) + data
 
 
 def decode_write(payload: bytes):
     """(target, encoding, rounding, seed, row, col, rows, cols, data) or None if too short."""
-    if len(payload) < _WRITE.size:
+    if len(payload) < C.WRITE.size:
         return None
-    target, encoding, rounding, _, seed, row, col, rows, cols = _WRITE.unpack_from(payload)
-    return target, encoding, rounding, seed, row, col, rows, cols, payload[_WRITE.size :]
+    d = C.WRITE.unpack(payload)
+    return (d["target"], d["encoding"], d["rounding"], d["seed"], d["row"], d["col"], d["rows"], d["cols"],
+            payload[C.WRITE.size:])
 
 
 def encode_gemm(m: int, n: int, k: int, *, transpose_a=False, transpose_b=False, accumulate=False,
                 bias=False, activation: int = NO_ACTIVATION, out_format: int = OutFormat.FP32,
                 rounding: int = 0, seed: int = 0) -> bytes:
-    flags = (
-        GEMM_FLAGS["transpose_a"] * bool(transpose_a)
-        | GEMM_FLAGS["transpose_b"] * bool(transpose_b)
-        | GEMM_FLAGS["accumulate"] * bool(accumulate)
-        | GEMM_FLAGS["bias"] * bool(bias)
-    )
-    return _GEMM.pack(m, n, k, flags, activation, out_format, rounding, 0, seed & 0xFFFFFFFF)
+    flags = _flags(transpose_a=transpose_a, transpose_b=transpose_b, accumulate=accumulate, bias=bias)
+    return C.GEMM.pack(m=m, n=n, k=k, flags=flags, activation=activation, out_format=out_format,
+                       rounding=rounding, seed=seed & 0xFFFFFFFF)
 
 
 def decode_gemm(payload: bytes):
     """dict of the GEMM fields, or None when the length is wrong."""
-    if len(payload) != _GEMM.size:
+    if len(payload) != C.GEMM.size:
         return None
-    m, n, k, flags, activation, out_format, rounding, _, seed = _GEMM.unpack(payload)
-    return dict(m=m, n=n, k=k, flags=flags, activation=activation, out_format=out_format, rounding=rounding, seed=seed)
+    return C.GEMM.unpack(payload)
 
 
 def encode_read(m: int, n: int, *, out_format: int = OutFormat.FP32, activation: int = NO_ACTIVATION,
                 bias: bool = False, rounding: int = 0, seed: int = 0) -> bytes:
-    return _READ.pack(m, n, out_format, activation, GEMM_FLAGS["bias"] * bool(bias), rounding, seed & 0xFFFFFFFF)
+    return C.READ.pack(m=m, n=n, out_format=out_format, activation=activation, flags=_flags(bias=bias),
+                       rounding=rounding, seed=seed & 0xFFFFFFFF)
 
 
 def decode_read(payload: bytes):
-    if len(payload) != _READ.size:
+    """dict of the READ fields as GEMM's (``k`` = 0, only the bias flag), or None when the
+    length is wrong."""
+    if len(payload) != C.READ.size:
         return None
-    m, n, out_format, activation, flags, rounding, seed = _READ.unpack(payload)
-    return dict(m=m, n=n, k=0, flags=flags & GEMM_FLAGS["bias"], activation=activation, out_format=out_format,
-                rounding=rounding, seed=seed)
+    d = C.READ.unpack(payload)
+    d["k"] = 0
+    d["flags"] &= GemmFlag.BIAS
+    return d
 
 
 def encode_elementwise(function: int, x: bytes, g: bytes = b"") -> bytes:
-    return _ELEMENTWISE.pack(function, 0, 0, len(x) // 2) + x + g
+    return C.ELEMENTWISE.pack(function=function, count=len(x) // 2) + x + g
 
 
 def decode_elementwise(payload: bytes):
-    if len(payload) < _ELEMENTWISE.size:
+    if len(payload) < C.ELEMENTWISE.size:
         return None
-    function, _, _, count = _ELEMENTWISE.unpack_from(payload)
-    return function, count, payload[_ELEMENTWISE.size :]
-
-
-@dataclass(frozen=True)
-class Identity:
-    protocol_version: int
-    abi_major: int
-    abi_minor: int
-    stream_bytes: int
-    rows: int
-    cols: int
-    mantissa_bits: int
-    tile_rows: int
-    tile_cols: int
-    leaky_shift: int
-    size: int
-    functions_mask: int
-    clock_hz: int
-    max_payload: int
-    frame_timeout: int
-    omitted: int = 0  # the units left out: bit UNITS[name]
-
-    @property
-    def abi(self) -> tuple[int, int]:
-        return (self.abi_major, self.abi_minor)
-
-    @property
-    def tile(self) -> tuple[int, int]:
-        return (self.tile_rows, self.tile_cols)
-
-    @property
-    def tk(self) -> int:
-        """The K-tile (the tile's column side)."""
-        return self.tile_cols
-
-    @property
-    def square(self) -> bool:
-        return self.tile_rows == self.tile_cols
-
-    def fmt(self, rounding: str = "nearest_even"):
-        """The device's BFP format (``hbfp.golden.bfp.Format``) with a rounding mode."""
-        from hbfp.golden.bfp import Format
-
-        return Format(self.mantissa_bits, self.tile, rounding)
-
-    @property
-    def functions(self) -> tuple[str, ...]:
-        """Names of the activation units built (``hw.activation.FUNCTIONS`` codes)."""
-        from hbfp.hw.activation import FUNCTIONS
-
-        return tuple(name for code, name in enumerate(FUNCTIONS) if self.functions_mask >> code & 1)
-
-    def has(self, unit: str) -> bool:
-        """Whether the device was built with ``unit`` (a name of ``UNITS``)."""
-        if unit not in UNITS:
-            raise ValueError(f"unknown unit {unit!r}; units: {', '.join(UNITS)}")
-        return not self.omitted >> UNITS[unit] & 1
-
-    @property
-    def units(self) -> tuple[str, ...]:
-        """The optional units built (``UNITS`` names)."""
-        return tuple(u for u in UNITS if self.has(u))
-
-
-#: Size of the IDENTIFY reply's data.
-IDENTITY_SIZE = _IDENTITY.size
+    d = C.ELEMENTWISE.unpack(payload)
+    return d["function"], d["count"], payload[C.ELEMENTWISE.size:]
 
 
 def encode_identity(ident: Identity) -> bytes:
-    return _IDENTITY.pack(
-        ident.protocol_version, ident.abi_major, ident.abi_minor, ident.stream_bytes, ident.rows, ident.cols,
-        ident.mantissa_bits, ident.tile_rows, ident.tile_cols, ident.leaky_shift, ident.size,
-        ident.functions_mask, ident.clock_hz, ident.max_payload, ident.frame_timeout, ident.omitted,
-    )
+    return ident.encode()
 
 
 def decode_identity(data: bytes) -> Identity:
-    fields = _IDENTITY.unpack(data[: _IDENTITY.size])
-    return Identity(*fields)
-
-
-@dataclass(frozen=True)
-class DeviceStatus:
-    """The STATUS reply: frames accepted and refused (any error status) since reset, the
-    cycles of the last GEMM or READ, and the last error status (``OK`` if none)."""
-
-    accepted: int
-    refused: int
-    last_cycles: int
-    last_error: Status
+    return Identity.decode(data[: C.IDENTITY.size])
 
 
 def encode_status(s: DeviceStatus) -> bytes:
-    return _STATUS.pack(s.accepted, s.refused, s.last_cycles, int(s.last_error))
+    return s.encode()
 
 
 def decode_status(data: bytes) -> DeviceStatus:
-    accepted, refused, cycles, last = _STATUS.unpack(data[: _STATUS.size])
-    return DeviceStatus(accepted, refused, cycles, Status(last))
+    return DeviceStatus.decode(data[: C.STATUS.size])
 
 
 # ---- data layouts -----------------------------------------------------------------------

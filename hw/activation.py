@@ -34,6 +34,9 @@ from hbfp.golden import activations
 from hbfp.golden.activations import FIELD_INF, LEAKY_SHIFT, MANT_BITS
 from hbfp.golden.bf16 import QNAN
 
+from hbfp.contract import ACTIVATION_LATENCY, FUNCTIONS, GRADIENT_FUNCTIONS, UNARY_FUNCTIONS, function_code
+from hbfp.golden.activations import evaluate
+
 from .params import BF16_WIDTH, EXP_BIAS
 
 __all__ = [
@@ -52,13 +55,8 @@ __all__ = [
     "Activation",
 ]
 
-#: Runtime function codes: the code of a function is its index here. The golden registries'
-#: order: the unary functions, then the gradients as ``<name>_grad``.
-FUNCTIONS = tuple(activations.UNARY) + tuple(f"{name}_grad" for name in activations.GRADIENTS)
-#: Functions of ``x`` alone (``hbfp.golden.activations.UNARY``); ``g`` is ignored.
-UNARY_FUNCTIONS = tuple(n for n in FUNCTIONS if not n.endswith("_grad"))
-#: Functions of ``(x, g)``: ``bf16.mul(<name>_deriv(x), g)`` (``activations.GRADIENTS``).
-GRADIENT_FUNCTIONS = tuple(n for n in FUNCTIONS if n.endswith("_grad"))
+# The runtime function codes are the device contract's (a function's code is its index in
+# ``FUNCTIONS``), re-exported for the gateware.
 #: Width of the ``func`` field.
 FUNC_WIDTH = (len(FUNCTIONS) - 1).bit_length()
 
@@ -70,24 +68,6 @@ ACTIVATION_INPUT = data.StructLayout({"x": BF16_WIDTH, "g": BF16_WIDTH, "func": 
 _SIGN = 1 << (BF16_WIDTH - 1)
 _INF = FIELD_INF << MANT_BITS
 _ONE = EXP_BIAS << MANT_BITS
-
-
-def function_code(name: str) -> int:
-    """The runtime code of function ``name`` (its index in ``FUNCTIONS``)."""
-    try:
-        return FUNCTIONS.index(name)
-    except ValueError:
-        raise ValueError(f"unknown function {name!r}; known: {', '.join(FUNCTIONS)}") from None
-
-
-def evaluate(name: str, x, g=None, leaky_shift: int = LEAKY_SHIFT):
-    """What function ``name`` computes on bf16 patterns ``x`` (and ``g`` for a gradient), by
-    the golden model, with the unit's ``leaky_shift``: the ``emu`` device's ELEMENTWISE, and
-    the host's for a device built without the unit."""
-    function_code(name)
-    if name.endswith("_grad"):
-        return activations.get(name[: -len("_grad")], "grad", leaky_shift=leaky_shift)(x, g)
-    return activations.get(name, leaky_shift=leaky_shift)(x)
 
 
 def table_of(name: str) -> str | None:
@@ -226,8 +206,9 @@ class ActivationDatapath(wiring.Component):
     Ports: ``advance``, ``i_valid``, ``i`` (``ACTIVATION_INPUT``) in; ``o_valid``, ``o`` out.
     """
 
-    #: ROM read, function select, then the multiplier.
-    LATENCY = 2 + MulBF16Datapath.LATENCY
+    #: ROM read, function select, then the multiplier (2 + ``MulBF16Datapath.LATENCY``): the
+    #: contract's ``ACTIVATION_LATENCY``, which ``emu`` counts.
+    LATENCY = ACTIVATION_LATENCY
 
     def __init__(self, *, functions=FUNCTIONS, leaky_shift: int = LEAKY_SHIFT):
         self.functions = _check_functions(functions)

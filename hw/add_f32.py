@@ -14,7 +14,7 @@ from amaranth.hdl import Cat, Const, Module, Mux, Signal, Value, signed
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from .params import F32_EXP_BITS, F32_FRAC_BITS, F32_QNAN, FP32_WIDTH
+from .params import ADD_LATENCY, F32_EXP_BITS, F32_FRAC_BITS, F32_QNAN, FP32_WIDTH
 
 __all__ = [
     "F32_FRAC_BITS",
@@ -71,7 +71,7 @@ class AddF32Datapath(wiring.Component):
     subtract; 4. leading-zero count and normalize; 5. round, pack, specials, FTZ, overflow.
     """
 
-    LATENCY = 5
+    LATENCY = ADD_LATENCY  # the five stages below (hw.params: CoreConfig checks the K-tile against it)
 
     def __init__(self):
         super().__init__(

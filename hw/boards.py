@@ -47,12 +47,14 @@ from amaranth.build import Attrs, Clock, Pins, PinsN, Resource, ResourceError, S
 from amaranth.lib import io
 from amaranth.vendor import AlteraPlatform
 
+from hbfp.contract import Option, parse_int, parse_options
+
 from .params import CoreConfig
 from .top import AcceleratorTop
 from .uart import DEFAULT_FIFO_DEPTH, UartTop, divisor_for
 
 __all__ = ["Board", "BOARDS", "DEFAULT_BAUD", "DoesNotFit", "StratixVGXPlatform", "UartBoardTop", "AvalonStBoardTop", "build", "BuildResult",
-           "board_config", "yowasp_env"]
+           "board_config", "yowasp_env", "OutputConflict", "MANIFEST"]
 
 
 # ---- the Stratix platform ---------------------------------------------------------------
@@ -159,53 +161,81 @@ def _de10_nano():
     return DE10NanoPlatform()
 
 
+#: A board's own options beside the contract's device options: the UART's line rate and its
+#: receive FIFO's bytes.
+BOARD_OPTIONS = {
+    "baud": Option(parse_int, "board", "UART boards: line rate"),
+    "fifo_depth": Option(parse_int, "board", "UART boards: bytes of the receive FIFO"),
+}
+
+
+def _board_options(spec: str) -> dict:
+    return parse_options(spec, extra=BOARD_OPTIONS, what="board")
+
+
 @dataclass(frozen=True)
 class Board:
     """A board: ``platform()`` makes its Amaranth platform; ``flow`` is "ecp5", "ice40" or
-    "quartus"; ``link`` "uart" or "avalon-st"; ``cfg`` the default core; ``top_kw`` the
-    default link parameters (``baud``, ``fifo_depth``, ``max_payload``)."""
+    "quartus"; ``link`` "uart" or "avalon-st"; ``spec`` its default device as option text,
+    parsed as ``emu:``/``sim:`` specs are (``hbfp.contract.parse_options``, with ``baud`` and
+    ``fifo_depth`` for UART boards): ``cfg`` is the default core, ``top_kw`` the default link
+    parameters (``baud``, ``fifo_depth``, ``max_payload``)."""
 
     name: str
     title: str
     platform: Callable[[], object] = field(repr=False)
     flow: str
     link: str
-    cfg: CoreConfig
-    top_kw: dict = field(default_factory=dict)
+    spec: str
     notes: str = ""
 
+    @property
+    def options(self) -> dict:
+        return _board_options(self.spec)
+
+    @property
+    def cfg(self) -> CoreConfig:
+        core = {k: v for k, v in self.options.items() if k in CoreConfig.__dataclass_fields__}
+        return CoreConfig(**core)
+
+    @property
+    def top_kw(self) -> dict:
+        return {k: v for k, v in self.options.items() if k in _TOP_OPTIONS}
+
+
+#: The link parameters a board top takes.
+_TOP_OPTIONS = ("baud", "fifo_depth", "max_payload")
 
 BOARDS: dict[str, Board] = {b.name: b for b in (
     Board("ulx3s", "Radiona ULX3S 85F (ECP5 LFE5U-85F)", _ulx3s, "ecp5", "uart",
-          CoreConfig(rows=8, cols=8, size=96, functions=("relu", "gelu")),
-          {"baud": DEFAULT_BAUD, "fifo_depth": DEFAULT_FIFO_DEPTH},
+          f"rows=8,cols=8,size=96,functions=relu+gelu,baud={DEFAULT_BAUD},fifo_depth={DEFAULT_FIFO_DEPTH}",
           "UART over the board's FTDI FT231X USB port (up to 3 Mbaud)."),
     Board("icebreaker", "1BitSquared iCEBreaker (iCE40 UP5K)", _icebreaker, "ice40", "uart",
-          CoreConfig(rows=1, cols=1, size=24, functions=(), value_quantizer=False, bfp_output=False,
-                     stochastic=False),
-          {"baud": DEFAULT_BAUD, "fifo_depth": 512, "max_payload": 2048},  # one 4 kbit block RAM each
+          # one 4 kbit block RAM each for the FIFO and the payload buffer
+          f"rows=1,cols=1,size=24,functions=none,value_quantizer=0,bfp_output=0,stochastic=0,"
+          f"baud={DEFAULT_BAUD},fifo_depth=512,max_payload=2048",
           "The largest configuration that fits the UP5K's 5,280 logic cells: a reduced device (no input "
           "or output quantizer, no activation units; the host does their work)."),
     Board("de10_nano", "Terasic DE10-Nano (Cyclone V 5CSEBA6U23I7)", _de10_nano, "quartus", "uart",
-          CoreConfig(rows=8, cols=8, size=96),
-          {"baud": DEFAULT_BAUD, "fifo_depth": DEFAULT_FIFO_DEPTH},
+          f"rows=8,cols=8,size=96,baud={DEFAULT_BAUD},fifo_depth={DEFAULT_FIFO_DEPTH}",
           "UART on GPIO header pins AG13 (rx) / AF13 (tx), 3.3 V: connect a USB-UART adapter."),
     Board("stratix5", "Intel Stratix V GX FPGA Development Kit (5SGXEA7K2F40C2)", StratixVGXPlatform, "quartus",
-          "avalon-st", CoreConfig(rows=32, cols=32, tile=(32, 32), size=256),
-          {"max_payload": 1 << 20},
+          "avalon-st", f"rows=32,cols=32,tile=32x32,size=256,max_payload={1 << 20}",
           "128-bit Avalon-ST stream (virtual pins) for a PCIe hard IP; 32x32 tiles (a 32-wide array needs them)."),
 )}
 
 
 def board_config(name: str, **overrides) -> tuple[Board, CoreConfig, dict]:
-    """(board, core configuration, link parameters) with ``overrides`` (CoreConfig fields, or
-    ``baud``/``fifo_depth``/``max_payload``) applied; clear errors for unknown names."""
+    """(board, core configuration, link parameters) of the board's default spec with
+    ``overrides`` (CoreConfig fields, or ``baud``/``fifo_depth``/``max_payload``; None: the
+    default) applied; clear errors for unknown names."""
     if name not in BOARDS:
         raise ValueError(f"unknown board {name!r}; boards: {', '.join(BOARDS)}")
     board = BOARDS[name]
-    core_fields = {k: v for k, v in overrides.items() if k in CoreConfig.__dataclass_fields__ and v is not None}
-    top_fields = {k: v for k, v in overrides.items() if k in ("baud", "fifo_depth", "max_payload") and v is not None}
-    unknown = set(overrides) - set(core_fields) - set(top_fields) - {k for k, v in overrides.items() if v is None}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    core_fields = {k: v for k, v in given.items() if k in CoreConfig.__dataclass_fields__}
+    top_fields = {k: v for k, v in given.items() if k in _TOP_OPTIONS}
+    unknown = set(given) - set(core_fields) - set(top_fields)
     if unknown:
         raise ValueError(f"unknown build option(s) {', '.join(sorted(unknown))}")
     if board.link != "uart" and {"baud", "fifo_depth"} & set(top_fields):
@@ -341,6 +371,143 @@ class BuildResult:
     seconds: float = 0.0
 
 
+class OutputConflict(FileExistsError):
+    """Something that is not the build's own is in the way of its output: a file or a symbolic
+    link where the board's folder goes, or, in that folder, files the build would overwrite
+    that no earlier build recorded as its own (the user's)."""
+
+
+#: The list of the files a build wrote into its folder (``out_dir/<board>``): the next build
+#: of that folder replaces (and removes) only these, so that everything else in it is kept.
+MANIFEST = ".hbfp-build.json"
+
+
+def _check_folder(directory: Path) -> None:
+    """``directory`` is a folder or can be made one: no file or symbolic link in the way."""
+    if directory.is_symlink():
+        raise OutputConflict(f"{directory} is a symbolic link: hbfp build writes its output only into a real folder "
+                             "(remove the link or choose another output folder, -o)")
+    if directory.exists() and not directory.is_dir():
+        raise OutputConflict(f"{directory} is a file, not a folder: it is in the way of the build's output "
+                             "(move it or choose another output folder, -o)")
+    for parent in directory.parents:
+        if os.path.lexists(parent):
+            if not parent.is_dir():
+                raise OutputConflict(f"{parent} is not a folder: it is in the way of the build's output {directory}")
+            break
+
+
+class _Output:
+    """A build's folder: writes ``files`` (relative path -> text or bytes) into
+    ``directory`` and records them in its ``MANIFEST``; the previous build's recorded files are
+    removed first (none of them, a bitstream of another configuration, outlives it), and
+    nothing else in the folder is touched. Refuses (``OutputConflict``) before writing
+    anything if a file to be written, or one the tools may write (``tool_prefix``.*,
+    ``tool_files``), is there and was not recorded by the previous build, or is a symbolic
+    link or a folder."""
+
+    def __init__(self, directory: Path, files: dict, *, tool_prefix: str | None = None, tool_files=()):
+        self.directory = directory
+        self.planned = dict(files)
+        self.previous = self._read_manifest()
+        self.ours: set[str] = set()
+        self._check(tool_prefix, tuple(tool_files))
+        self._before: set[str] = set()
+
+    def _read_manifest(self) -> set[str]:
+        path = self.directory / MANIFEST
+        if path.is_symlink() or not path.is_file():
+            return set()
+        try:
+            names = json.loads(path.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return set()
+        ok = set()
+        for name in names if isinstance(names, list) else ():
+            if not isinstance(name, str):
+                continue
+            rel = Path(name)
+            if name and not rel.is_absolute() and ".." not in rel.parts and rel.as_posix() != MANIFEST:
+                ok.add(rel.as_posix())
+        return ok
+
+    def _ours(self, rel: str) -> bool:
+        """``rel`` was written by the previous build and is still a plain file."""
+        path = self.directory / rel
+        return rel in self.previous and path.is_file() and not path.is_symlink()
+
+    def _check(self, tool_prefix: str | None, tool_files: tuple[str, ...]) -> None:
+        d = self.directory
+        if not d.is_dir():
+            return  # made by write()
+        problems = []
+
+        def check(rel: str) -> None:
+            path = d / rel
+            for parent in list(Path(rel).parents)[:-1][::-1]:  # folders inside d on the way
+                p = d / parent
+                if p.is_symlink() or (p.exists() and not p.is_dir()):
+                    problems.append(f"{parent.as_posix()} (not a folder)")
+                    return
+            if not os.path.lexists(path):
+                return
+            if path.is_symlink():
+                problems.append(f"{rel} (a symbolic link)")
+            elif path.is_dir():
+                problems.append(f"{rel} (a folder)")
+            elif rel not in self.previous:
+                problems.append(rel)
+
+        manifest = d / MANIFEST
+        if manifest.is_symlink() or (manifest.exists() and not manifest.is_file()):
+            problems.append(f"{MANIFEST} (not a plain file)")  # a plain one is always the build's own
+        for rel in [*self.planned, *tool_files]:
+            check(rel)
+        if tool_prefix:
+            for entry in sorted(d.iterdir()):
+                if entry.name.startswith(tool_prefix + ".") and entry.name not in self.planned:
+                    check(entry.name)
+        if problems:
+            shown = ", ".join(problems[:6]) + (f" and {len(problems) - 6} more" if len(problems) > 6 else "")
+            hint = "" if (d / MANIFEST).is_file() else f" (no {MANIFEST} records an earlier build's files)"
+            raise OutputConflict(f"{d} holds files that the build would overwrite and did not write{hint}: {shown}; "
+                                 "move them away or choose another output folder (-o)")
+
+    def _save(self) -> None:
+        (self.directory / MANIFEST).write_text(json.dumps(
+            {"written_by": "hbfp build", "files": sorted(self.ours)}, indent=1) + "\n")
+
+    def _all_files(self) -> set[str]:
+        found = set()
+        for root, dirs, names in os.walk(self.directory):
+            for name in names:
+                found.add((Path(root) / name).relative_to(self.directory).as_posix())
+        found.discard(MANIFEST)
+        return found
+
+    def write(self) -> None:
+        d = self.directory
+        d.mkdir(parents=True, exist_ok=True)
+        for rel in sorted(self.previous - set(self.planned)):
+            if self._ours(rel):
+                (d / rel).unlink()
+        self.ours = set(self.planned)
+        self._save()  # claimed before they are written: an interrupted build's files stay its own
+        for rel, content in self.planned.items():
+            path = d / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content.encode() if isinstance(content, str) else content)
+        self._before = self._all_files()
+
+    def record_new(self) -> None:
+        """Record the files that appeared since ``write`` (the tools' output) as the build's."""
+        self.ours |= self._all_files() - self._before
+        self._save()
+
+    def files(self) -> list[Path]:
+        return sorted(self.directory / rel for rel in self.ours if (self.directory / rel).is_file())
+
+
 def make_top(board: Board, cfg: CoreConfig, top_kw: dict):
     if board.link == "uart":
         return UartBoardTop(cfg, baud=top_kw["baud"], fifo_depth=top_kw["fifo_depth"],
@@ -356,40 +523,42 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
     gets its report, and ``report["timing_met"]`` says so). Quartus boards: the project only."""
     board, cfg, top_kw = board_config(name, **overrides)
     directory = Path(out_dir) / board.name
-    if directory.exists():
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
+    _check_folder(directory)  # before the elaboration: a file or a symlink in the way
     platform = board.platform()
     top = make_top(board, cfg, top_kw)
     project = f"hbfp_{board.name}"
+    open_flow = board.flow != "quartus"
+    run = run and open_flow
     t0 = time.perf_counter()
     log(f"{board.name}: elaborating {cfg.rows}x{cfg.cols} {board.link} top ({board.title})")
-    (directory / "config.json").write_text(json.dumps(
-        {"board": board.name, "title": board.title, "flow": board.flow, "link": board.link,
-         "core": cfg.to_dict(), **top_kw, "clock_hz": int(platform.default_clk_frequency)}, indent=1) + "\n")
-    if board.flow == "quartus":
-        plan = platform.build(top, name=project, build_dir=str(directory), do_build=False)
-        plan.extract(str(directory))
-        files = sorted(p for p in directory.iterdir() if p.is_file())
-        log(f"{board.name}: Quartus project in {directory} (compile: cd {directory} && sh build_{project}.sh)")
-        return BuildResult(board.name, cfg, directory, project, files, seconds=time.perf_counter() - t0)
-
+    config = json.dumps({"board": board.name, "title": board.title, "flow": board.flow, "link": board.link,
+                         "core": cfg.to_dict(), **top_kw, "clock_hz": int(platform.default_clk_frequency)},
+                        indent=1) + "\n"
     report_json = f"{project}.report.json"
-    kwargs = {"nextpnr_opts": f"--report {report_json} --timing-allow-fail --seed {seed}"}
+    kwargs = {}
+    if open_flow:
+        kwargs["nextpnr_opts"] = f"--report {report_json} --timing-allow-fail --seed {seed}"
     if board.flow == "ice40":
         kwargs["synth_opts"] = "-dsp -dff"
     plan = platform.build(top, name=project, build_dir=str(directory), do_build=False, **kwargs)
-    plan.extract(str(directory))
+    files = {"config.json": config, **plan.files}
+    # The tools of an open flow write the project's other files (hbfp_<board>.*) and build.log.
+    output = _Output(directory, files, tool_prefix=project if run else None, tool_files=("build.log",) if run else ())
+    output.write()
     if not run:
-        files = sorted(p for p in directory.iterdir() if p.is_file())
-        return BuildResult(board.name, cfg, directory, project, files, seconds=time.perf_counter() - t0)
+        if board.flow == "quartus":
+            log(f"{board.name}: Quartus project in {directory} (compile: cd {directory} && sh build_{project}.sh)")
+        return BuildResult(board.name, cfg, directory, project, output.files(), seconds=time.perf_counter() - t0)
     env = yowasp_env(board.flow)
     log(f"{board.name}: yosys, nextpnr-{board.flow}, pack (minutes; the log is {directory / 'build.log'})")
     import subprocess
 
-    with (directory / "build.log").open("w") as f:
-        proc = subprocess.run(["sh", f"build_{project}.sh"], cwd=directory, env={**os.environ, **env},
-                              stdout=f, stderr=subprocess.STDOUT)
+    try:
+        with (directory / "build.log").open("w") as f:
+            proc = subprocess.run(["sh", f"build_{project}.sh"], cwd=directory, env={**os.environ, **env},
+                                  stdout=f, stderr=subprocess.STDOUT)
+    finally:
+        output.record_new()  # what the tools wrote is ours too, even when they failed
     if proc.returncode != 0:
         util = _nextpnr_utilisation(directory / f"{project}.tim")
         over = {k: v for k, v in util.items() if v["used"] > v["available"]}
@@ -405,7 +574,7 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
     if not bitstream.exists():
         raise RuntimeError(f"{board.name}: the tools ran but wrote no bitstream {bitstream.name}; see "
                            f"{directory / 'build.log'}")
-    files = sorted(p for p in directory.iterdir() if p.is_file())
+    files = output.files()
     report = parse_nextpnr_report(directory / report_json, int(platform.default_clk_frequency))
     result = BuildResult(board.name, cfg, directory, project, files, bitstream, report, time.perf_counter() - t0)
     log(f"{board.name}: bitstream {result.bitstream} ({result.seconds:.0f} s); Fmax {report['fmax_mhz']:.1f} MHz, "

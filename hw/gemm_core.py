@@ -29,20 +29,21 @@ from .add_f32 import AddF32Datapath
 from .buffers import READ_COLUMN, READ_ROW, OperandBuffer
 from .mac_array import MacArray
 from .normalize import NormalizeDatapath
-from .params import EXP_WIDTH, FP32_WIDTH, ROUNDING_CODES, CoreConfig
+from hbfp.contract import OutFormat, Rounding, Target
+
+from .params import EXP_WIDTH, FP32_WIDTH, ConfigError, CoreConfig
 from .quantize import Quantize
 
-__all__ = ["GemmCore", "TARGETS", "OUT_FORMATS", "write_layout", "command_layout", "output_layout"]
+__all__ = ["GemmCore", "write_layout", "command_layout", "output_layout"]
 
-#: Write-port targets.
-TARGETS = {"a_codes": 0, "b_codes": 1, "a_exponents": 2, "b_exponents": 3, "acc": 4, "bias": 5}
-#: Output formats of a command.
-OUT_FORMATS = {"fp32": 0, "bf16": 1, "bfp": 2}
+# The write port's targets are the contract's ``Target`` codes below A_VALUES (the packet
+# engine sends values through the quantizer first); a command's output format is ``OutFormat``
+# and its rounding ``Rounding``: the enums are the ports' shapes.
 
 
 def write_layout(cfg: CoreConfig) -> data.StructLayout:
     return data.StructLayout({
-        "target": 3,
+        "target": Target,
         "row": range(cfg.size),
         "col": range(cfg.size),
         "data": data.ArrayLayout(FP32_WIDTH, max(cfg.rows, cfg.cols)),
@@ -60,8 +61,8 @@ def command_layout(cfg: CoreConfig) -> data.StructLayout:
         "bias": 1,
         "act_en": 1,
         "act_func": FUNC_WIDTH,
-        "out_format": 2,
-        "rounding": 2,
+        "out_format": OutFormat,
+        "rounding": Rounding,
         "seed": 32,
     })
 
@@ -147,19 +148,19 @@ class GemmCore(wiring.Component):
         m.d.comb += self.w.ready.eq(~busy)
         w_fire = self.w.valid & ~busy
         m.d.comb += [
-            buf_a.w_en.eq(w_fire & (w.target == TARGETS["a_codes"])),
+            buf_a.w_en.eq(w_fire & (w.target == Target.A_CODES)),
             buf_a.w_row.eq(w.row),
             buf_a.w_col.eq(w.col),
-            buf_b.w_en.eq(w_fire & (w.target == TARGETS["b_codes"])),
+            buf_b.w_en.eq(w_fire & (w.target == Target.B_CODES)),
             buf_b.w_row.eq(w.row),
             buf_b.w_col.eq(w.col),
-            exp_a_wr.en.eq(w_fire & (w.target == TARGETS["a_exponents"])),
+            exp_a_wr.en.eq(w_fire & (w.target == Target.A_EXPONENTS)),
             exp_a_wr.addr.eq(w.row * grid_cols + w.col),
             exp_a_wr.data.eq(w.data[0]),
-            exp_b_wr.en.eq(w_fire & (w.target == TARGETS["b_exponents"])),
+            exp_b_wr.en.eq(w_fire & (w.target == Target.B_EXPONENTS)),
             exp_b_wr.addr.eq(w.row * grid_cols + w.col),
             exp_b_wr.data.eq(w.data[0]),
-            bias_wr.en.eq(w_fire & (w.target == TARGETS["bias"])),
+            bias_wr.en.eq(w_fire & (w.target == Target.BIAS)),
             bias_wr.addr.eq(w.col // C),
         ]
         for t in range(R):
@@ -173,11 +174,11 @@ class GemmCore(wiring.Component):
         bad = (cmd.m == 0) | (cmd.n == 0) | (cmd.m > D) | (cmd.n > D) | (cmd.k > D)
         if not cfg.square:
             bad = bad | ((cmd.k != 0) & (cmd.transpose_a | ~cmd.transpose_b))
-        cmd_bfp = cmd.out_format == OUT_FORMATS["bfp"]
+        cmd_bfp = cmd.out_format == OutFormat.BFP
         if not cfg.bfp_output:
             bad = bad | cmd_bfp
         elif not cfg.stochastic:
-            bad = bad | (cmd_bfp & (cmd.rounding == ROUNDING_CODES["stochastic"]))
+            bad = bad | (cmd_bfp & (cmd.rounding == Rounding.STOCHASTIC))
         m.d.comb += self.cmd.ready.eq(~busy & ~self.w.valid)
         start = Signal()
         m.d.comb += start.eq(self.cmd.valid & self.cmd.ready & ~bad)
@@ -326,7 +327,9 @@ class GemmCore(wiring.Component):
             norms.append(nd)
             adders.append(ad)
         Ln, La = NormalizeDatapath.LATENCY, AddF32Datapath.LATENCY
-        assert Ln + La + 2 <= tk, "the accumulator's read-modify-write must finish within a K-tile"
+        if Ln + La + 2 > tk:  # CoreConfig refuses such a configuration first (rmw_latency)
+            raise ConfigError(f"the accumulator's read-modify-write ({Ln + La + 2} cycles: normalizer {Ln}, adder "
+                              f"{La}, read and write 2) must finish within a K-tile, got a K-tile of {tk} cycles")
 
         # Side channel beside the normalizers: the accumulator address and "start from +0".
         side = data.StructLayout({"valid": 1, "addr": range(D * words_per_row), "zero": 1})
@@ -379,7 +382,7 @@ class GemmCore(wiring.Component):
             ]
         wb = side_line[Ln - 1 + La]
         m.d.comb += [
-            acc_wr.en.eq(Mux(busy, mac_phase & wb.valid, w_fire & (w.target == TARGETS["acc"]))),
+            acc_wr.en.eq(Mux(busy, mac_phase & wb.valid, w_fire & (w.target == Target.ACC))),
             acc_wr.addr.eq(Mux(busy, wb.addr, w.row * words_per_row + w.col // C)),
         ]
         for j in range(C):
@@ -404,7 +407,7 @@ class GemmCore(wiring.Component):
 
         # Epilogue issue order: row-major (row, word) for fp32/bf16; tile-major for BFP. The
         # row, word and address are counters (no multiplier between them and the buffer).
-        bfp_out = desc.out_format == OUT_FORMATS["bfp"] if cfg.bfp_output else Const(0)
+        bfp_out = desc.out_format == OutFormat.BFP if cfg.bfp_output else Const(0)
         words_tile = tw // C
         row_now = Signal(range(D + 1))
         word_now = Signal(range(D // C + 1))
@@ -534,7 +537,7 @@ class GemmCore(wiring.Component):
             m.d.sync += [out_reg.last.eq(f_meta.last), out_reg.exponent.eq(0)]
             for j in range(C):
                 inside = (f_meta.row < desc.m) & (f_meta.col + j < desc.n)
-                val = Mux(desc.out_format == OUT_FORMATS["bf16"], bf16_vals[j], fp32_vals[j])
+                val = Mux(desc.out_format == OutFormat.BF16, bf16_vals[j], fp32_vals[j])
                 m.d.sync += out_reg.lanes[j].eq(Mux(inside, val, 0))
         out_fire = self.o.valid & self.o.ready
         if not cfg.bfp_output:  # a reduced core: fp32 and bf16 results only

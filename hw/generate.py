@@ -15,6 +15,8 @@ from amaranth.back import verilog
 from hbfp import __version__
 
 from . import activation, add_f32, buffers, gemm_core, mac_array, normalize, quantize, top
+from hbfp.contract import OutFormat, Target
+
 from .params import EXP_BIAS, EXP_NAN, RANDOM_BITS, ROUNDING_CODES, SEED_SALT, CoreConfig, psum_width
 
 __all__ = ["components", "parameters", "generate"]
@@ -57,8 +59,8 @@ def parameters(cfg: CoreConfig) -> dict:
             "activation": activation.ActivationDatapath.LATENCY,
         },
         "codes": {
-            "write_targets": core.TARGETS,
-            "out_formats": core.OUT_FORMATS,
+            "write_targets": {t.name.lower(): int(t) for t in Target},
+            "out_formats": {f.label: int(f) for f in OutFormat},
             "rounding": ROUNDING_CODES,
             "functions": {name: i for i, name in enumerate(activation.FUNCTIONS)},
             "functions_built": list(cfg.built_functions),

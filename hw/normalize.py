@@ -13,6 +13,7 @@ from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from .params import EXP_BIAS, EXP_NAN, EXP_WIDTH, F32_BIAS, F32_EXP_BITS, F32_EXP_INF, F32_FRAC_BITS, F32_QNAN, FP32_WIDTH
+from .params import NORMALIZE_LATENCY
 
 __all__ = ["NormalizeDatapath", "Normalize", "normalize_layout"]
 
@@ -48,7 +49,7 @@ class NormalizeDatapath(wiring.Component):
     carry; (4) the carry into the exponent, then FTZ, overflow, zero and NaN, and packing.
     """
 
-    LATENCY = 4
+    LATENCY = NORMALIZE_LATENCY  # the four stages below (hw.params: CoreConfig checks the K-tile against it)
 
     def __init__(self, psum_width: int, mantissa_bits_a: int = 8, mantissa_bits_b: int = 8):
         _check_parameters(psum_width, mantissa_bits_a, mantissa_bits_b)

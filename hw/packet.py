@@ -24,13 +24,25 @@ from amaranth import Cat, Const, Module, Mux, Signal, signed, unsigned
 from amaranth.lib import data, memory, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from hbfp.host import protocol
-from hbfp.host.protocol import Op, Status, Target
+from hbfp import contract as protocol
+from hbfp.contract import (
+    DEFAULT_FRAME_TIMEOUT,
+    DEFAULT_MAX_PAYLOAD,
+    DeviceSpec,
+    Encoding,
+    GemmFlag,
+    Op,
+    OutFormat,
+    Rounding,
+    Status,
+    Target,
+    functions_mask,
+)
 
-from .activation import ACTIVATION_INPUT, FUNC_WIDTH, FUNCTIONS, UNARY_FUNCTIONS
+from .activation import ACTIVATION_INPUT, FUNC_WIDTH, UNARY_FUNCTIONS
 from .crc import CRC32, crc32_state
-from .gemm_core import OUT_FORMATS, TARGETS, command_layout, output_layout, write_layout
-from .params import BF16_WIDTH, EXP_WIDTH, FP32_WIDTH, ROUNDING_CODES, CoreConfig
+from .gemm_core import command_layout, output_layout, write_layout
+from .params import BF16_WIDTH, EXP_WIDTH, FP32_WIDTH, CoreConfig, layout
 
 __all__ = [
     "BYTE",
@@ -46,23 +58,17 @@ __all__ = [
     "DESCRIPTOR_BYTES",
 ]
 
-# The protocol's codes are the core's port codes: one name for one thing.
-assert {t.name.lower(): int(t) for t in Target if t < Target.A_VALUES} == TARGETS
-assert {f.name.lower(): int(f) for f in protocol.OutFormat} == OUT_FORMATS
-assert protocol.HEADER.size == 10 and protocol.CRC_SIZE == 4
-
-#: Fixed payload sizes of the commands, from the protocol's own encoders: WRITE's header
+#: Fixed payload sizes of the commands, from the contract's descriptors: WRITE's header
 #: before its data, READ's and GEMM's descriptors, ELEMENTWISE's header before x (and g).
-WRITE_HEADER = len(protocol.encode_write(0, 0, 0, 0, 0, b""))
-READ_SIZE = len(protocol.encode_read(1, 1))
-GEMM_SIZE = len(protocol.encode_gemm(1, 1, 1))
-ELEMENTWISE_HEADER = len(protocol.encode_elementwise(0, b""))
+WRITE_HEADER = protocol.WRITE.size
+READ_SIZE = protocol.READ.size
+GEMM_SIZE = protocol.GEMM.size
+ELEMENTWISE_HEADER = protocol.ELEMENTWISE.size
 
 #: A byte of a reply on its way out: ``last`` marks the final byte of a frame.
 BYTE = data.StructLayout({"data": 8, "last": 1})
 #: Payload bytes the engine keeps in registers (the longest command descriptor, WRITE's).
 DESCRIPTOR_BYTES = max(WRITE_HEADER, READ_SIZE, GEMM_SIZE, ELEMENTWISE_HEADER)
-assert DESCRIPTOR_BYTES == 16  # desc bytes are addressed with 4 bits
 #: ``LaneAssembler`` modes: how an element's bytes fill its 32-bit lane.
 ASSEMBLE_MODES = {"sign_extend": 0, "raw": 1, "high_half": 2}
 
@@ -341,8 +347,8 @@ class ResultSerializer(wiring.Component):
         cols_left = Signal(range(cfg.size + 1))  # columns of the row from this beat on
         tile_beat = Signal(range(beats_per_tile))
         exp_sent = Signal()
-        bfp = self.out_format == OUT_FORMATS["bfp"] if cfg.bfp_output else Const(0)
-        bytes_per_lane = Mux(bfp, self.code_bytes, Mux(self.out_format == OUT_FORMATS["bf16"], 2, 4))
+        bfp = self.out_format == OutFormat.BFP if cfg.bfp_output else Const(0)
+        bytes_per_lane = Mux(bfp, self.code_bytes, Mux(self.out_format == OutFormat.BF16, 2, 4))
         lanes_here = Mux(bfp | (cols_left >= C), C, cols_left)
         exp_phase = bfp & (tile_beat == 0) & ~exp_sent
         beat_done = ~exp_phase & (nbyte == bytes_per_lane - 1) & (lane == lanes_here - 1)
@@ -441,7 +447,7 @@ class PacketEngine(wiring.Component):
     """
 
     def __init__(self, cfg: CoreConfig, *, stream_bytes: int = 1, clock_hz: int = 0,
-                 max_payload: int = 4096, frame_timeout: int = 1 << 20):
+                 max_payload: int = DEFAULT_MAX_PAYLOAD, frame_timeout: int = DEFAULT_FRAME_TIMEOUT):
         self.cfg = cfg
         self.stream_bytes = stream_bytes
         self.clock_hz = clock_hz
@@ -461,7 +467,7 @@ class PacketEngine(wiring.Component):
             # the input Quantize
             "q_i": Out(stream.Signature(data.ArrayLayout(FP32_WIDTH, C))),
             "q_o": In(stream.Signature(quantize_output_layout(cfg.mantissa_bits, C))),
-            "q_rounding": Out(2),
+            "q_rounding": Out(Rounding),
             "q_seed": Out(32),
             "q_clear": Out(1),
             # the Activation unit
@@ -471,26 +477,8 @@ class PacketEngine(wiring.Component):
 
     def identity(self) -> bytes:
         """The 32 bytes of the IDENTIFY reply's data."""
-        cfg = self.cfg
-        mask = sum(1 << FUNCTIONS.index(n) for n in self.functions)
-        return protocol.encode_identity(protocol.Identity(
-            protocol_version=protocol.PROTOCOL_VERSION,
-            abi_major=protocol.ABI_VERSION[0],
-            abi_minor=protocol.ABI_VERSION[1],
-            stream_bytes=self.stream_bytes,
-            rows=cfg.rows,
-            cols=cfg.cols,
-            mantissa_bits=cfg.mantissa_bits,
-            tile_rows=cfg.tile[0],
-            tile_cols=cfg.tile[1],
-            leaky_shift=cfg.leaky_shift,
-            size=cfg.size,
-            functions_mask=mask,
-            clock_hz=self.clock_hz,
-            max_payload=self.max_payload,
-            frame_timeout=self.frame_timeout,
-            omitted=cfg.omitted,
-        ))
+        return DeviceSpec(self.cfg, stream_bytes=self.stream_bytes, clock_hz=self.clock_hz,
+                          max_payload=self.max_payload, frame_timeout=self.frame_timeout).identity().encode()
 
     def elaborate(self, platform):
         m = Module()
@@ -524,17 +512,20 @@ class PacketEngine(wiring.Component):
         skip_left = Signal(34)
         skip_after = Signal()  # the reply goes out before the rest of the frame is skipped
 
-        def field(offset, size):
-            return desc[8 * offset:8 * (offset + size)]
+        # The descriptor's bytes seen through each command's contract layout.
+        w_desc = data.View(layout(protocol.WRITE), desc[:8 * WRITE_HEADER])
+        g_desc = data.View(layout(protocol.GEMM), desc[:8 * GEMM_SIZE])
+        r_desc = data.View(layout(protocol.READ), desc[:8 * READ_SIZE])
+        e_desc = data.View(layout(protocol.ELEMENTWISE), desc[:8 * ELEMENTWISE_HEADER])
 
         opcode, length = head.opcode, head.length
         is_op = {op: opcode == op for op in Op}
 
         # ---- validation (combinational from the frame's registers; registered in DECIDE) -
         # WRITE
-        w_target, w_encoding, w_rounding = field(0, 1), field(1, 1), field(2, 1)
-        w_seed = field(4, 4)
-        w_row, w_col, w_rows, w_cols = field(8, 2), field(10, 2), field(12, 2), field(14, 2)
+        w_target, w_encoding, w_rounding = w_desc.target, w_desc.encoding, w_desc.rounding
+        w_seed = w_desc.seed
+        w_row, w_col, w_rows, w_cols = w_desc.row, w_desc.col, w_desc.rows, w_desc.cols
         w_row_end = Signal(17)
         w_col_end = Signal(17)
         m.d.comb += [w_row_end.eq(w_row + w_rows), w_col_end.eq(w_col + w_cols)]
@@ -551,9 +542,9 @@ class PacketEngine(wiring.Component):
             Mux(is_exps, in_tiles,
                 Mux(w_target == Target.BIAS, (w_row == 0) & (w_rows == 1) & in_elements & chunked,
                     Mux(is_values, in_elements & tiled, 0))))
-        value_bf16 = w_encoding == protocol.Encoding.BF16
-        stochastic = ROUNDING_CODES["stochastic"]
-        write_desc_ok = ~is_values | ((w_encoding <= max(protocol.Encoding)) & (w_rounding <= max(ROUNDING_CODES.values())))
+        value_bf16 = w_encoding == Encoding.BF16
+        stochastic = Rounding.STOCHASTIC
+        write_desc_ok = ~is_values | ((w_encoding <= max(Encoding)) & (w_rounding <= max(Rounding)))
         # A reduced device refuses the work of the units it was built without (CoreConfig).
         if not cfg.value_quantizer:
             write_desc_ok = ~is_values
@@ -567,24 +558,24 @@ class PacketEngine(wiring.Component):
 
         # GEMM and READ share one set of fields (READ: K = 0 and only the bias flag)
         is_read = is_op[Op.READ]
-        c_m, c_n = field(0, 2), field(2, 2)
-        c_k = Mux(is_read, 0, field(4, 2))
-        c_flags = Mux(is_read, field(6, 1) & protocol.GEMM_FLAGS["bias"], field(6, 1))
-        c_act = Mux(is_read, field(5, 1), field(7, 1))
-        c_format = Mux(is_read, field(4, 1), field(8, 1))
-        c_rounding = Mux(is_read, field(7, 1), field(9, 1))
-        c_seed = Mux(is_read, field(8, 4), field(12, 4))
-        flag = {name: c_flags & bit != 0 for name, bit in protocol.GEMM_FLAGS.items()}
-        unary_mask = sum(1 << FUNCTIONS.index(n) for n in self.functions if n in UNARY_FUNCTIONS)
-        built_mask = sum(1 << FUNCTIONS.index(n) for n in self.functions)
-        gradient_mask = sum(1 << FUNCTIONS.index(n) for n in self.functions if n not in UNARY_FUNCTIONS)
+        c_m, c_n = Mux(is_read, r_desc.m, g_desc.m), Mux(is_read, r_desc.n, g_desc.n)
+        c_k = Mux(is_read, 0, g_desc.k)
+        c_flags = Mux(is_read, r_desc.flags & GemmFlag.BIAS, g_desc.flags)
+        c_act = Mux(is_read, r_desc.activation, g_desc.activation)
+        c_format = Mux(is_read, r_desc.out_format, g_desc.out_format)
+        c_rounding = Mux(is_read, r_desc.rounding, g_desc.rounding)
+        c_seed = Mux(is_read, r_desc.seed, g_desc.seed)
+        flag = {f.name.lower(): c_flags & f != 0 for f in GemmFlag}
+        unary_mask = functions_mask(n for n in self.functions if n in UNARY_FUNCTIONS)
+        built_mask = functions_mask(self.functions)
+        gradient_mask = functions_mask(n for n in self.functions if n not in UNARY_FUNCTIONS)
         act_ok = (c_act == protocol.NO_ACTIVATION) | Const(unary_mask, 256).bit_select(c_act, 1)
         sides_ok = ((c_m >= 1) & (c_m <= D) & (c_n >= 1) & (c_n <= D)
                     & (is_read | ((c_k >= 1) & (c_k <= D))))
         transposes_ok = 1 if cfg.square else (is_read | (~flag["transpose_a"] & flag["transpose_b"]))
-        command_ok = (sides_ok & act_ok & transposes_ok & (c_format <= max(OUT_FORMATS.values()))
-                      & (c_rounding <= max(ROUNDING_CODES.values())))
-        c_bfp = c_format == OUT_FORMATS["bfp"]
+        command_ok = (sides_ok & act_ok & transposes_ok & (c_format <= max(OutFormat))
+                      & (c_rounding <= max(Rounding)))
+        c_bfp = c_format == OutFormat.BFP
         if not cfg.bfp_output:
             command_ok = command_ok & ~c_bfp
         elif not cfg.stochastic:
@@ -593,11 +584,11 @@ class PacketEngine(wiring.Component):
         m.d.comb += tiles.eq(_ceil_div(c_m, th, D) * _ceil_div(c_n, tw, D))
         elements = Signal(32)
         m.d.comb += elements.eq(c_m * c_n)
-        result_bytes = Mux(c_format == OUT_FORMATS["fp32"], elements << 2,
-                           Mux(c_format == OUT_FORMATS["bf16"], elements << 1, tiles * (1 + th * tw * cb)))
+        result_bytes = Mux(c_format == OutFormat.FP32, elements << 2,
+                           Mux(c_format == OutFormat.BF16, elements << 1, tiles * (1 + th * tw * cb)))
 
         # ELEMENTWISE
-        e_function, e_count = field(0, 1), field(4, 4)
+        e_function, e_count = e_desc.function, e_desc.count
         e_gradient = Const(gradient_mask, 256).bit_select(e_function, 1)  # a built gradient function
         # An ELEMENTWISE that runs: none on a device without functions (it is refused), whose
         # path to the activation unit is then not built.
@@ -722,7 +713,7 @@ class PacketEngine(wiring.Component):
         v_exp = Signal()  # the tile's codes are written: its exponent goes next
         v_exponent = Signal(EXP_WIDTH)
         v_done = Signal()
-        q_rounding = Signal(2)
+        q_rounding = Signal(Rounding)
         q_seed = Signal(32)
         m.d.comb += [self.q_rounding.eq(q_rounding), self.q_seed.eq(q_seed)]
         w_fire = self.w.valid & self.w.ready
@@ -884,7 +875,7 @@ class PacketEngine(wiring.Component):
                 with m.If(got):
                     m.d.sync += count.eq(count + 1)
                     with m.If(count < DESCRIPTOR_BYTES):
-                        m.d.sync += desc.word_select(count[:4], 8).eq(byte)
+                        m.d.sync += desc.word_select(count[:(DESCRIPTOR_BYTES - 1).bit_length()], 8).eq(byte)
                     with m.If(count == length - 1):
                         m.next = "CRC"
                 mid_frame_timeout(True)

@@ -7,9 +7,10 @@ from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
+from hbfp.contract import QUANTIZE_LATENCY, Rounding
 from hbfp.golden.bfp import Format
 
-from .params import BF16_WIDTH, EXP_NAN, EXP_WIDTH, F32_FRAC_BITS, FP32_WIDTH, MIX32_MULTIPLIERS, RANDOM_BITS, ROUNDING_CODES, SEED_SALT
+from .params import BF16_WIDTH, EXP_NAN, EXP_WIDTH, F32_FRAC_BITS, FP32_WIDTH, MIX32_MULTIPLIERS, RANDOM_BITS, SEED_SALT
 
 __all__ = ["Quantize", "INPUT_FORMATS", "KEY_LATENCY", "LATENCY", "MIX32_MULTIPLIERS"]
 
@@ -19,8 +20,8 @@ INPUT_FORMATS = {"fp32": FP32_WIDTH, "bf16": BF16_WIDTH}
 KEY_LATENCY = 2
 #: Cycles from the cycle in which a tile's last input beat is accepted to the cycle in which
 #: its first output beat is valid (without output stalls): the bank handover, the memory read
-#: and four pipeline stages.
-LATENCY = 6
+#: and four pipeline stages (the contract's ``QUANTIZE_LATENCY``, which ``emu`` counts).
+LATENCY = QUANTIZE_LATENCY
 
 _FRAC_BITS = F32_FRAC_BITS  # fp32 fraction field
 _MAX_MANTISSA = 16  # the widest format (Format allows 2..16): alignment shifts start at 0 there
@@ -89,7 +90,7 @@ class Quantize(wiring.Component):
       "exponent": 8, "last": 1})``: T/L beats per tile in the same element order; every beat
       carries its tile's E8M0 exponent code (``EXP_NAN`` for a NaN tile, whose codes are 0);
       ``last`` marks the final beat of a tile.
-    - ``rounding`` (in, 2 bits): ``hbfp.hw.params.ROUNDING_CODES``; the unused code 3 rounds
+    - ``rounding`` (in, 2 bits): ``hbfp.contract.Rounding``; the unused code 3 rounds
       to nearest even.
     - ``seed`` (in, 32 bits): stochastic rounding uses ``R(n) = mix32(n ^ key) >> 16`` with
       ``key = mix32(seed ^ SEED_SALT)``, computed here into a register that follows ``seed``
@@ -149,7 +150,7 @@ class Quantize(wiring.Component):
         super().__init__({
             "i": In(stream.Signature(data.ArrayLayout(unsigned(self.element_width), lanes))),
             "o": Out(stream.Signature(self.out_layout)),
-            "rounding": In(unsigned(max(ROUNDING_CODES.values()).bit_length())),
+            "rounding": In(Rounding),
             "seed": In(unsigned(32)),
             "clear": In(1),
         })
@@ -380,10 +381,10 @@ class Quantize(wiring.Component):
             frac = a[:RANDOM_BITS]
             up = Signal(name=f"s4_up{l}")
             with m.Switch(s4_rnd):
-                with m.Case(ROUNDING_CODES["toward_zero"]):
+                with m.Case(Rounding.TOWARD_ZERO):
                     m.d.comb += up.eq(0)
                 if self.stochastic:
-                    with m.Case(ROUNDING_CODES["stochastic"]):
+                    with m.Case(Rounding.STOCHASTIC):
                         m.d.comb += up.eq((frac + s4_r[l])[RANDOM_BITS])
                 with m.Default():  # nearest_even
                     m.d.comb += up.eq(frac[-1] & (q_int[0] | frac[:-1].any() | s4_sticky[l]))

@@ -16,6 +16,8 @@ from amaranth import Module
 from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from hbfp.contract import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_PAYLOAD
+
 from .activation import Activation
 from .gemm_core import GemmCore
 from .packet import BytePacker, ByteUnpacker, PacketEngine, beat_layout
@@ -24,11 +26,9 @@ from .quantize import Quantize
 
 __all__ = ["AcceleratorTop", "DEFAULT_MAX_PAYLOAD", "DEFAULT_FRAME_TIMEOUT"]
 
-#: Payload buffer bytes: a 4 KiB block RAM. The host splits larger WRITEs.
-DEFAULT_MAX_PAYLOAD = 4096
-#: Cycles without a byte after which a frame is dropped: about 10 ms at 100 MHz, i.e. over
-#: a hundred bytes' time of a 115200-baud UART.
-DEFAULT_FRAME_TIMEOUT = 1 << 20
+# The defaults are the contract's, so emu and the gateware agree: a 4 KiB payload buffer (one
+# block RAM; the host splits larger WRITEs) and a frame timeout of 2^20 cycles (about 10 ms at
+# 100 MHz, over a hundred bytes' time of a 115200-baud UART).
 
 
 class AcceleratorTop(wiring.Component):

@@ -30,7 +30,7 @@ from amaranth.lib import fifo, stream, wiring
 from amaranth.lib.cdc import FFSynchronizer
 from amaranth.lib.wiring import In, Out
 
-from hbfp.host import protocol
+from hbfp import contract
 
 from .packet import beat_layout
 from .params import CoreConfig
@@ -66,7 +66,7 @@ def min_fifo_depth(divisor: int, max_payload: int) -> int:
     arrive while the engine replays the largest WRITE's payload (a byte a cycle) and sends
     its reply (a byte a byte time), plus one."""
     byte_cycles = BITS_PER_BYTE * divisor
-    write_reply = len(protocol.encode_reply(protocol.Op.WRITE, 0))  # a WRITE's reply: no data
+    write_reply = contract.frame_size(1)  # a WRITE's reply: the status byte alone
     return -(-max_payload // byte_cycles) + write_reply + 1
 
 

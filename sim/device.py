@@ -31,11 +31,13 @@ The host finds this backend through the entry-point group ``hbfp.devices``:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import enum
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from hbfp import contract
 from hbfp.host import protocol
 
 from .harness import build
@@ -117,6 +119,62 @@ def _load(path: Path) -> ctypes.CDLL:
         return lib
 
 
+class _RequestScanner:
+    """The request stream as the harness's ``FrameScanner`` follows it (sim/harness/harness.cpp),
+    over the bytes the device has taken: frames by magic, header and ``length + 4`` more
+    bytes. It also knows what the harness does not: the length field of a frame whose header
+    is in and whose body is not, so ``SimDevice.read`` can tell a reply that the device
+    sends before the frame is complete (a length above ``max_payload``) from a wait for the
+    host's remaining bytes."""
+
+    _MAGIC = protocol.MAGIC
+    _HEADER = protocol.HEADER.size
+    _CRC = protocol.CRC_SIZE
+
+    def __init__(self):
+        self.state = 0  # 0: hunting the magic's first byte, 1: its second, 2: header, 3: body
+        self.header = bytearray()
+        self.length = 0  # the length field of the frame in state 3
+        self.body_left = 0
+        self.completed = 0
+
+    def feed(self, data: bytes) -> None:
+        i, n = 0, len(data)
+        first, second = self._MAGIC
+        while i < n:
+            if self.state == 0:
+                j = data.find(first, i)
+                if j < 0:
+                    return
+                self.state, i = 1, j + 1
+            elif self.state == 1:
+                b = data[i]
+                i += 1
+                if b == second:
+                    self.state, self.header = 2, bytearray(self._MAGIC)
+                elif b != first:
+                    self.state = 0
+            elif self.state == 2:
+                take = min(self._HEADER - len(self.header), n - i)
+                self.header += data[i : i + take]
+                i += take
+                if len(self.header) == self._HEADER:
+                    self.length = int.from_bytes(self.header[-4:], "little")
+                    self.body_left = self.length + self._CRC
+                    self.state = 3
+            else:
+                take = min(self.body_left, n - i)
+                self.body_left -= take
+                i += take
+                if self.body_left == 0:
+                    self.state = 0
+                    self.completed += 1
+
+    def resync(self) -> None:
+        """The harness dropped the frame in progress (the device timed it out)."""
+        self.state, self.header, self.body_left = 0, bytearray(), 0
+
+
 class SimDevice:
     """A simulated device: a Verilated top behind a byte pipe (the byte-device interface of
     ``hbfp.host.transports``, as ``EmuDevice``'s).
@@ -125,8 +183,9 @@ class SimDevice:
     - ``read(max_bytes=None, *, timeout_cycles=None)``: reply bytes. Unless a complete reply
       frame is already buffered, it first runs the clock (natively) until one is, or until
       nothing more can happen without the host (every queued byte taken, every whole request
-      answered: a partial frame waits for its remaining bytes), or ``timeout_cycles`` pass.
-      Returns what is buffered (at most ``max_bytes``), maybe ``b""``.
+      answered: a partial frame waits for its remaining bytes, unless its length field
+      exceeds ``max_payload``, which the device answers as soon as the header is in), or
+      ``timeout_cycles`` pass. Returns what is buffered (at most ``max_bytes``), maybe ``b""``.
     - ``advance(cycles)``: time passes with no new byte: the clock runs ``cycles`` cycles, or
       until a complete reply frame is buffered (how a begun frame times out on the device).
     - ``run(cycles, stop=...)``: the clock, explicitly; ``run_until_idle()``; ``flush()``.
@@ -138,7 +197,7 @@ class SimDevice:
 
     def __init__(self, library: str | Path, *, timeout_cycles: int = DEFAULT_TIMEOUT_CYCLES,
                  reset_cycles: int = RESET_CYCLES, cycles_per_second: int = CYCLES_PER_SECOND,
-                 info: dict | None = None):
+                 info: dict | None = None, max_payload: int | None = None):
         self.library = Path(library)
         self._lib = _load(self.library)
         self.stream_bytes = self._lib.hbfp_stream_bytes()
@@ -147,6 +206,11 @@ class SimDevice:
         self.cycles_per_second = cycles_per_second
         #: What was opened (configuration, library); for reports.
         self.info = dict(info or {})
+        #: The device's max_payload (None: unknown, e.g. not an accelerator top): a request
+        #: whose length field exceeds it is answered as soon as its header is in.
+        self.max_payload = max_payload if max_payload is not None else self._configured_max_payload()
+        self._requests = _RequestScanner()
+        self._untracked = bytearray()  # written bytes the scanner has not seen (not yet taken)
         self._counters = (ctypes.c_uint64 * _N_COUNTERS)()
         self._buf = ctypes.create_string_buffer(1 << 16)
         self._h = self._lib.hbfp_new(reset_cycles)
@@ -159,7 +223,9 @@ class SimDevice:
         """Queue ``data`` for the device's input stream; returns its length."""
         data = bytes(data)
         self._check_open()
-        return self._lib.hbfp_write(self._h, data, len(data))
+        n = self._lib.hbfp_write(self._h, data, len(data))
+        self._untracked += data[:n]
+        return n
 
     def read(self, max_bytes: int | None = None, *, timeout_cycles: int | None = None) -> bytes:
         """Reply bytes (at most ``max_bytes``), after running the clock until a complete reply
@@ -168,19 +234,23 @@ class SimDevice:
         if not self._poll()[_Counter.FRAME_READY]:
             budget = self.timeout_cycles if timeout_cycles is None else timeout_cycles
             if budget > 0:
-                self._lib.hbfp_run(self._h, budget, Stop.FRAME | Stop.WAITING, 0)
+                ran = self._run(budget, Stop.FRAME | Stop.WAITING)
+                # WAITING counts whole requests; a frame too long for the device is answered
+                # after its header alone: that reply comes without more input.
+                if ran < budget and not self._poll()[_Counter.FRAME_READY] and self._early_reply_due():
+                    self._run(budget - ran, Stop.FRAME)
         return self._take(max_bytes)
 
     def advance(self, cycles: int) -> None:
         """``cycles`` cycles pass without a new byte (fewer once a complete reply is buffered)."""
         self._check_open()
         if cycles > 0:
-            self._lib.hbfp_run(self._h, int(cycles), Stop.FRAME, 0)
+            self._run(int(cycles), Stop.FRAME)
 
     def flush(self) -> None:
         """Run until the device has accepted every queued byte (replies stay buffered)."""
         self._check_open()
-        self._lib.hbfp_run(self._h, self.timeout_cycles, Stop.DRAINED, 0)
+        self._run(self.timeout_cycles, Stop.DRAINED)
 
     # ---- clock -----------------------------------------------------------------------
 
@@ -188,7 +258,7 @@ class SimDevice:
         """Advance ``cycles`` clock cycles (fewer when a ``stop`` condition holds first);
         returns the cycles run."""
         self._check_open()
-        return self._lib.hbfp_run(self._h, int(cycles), int(stop), int(idle_cycles))
+        return self._run(int(cycles), stop, int(idle_cycles))
 
     def run_until_idle(self, idle_cycles: int = IDLE_CYCLES, max_cycles: int | None = None) -> int:
         """Run until every queued byte is accepted and neither stream moved for
@@ -224,6 +294,8 @@ class SimDevice:
     def reset(self) -> None:
         self._check_open()
         self._lib.hbfp_reset(self._h, self.reset_cycles)
+        self._requests = _RequestScanner()
+        self._untracked.clear()
 
     def close(self) -> None:
         if self._h:
@@ -260,6 +332,40 @@ class SimDevice:
         self._lib.hbfp_counters(self._h, self._counters)
         return self._counters
 
+    def _configured_max_payload(self) -> int | None:
+        config = self.info.get("config") or {}
+        if "max_payload" in config:
+            return int(config["max_payload"])
+        if "top" in config:  # an accelerator top built with its default
+            from hbfp.hw.top import DEFAULT_MAX_PAYLOAD
+
+            return DEFAULT_MAX_PAYLOAD
+        return None
+
+    def _run(self, cycles: int, stop: Stop, idle_cycles: int = 0) -> int:
+        """The harness's run loop, then the request scanner brought up to what the device took."""
+        ran = self._lib.hbfp_run(self._h, cycles, int(stop), idle_cycles)
+        c = self._poll()
+        taken = len(self._untracked) - c[_Counter.QUEUED]  # taken by the device since the last run
+        if taken > 0:
+            self._requests.feed(bytes(self._untracked[:taken]))
+            del self._untracked[:taken]
+        if c[_Counter.REQUESTS] > self._requests.completed:
+            # A TIMEOUT reply: the harness counts the dropped frame as answered and hunts anew
+            # (with no byte queued: a frame times out only while none arrives).
+            self._requests.resync()
+            self._requests.completed = c[_Counter.REQUESTS]
+        return ran
+
+    def _early_reply_due(self) -> bool:
+        """A reply the device sends without more input is still to come: the frame in progress
+        has its header in, a length field above ``max_payload``, and no reply yet (every
+        whole request has one: ``Stop.WAITING``)."""
+        c = self._poll()
+        req = self._requests
+        return (self.max_payload is not None and req.state == 3 and req.length > self.max_payload
+                and bool(c[_Counter.IN_MID_FRAME]) and c[_Counter.REPLIES] <= c[_Counter.REQUESTS])
+
     def _take(self, max_bytes: int | None) -> bytes:
         want = self._poll()[_Counter.PENDING]
         if max_bytes is not None:
@@ -274,75 +380,23 @@ class SimDevice:
 
 # ---- the accelerator top ------------------------------------------------------------
 
-#: Options of ``open``'s argument string, with their parsers (CoreConfig fields, the top's
-#: constructor arguments, and the build's).
-def _parse_tile(v: str):
-    parts = v.lower().replace("*", "x").split("x")
-    return tuple(int(p) for p in parts) if len(parts) == 2 else (int(v), int(v))
-
-
-def _emu():
-    # The ``emu`` backend's spellings of formats, units and functions, so that "emu:ARG" and
-    # "sim:ARG" agree.
-    from hbfp.host import emu
-
-    return emu
-
-
-def _parse_format(v: str):
-    formats = _emu()._FORMATS
-    if v.upper() not in formats:
-        raise ValueError(f"unknown format {v!r}; known: {', '.join(formats)}")
-    return formats[v.upper()]
-
-
-_ARG_FIELDS: dict[str, Callable[[str], object]] = {
-    "format": _parse_format,
-    "rows": int,
-    "cols": int,
-    "mantissa_bits": int,
-    "tile": _parse_tile,
-    "size": int,
-    "functions": lambda v: _emu().parse_functions(v),
-    "leaky_shift": int,
-    "value_quantizer": lambda v: _emu().parse_bool(v),
-    "bfp_output": lambda v: _emu().parse_bool(v),
-    "stochastic": lambda v: _emu().parse_bool(v),
-    "stream_bytes": int,
-    "frame_timeout": int,
-    "clock_hz": int,
-    "max_payload": int,
-    "threads": int,
-    "buffered": lambda v: _emu().parse_bool(v),
-    "timeout_cycles": int,
-    "uart": int,
-    "fifo_depth": int,
+#: The simulator's own options beside the contract's device options (``hbfp.contract.OPTIONS``).
+SIM_OPTIONS: dict[str, contract.Option] = {
+    "threads": contract.Option(contract.parse_int, "sim", "Verilator threads of the build"),
+    "buffered": contract.Option(contract.parse_bool, "sim", "a 2-entry FIFO on each stream (0: the top's ports directly)"),
+    "timeout_cycles": contract.Option(contract.parse_int, "sim", "cycles read() runs the clock waiting for a reply"),
+    "uart": contract.Option(contract.parse_int, "sim", "the top behind its UART: clock cycles per bit (0: none)"),
+    "fifo_depth": contract.Option(contract.parse_int, "sim", "bytes of the UART's receive FIFO"),
 }
-_CORE_FIELDS = ("rows", "cols", "mantissa_bits", "tile", "size", "functions", "leaky_shift",
-                "value_quantizer", "bfp_output", "stochastic")
-_TOP_FIELDS = ("stream_bytes", "frame_timeout", "clock_hz", "max_payload")
+_CORE_FIELDS = tuple(f.name for f in dataclasses.fields(contract.CoreConfig))
+_TOP_FIELDS = tuple(f.name for f in dataclasses.fields(contract.DeviceSpec) if f.name != "config")
 
 
 def parse_arg(arg: str | None) -> dict:
-    """``"rows=4,cols=4,size=48,stream_bytes=4"`` -> dict of typed options (the keys of the
-    ``emu`` backend's argument, and the simulator's). ``tile`` is ``24x24`` (or one number for
-    a square tile); ``functions`` is ``relu+gelu``; ``format`` (HBFP8, HBFP16, MXINT8) sets
-    ``mantissa_bits`` and ``tile``."""
-    out: dict = {}
-    for item in (arg or "").replace(";", ",").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or key not in _ARG_FIELDS:
-            raise ValueError(f"sim: unknown option {item!r} (known: {', '.join(_ARG_FIELDS)})")
-        parsed = _ARG_FIELDS[key](value.strip())
-        if key == "format":
-            out["mantissa_bits"], out["tile"] = parsed
-        else:
-            out[key] = parsed
-    return out
+    """``"rows=4,cols=4,size=48,stream_bytes=4"`` -> dict of typed options: the contract's
+    device options (``hbfp.contract.parse_options``, as ``emu:`` takes them) and the
+    simulator's (``SIM_OPTIONS``)."""
+    return contract.parse_options(arg, extra=SIM_OPTIONS, what="sim")
 
 
 def top_library(options: dict | None = None, *, progress: Callable[[str], None] | None = None,
@@ -352,12 +406,10 @@ def top_library(options: dict | None = None, *, progress: Callable[[str], None] 
     ``threads``, ``buffered`` for the build), or with ``uart`` (clock cycles per bit, >= 4)
     of ``hw.uart.UartLoop``: that top behind its UART (``UartTop``), reached through a
     host-side UART (``stream_bytes`` is then 1)."""
-    from hbfp.hw.params import CoreConfig
-
     options = dict(options or {})
-    core = CoreConfig(**{k: options[k] for k in _CORE_FIELDS if k in options})
-    top_kw = {k: options[k] for k in _TOP_FIELDS if k in options}
-    top_kw.setdefault("stream_bytes", 1)
+    spec = contract.DeviceSpec.from_options({k: v for k, v in options.items() if k not in SIM_OPTIONS})
+    core = spec.config
+    top_kw = {k: getattr(spec, k) for k in _TOP_FIELDS}
     threads = options.get("threads", build.DEFAULT_THREADS)
     buffered = bool(options.get("buffered", True))
     uart = options.get("uart", 0)
@@ -427,7 +479,7 @@ class SimBackend:
         if config is not None:
             opts.update({k: getattr(config, k) for k in _CORE_FIELDS})
         for key, value in options.items():
-            if key not in _ARG_FIELDS or key == "format":
+            if key not in contract.OPTIONS and key not in SIM_OPTIONS or key == "format":
                 raise TypeError(f"sim: unknown option {key!r}")
             opts[key] = value
         timeout = opts.pop("timeout_cycles", DEFAULT_TIMEOUT_CYCLES)

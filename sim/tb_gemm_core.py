@@ -16,8 +16,9 @@ from cocotb.triggers import RisingEdge
 
 from hbfp.golden import bf16
 from hbfp.golden.bfp import Format, quantize
+from hbfp.golden.compare import same_bits_elementwise
 from hbfp.golden.gemm import gemm
-from hbfp.hw.gemm_core import OUT_FORMATS, TARGETS
+from hbfp.contract import OutFormat, Target
 from hbfp.hw.params import ROUNDING_CODES
 from hbfp.sim.runner import record_figure, tb_config
 from hbfp.sim.streams import StreamSink, StreamSource, pack, start_clock_and_reset, unpack
@@ -73,7 +74,7 @@ class Core:
             (ta, 1), (tb, 1), (acc, 1), (bias, 1),
             (act is not None, 1),
             (0 if act is None else self.cfg["functions"].index(act), self.cfg["func_width"]),
-            (OUT_FORMATS[out], 2),
+            (OutFormat.from_label(out), 2),
             (ROUNDING_CODES[rounding], 2),
             (seed, 32),
         ]
@@ -82,12 +83,6 @@ class Core:
             word |= (int(value) & ((1 << width) - 1)) << shift
             shift += width
         return word
-
-
-def same(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    """Element-wise bit equality of fp32 arrays, NaNs by class."""
-    g, w = got.view(np.uint32), want.view(np.uint32)
-    return (g == w) | (np.isnan(got) & np.isnan(want))
 
 
 async def run_product(core: Core, rng: np.random.Generator, prod: dict, log) -> int:
@@ -110,12 +105,12 @@ async def run_product(core: Core, rng: np.random.Generator, prod: dict, log) -> 
     want = gemm(qa, qb, c=c, bias=bias, activation=prod["act"], out=out_fmt,
                 transpose_a=bool(prod["ta"]), transpose_b=bool(prod["tb"]), seed=prod["seed"])
 
-    words = core.operand_writes(TARGETS["a_codes"], TARGETS["a_exponents"], qa, core.R)
-    words += core.operand_writes(TARGETS["b_codes"], TARGETS["b_exponents"], qb, core.C)
+    words = core.operand_writes(Target.A_CODES, Target.A_EXPONENTS, qa, core.R)
+    words += core.operand_writes(Target.B_CODES, Target.B_EXPONENTS, qb, core.C)
     if c is not None:
-        words += core.fp32_writes(TARGETS["acc"], c)
+        words += core.fp32_writes(Target.ACC, c)
     if bias is not None:
-        words += core.fp32_writes(TARGETS["bias"], [bias])
+        words += core.fp32_writes(Target.BIAS, [bias])
     await core.w.send(words)
     await core.cmd.send([core.command(m, n, k, prod["ta"], prod["tb"], prod["acc"], prod["bias"], prod["act"],
                                       prod["out"], prod["rounding"], prod["seed"])])
@@ -163,11 +158,11 @@ async def run_product(core: Core, rng: np.random.Generator, prod: dict, log) -> 
     if prod["out"] == "bf16":
         got16 = out.astype(np.uint16)
         want16 = want.view(np.uint16)
-        ok = (got16 == want16) | (bf16.is_nan(got16) & bf16.is_nan(want16))
+        ok = same_bits_elementwise(got16, want16, bf16_patterns=True)
         got_f, want_f = bf16.to_f32(got16), bf16.to_f32(want16)
     else:
         got_f, want_f = out.view(np.float32), want
-        ok = same(got_f, want_f)
+        ok = same_bits_elementwise(got_f, want_f)  # fp32, NaNs by class
     if not ok.all():
         bad = np.argwhere(~ok)[:5]
         raise AssertionError(

@@ -28,10 +28,12 @@ import ml_dtypes
 import numpy as np
 from cocotb.triggers import ClockCycles, Event, ReadOnly, RisingEdge, with_timeout
 
+from hbfp.contract import functions_mask
 from hbfp.golden import activations, bf16
 from hbfp.golden.bfp import BFPTensor, Format, quantize
+from hbfp.golden.compare import same_bits_elementwise
 from hbfp.golden.gemm import gemm
-from hbfp.host import protocol
+from hbfp.host import conformance, protocol
 from hbfp.host.protocol import Frame, Op, OutFormat, Status, Target
 from hbfp.hw.activation import FUNCTIONS, UNARY_FUNCTIONS
 from hbfp.sim.runner import CLOCK_PERIOD_NS, tb_config
@@ -58,6 +60,9 @@ class Link:
         self.o_valid, self.o_ready, self.o_payload = dut.o__valid, dut.o__ready, dut.o__payload
         self.parser = protocol.FrameParser(max_payload=1 << 30)
         self.frames: deque = deque()
+        #: The bytes received while ``record`` is set, for a reader of raw bytes (``take``).
+        self.raw = bytearray()
+        self.record = False
         self.arrived = Event()
         self.received = 0
         cocotb.start_soon(self._monitor())
@@ -108,6 +113,8 @@ class Link:
                 assert keep and keep == (1 << n) - 1, f"o: keep {keep:#x} is not a run of lanes from lane 0"
                 chunk = bytes((word >> (8 * i)) & 0xFF for i in range(n))
                 self.received += n
+                if self.record:
+                    self.raw += chunk
                 frames = self.parser.feed(chunk)
                 if frames:
                     self.frames.extend(frames)
@@ -124,6 +131,12 @@ class Link:
 
     async def idle(self, cycles: int) -> None:
         await ClockCycles(self.dut.clk, cycles)
+
+    def take(self) -> bytes:
+        """The raw bytes received since the last ``take``."""
+        out = bytes(self.raw)
+        self.raw.clear()
+        return out
 
 
 # ---- the device's optional units (hw.params.CoreConfig) -------------------------------------
@@ -171,15 +184,6 @@ def tile_major(x: np.ndarray, tile) -> np.ndarray:
     th, tw = tile
     r, c = x.shape
     return x.reshape(r // th, th, c // tw, tw).transpose(0, 2, 1, 3).reshape(-1)
-
-
-def same_f32(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    g, w = got.view(np.uint32), want.view(np.uint32)
-    return (g == w) | (np.isnan(got) & np.isnan(want))
-
-
-def same_bf16(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    return (got == want) | (bf16.is_nan(got) & bf16.is_nan(want))
 
 
 def pad_to(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
@@ -355,10 +359,10 @@ class Device:
             return
         if out_format == OutFormat.BF16:
             want16 = bf16.as_bits(want)
-            ok = same_bf16(got, want16)
+            ok = same_bits_elementwise(got, want16, bf16_patterns=True)
             gf, wf = bf16.to_f32(got), bf16.to_f32(want16)
         else:
-            ok = same_f32(got, want)
+            ok = same_bits_elementwise(got, want)
             gf, wf = got, want
         if not ok.all():
             bad = np.argwhere(~ok)[:5]
@@ -506,7 +510,7 @@ async def identify_status_reset(dut):
     """IDENTIFY's fields; STATUS counters; RESET clears them."""
     cfg, rng, dev = await setup(dut)
     ident = await dev.identify()
-    mask = sum(1 << FUNCTIONS.index(f) for f in cfg["built"])
+    mask = functions_mask(cfg["built"])
     want = protocol.Identity(
         protocol_version=1, abi_major=protocol.ABI_VERSION[0], abi_minor=protocol.ABI_VERSION[1],
         stream_bytes=cfg["stream_bytes"], rows=cfg["rows"], cols=cfg["cols"], mantissa_bits=cfg["mantissa_bits"],
@@ -614,7 +618,7 @@ async def elementwise(dut):
                                                                               g.astype("<u2").tobytes()))
         got = np.frombuffer(reply.data, "<u2").astype(np.uint16)
         assert got.shape == want.shape, f"{name}: {got.shape} results for {count} inputs"
-        ok = same_bf16(got, bf16.as_bits(want))
+        ok = same_bits_elementwise(got, bf16.as_bits(want), bf16_patterns=True)
         assert ok.all(), f"{name}: {int((~ok).sum())} of {count} differ, e.g. x={x[~ok][:4]} got {got[~ok][:4]}"
     # count = 0 is a valid, empty request
     reply = await dev.request(Op.ELEMENTWISE, protocol.encode_elementwise(FUNCTIONS.index(cfg["built"][0]), b""))
@@ -622,190 +626,68 @@ async def elementwise(dut):
     await dev.check_status()
 
 
+async def run_conformance(dev: Device, ident: protocol.Identity) -> list[str]:
+    """The protocol's conformance table (``hbfp.host.conformance``: every error case, each
+    followed by a STATUS that checks the counters) through this link: its random stalls and
+    partial beats. Returns the failures (a failed case leaves the device resynchronized)."""
+    link, clk = dev.link, dev.dut.clk
+    failures = []
+    before = None
+    link.record = True
+    link.take()
+    for case in conformance.cases(ident):
+        gen = conformance.drive(case, ident, before, patience=REPLY_TIMEOUT)
+        got = None
+        try:
+            while True:
+                action = gen.send(got)
+                got = None
+                if action[0] == "write":
+                    await link.send(action[1])
+                elif action[0] == "read":
+                    got = link.take()
+                else:
+                    await ClockCycles(clk, action[1])
+        except StopIteration as stop:
+            before = stop.value
+        except conformance.ConformanceError as e:
+            failures.append(str(e))
+            dev.dut._log.error(str(e))
+            before = None
+    link.record = False
+    link.frames.clear()  # the host parser's copies of the same replies
+    if before is None:
+        st = await dev.request(Op.STATUS)
+        before = protocol.decode_status(st.data)
+    # the model of the counters goes on from the last STATUS
+    dev.accepted, dev.refused, dev.last_error = before.accepted, before.refused, before.last_error
+    dev.last_cycles = None
+    return failures
+
+
+def core_of(cfg: dict):
+    """The ``CoreConfig`` of a testbench configuration."""
+    import dataclasses
+
+    from hbfp.hw.params import CoreConfig
+
+    fields = {f.name for f in dataclasses.fields(CoreConfig)}
+    return CoreConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in cfg.items() if k in fields})
+
+
 @cocotb.test()
 async def bad_frames(dut):
-    """Every error status, each followed by a command that works."""
+    """Every error status and the framing rules (docs/protocol.md), as the conformance table
+    states them for this device (its size, tile, units and functions built), each case
+    followed by a STATUS that works; then a product still runs correctly."""
     cfg, rng, dev = await setup(dut)
-    D = cfg["size"]
-    th, tw = cfg["tile"]
-    C = cfg["cols"]
-    P = cfg["max_payload"]
-    unbuilt = [f for f in FUNCTIONS if f not in cfg["built"]]
-    gradient = [f for f in cfg["built"] if f not in UNARY_FUNCTIONS]
-
-    async def works():
-        ident = await dev.identify()
-        assert ident.size == D
-
-    def flip(offset):
-        def f(frame):
-            frame[offset % len(frame)] ^= 1 << rng.randrange(8)
-        return f
-
-    # BAD_CRC: a flipped byte anywhere after the magic (payload, header, CRC); the reply
-    # echoes the tag and opcode as received.
-    for offset in (12, 20, -1, 3):
-        payload = protocol.encode_gemm(4, 4, 4)
-        tag = dev.next_tag()
-        frame = bytearray(protocol.encode_frame(Op.GEMM, tag, payload))
-        flip(offset)(frame)
-        await dev.link.send(bytes(frame))
-        _, _, opcode, rtag, _ = protocol.HEADER.unpack_from(frame)
-        await dev.check_reply(opcode, rtag, Status.BAD_CRC)
-        await works()
-    # A corrupted WRITE changes nothing: it is refused before any buffer is written.
-    await dev.request(Op.WRITE, protocol.encode_write(Target.A_CODES, 0, 0, 1, C, bytes(C)), status=Status.BAD_CRC,
-                      corrupt=flip(-6))
-    await works()
-
-    # TIMEOUT: frames cut short in the header, the payload and the CRC.
-    for cut in (4, 12, 30, -2):
-        frame = protocol.encode_frame(Op.WRITE, dev.next_tag(), protocol.encode_write(Target.B_CODES, 0, 0, 1, C, bytes(C)))
-        await dev.link.send(frame[:cut])
-        await dev.link.idle(cfg["frame_timeout"])
-        reply = await dev.link.reply(timeout_cycles=4 * cfg["frame_timeout"])
-        assert isinstance(reply, Frame) and reply.tag == protocol.FRAME_TIMEOUT_TAG and reply.status == Status.TIMEOUT, reply
-        # The opcode as far as it arrived (0 if the cut came before it).
-        assert reply.opcode == (Op.WRITE if len(frame[:cut]) > 3 else 0) | protocol.REPLY
-        dev.count(Status.TIMEOUT)
-        await works()
-
-    # Garbage between frames (and a lone "H" before the magic) is skipped.
-    await dev.link.send(bytes(b for b in rng.randbytes(40) if b not in b"H") + b"HH")
-    await works()
-
-    await dev.request(0x00, status=Status.BAD_OPCODE)
-    await dev.request(0x7F, b"abc", status=Status.BAD_OPCODE)
-    await dev.request(Op.IDENTIFY | protocol.REPLY, status=Status.BAD_OPCODE)
-    await works()
-    await dev.request(Op.IDENTIFY, status=Status.BAD_VERSION, version=2)
-    await works()
-
-    # BAD_LENGTH
-    await dev.request(Op.STATUS, b"\0\0\0", status=Status.BAD_LENGTH)
-    await dev.request(Op.GEMM, protocol.encode_gemm(4, 4, 4)[:-1], status=Status.BAD_LENGTH)
-    await dev.request(Op.READ, protocol.encode_read(4, 4) + b"\0", status=Status.BAD_LENGTH)
-    await dev.request(Op.WRITE, protocol.encode_write(Target.A_CODES, 0, 0, 1, C, bytes(C - 1)), status=Status.BAD_LENGTH)
-    await dev.request(Op.WRITE, protocol.encode_write(Target.A_CODES, 0, 0, 1, C, b"")[:15], status=Status.BAD_LENGTH)
-    if cfg["built"]:
-        await dev.request(Op.ELEMENTWISE, protocol.encode_elementwise(FUNCTIONS.index(cfg["built"][0]), bytes(6))[:-1],
-                          status=Status.BAD_LENGTH)
-    else:  # the function is checked first: only a payload short of the fixed fields will do
-        await dev.request(Op.ELEMENTWISE, protocol.encode_elementwise(0, b"")[:-1], status=Status.BAD_LENGTH)
-    # A length beyond max_payload is refused as soon as the header is in; the rest of the
-    # frame (length + 4 bytes) is skipped.
-    await dev.request(Op.WRITE, bytes(rng.randrange(256) for _ in range(P + 3)), status=Status.BAD_LENGTH)
-    await works()
-    # ... or until a pause of frame_timeout, silently.
-    tag = dev.next_tag()
-    await dev.link.send(protocol.encode_frame(Op.WRITE, tag, bytes(P + 50))[:P // 2])
-    await dev.check_reply(Op.WRITE, tag, Status.BAD_LENGTH)
-    await dev.link.idle(cfg["frame_timeout"] + 10)
-    await works()
-
-    # BAD_ADDRESS: outside the buffers, unaligned, unknown targets (checked before the
-    # data's length, so a few bytes of data do).
-    bad_regions = [
-        (Target.A_CODES, D - 1, 0, 2, C),
-        (Target.B_CODES, 0, C // 2 if C > 1 else D, 1, C),
-        (Target.A_CODES, 0, D - C, 1, 2 * C),
-        (Target.A_EXPONENTS, D // th, 0, 1, 1),
-        (Target.B_EXPONENTS, 0, 0, 1, D // tw + 1),
-        (Target.ACC, 0, 0, 1, C + 1 if C > 1 else D + 1),
-        (Target.BIAS, 1, 0, 1, C),
-        (Target.BIAS, 0, 0, 2, C),
-        (Target.A_VALUES, 0, 1 if tw > 1 else D, th, tw),
-        (Target.B_VALUES, 0, 0, th, tw + 1),
-        (Target.B_VALUES, D - th, D - tw, th, 2 * tw),
-        (8, 0, 0, 1, 1),
-        (0xFF, 0, 0, 1, 1),
-    ]
-    for target, row, col, rows, cols in bad_regions:
-        await dev.request(Op.WRITE, protocol.encode_write(target, row, col, rows, cols, bytes(4)),
-                          status=Status.BAD_ADDRESS)
-    await works()
-
-    # BAD_DESCRIPTOR
-    values = bytes(4 * th * tw)
-    await dev.request(Op.WRITE, protocol.encode_write(Target.A_VALUES, 0, 0, th, tw, values, encoding=2),
-                      status=Status.BAD_DESCRIPTOR)
-    await dev.request(Op.WRITE, protocol.encode_write(Target.A_VALUES, 0, 0, th, tw, values, rounding=3),
-                      status=Status.BAD_DESCRIPTOR)
-    tb = th != tw  # a valid layout for a non-square tile: B stored N x K
-    bad_gemms = [dict(g, transpose_b=tb) for g in (
-        dict(m=0, n=4, k=4), dict(m=4, n=0, k=4), dict(m=4, n=4, k=0), dict(m=D + 1, n=4, k=4),
-        dict(m=4, n=4, k=D + 1), dict(m=4, n=D + 1, k=4), dict(m=4, n=4, k=4, out_format=3),
-        dict(m=4, n=4, k=4, out_format=OutFormat.BFP, rounding=3), dict(m=4, n=4, k=4, activation=0x20),
-    )]
-    if th != tw:  # a non-square tile serves only A stored M x K and B stored N x K
-        bad_gemms += [dict(m=4, n=4, k=4), dict(m=4, n=4, k=4, transpose_a=True, transpose_b=True)]
-    if unbuilt:
-        bad_gemms.append(dict(m=4, n=4, k=4, activation=FUNCTIONS.index(unbuilt[0])))
-    if gradient:
-        bad_gemms.append(dict(m=4, n=4, k=4, activation=FUNCTIONS.index(gradient[0])))
-    for g in bad_gemms:
-        await dev.request(Op.GEMM, protocol.encode_gemm(**g), status=Status.BAD_DESCRIPTOR)
-    await dev.request(Op.READ, protocol.encode_read(0, 4), status=Status.BAD_DESCRIPTOR)
-    await dev.request(Op.READ, protocol.encode_read(4, 4, out_format=3), status=Status.BAD_DESCRIPTOR)
-    if unbuilt:
-        await dev.request(Op.READ, protocol.encode_read(4, 4, activation=FUNCTIONS.index(unbuilt[0])),
-                          status=Status.BAD_DESCRIPTOR)
-    if gradient:
-        await dev.request(Op.READ, protocol.encode_read(4, 4, activation=FUNCTIONS.index(gradient[0])),
-                          status=Status.BAD_DESCRIPTOR)
-    if unbuilt:
-        await dev.request(Op.ELEMENTWISE, protocol.encode_elementwise(FUNCTIONS.index(unbuilt[0]), bytes(4)),
-                          status=Status.BAD_DESCRIPTOR)
-    await dev.request(Op.ELEMENTWISE, protocol.encode_elementwise(len(FUNCTIONS), bytes(4)), status=Status.BAD_DESCRIPTOR)
-    await works()
-    await dev.check_status()
-
-    # The optional units: a reduced device refuses the work of those it lacks (BAD_DESCRIPTOR)
-    # and goes on working. A device with the unit serves the same requests; they are sent
-    # there only when short (a tile of values, a BFP result of 4 x 4 take up to 2304 and 577
-    # bytes on the byte-wide engine: the products check the same work against the golden
-    # model), and their results are unchecked beyond their size (the buffers hold whatever
-    # came before).
-    vq, bfp, st = (has(cfg, unit) for unit in ("value_quantizer", "bfp_output", "stochastic"))
-    stochastic = ROUNDINGS.index("stochastic")
-    enc_fp32, enc_bf16 = protocol.Encoding.FP32, protocol.Encoding.BF16
-    cheap = 160  # bytes
-    value_writes = [  # (target, rows, encoding, rounding, served)
-        (Target.A_VALUES, th, enc_fp32, 1, vq),
-        (Target.B_VALUES, 0, enc_fp32, 0, vq),  # empty
-        (Target.B_VALUES, th, enc_bf16, stochastic, vq and st),
-        (Target.A_VALUES, 0, enc_bf16, stochastic, vq and st),
-    ]
-    for target, rows, encoding, rounding, served in value_writes:
-        data = bytes(rows * tw * (4 if encoding == enc_fp32 else 2))
-        if served and len(data) > cheap:
-            continue
-        await dev.request(Op.WRITE, protocol.encode_write(target, 0, 0, rows, tw, data, encoding=encoding,
-                                                          rounding=rounding, seed=5), status=refused_unless(served))
-        await works()
-    # GEMM and READ results: BFP needs bfp_output, and stochastic; fp32 and bf16 results take
-    # any valid rounding code.
-    bfp_bytes = -(-4 // th) * -(-4 // tw) * (1 + th * tw * dev.code_dtype.itemsize)
-    results = [  # (opcode, out_format, rounding, served)
-        (Op.GEMM, OutFormat.BFP, 0, bfp),
-        (Op.READ, OutFormat.BFP, 1, bfp),
-        (Op.GEMM, OutFormat.BFP, stochastic, bfp and st),
-        (Op.READ, OutFormat.BFP, stochastic, bfp and st),
-        (Op.GEMM, OutFormat.FP32, stochastic, True),
-        (Op.READ, OutFormat.BF16, stochastic, True),
-    ]
-    for opcode, out, rounding, served in results:
-        if served and out == OutFormat.BFP and bfp_bytes > cheap:
-            continue
-        if opcode == Op.GEMM:
-            payload = protocol.encode_gemm(4, 4, 4, transpose_b=tb, out_format=out, rounding=rounding, seed=9)
-        else:
-            payload = protocol.encode_read(4, 4, out_format=out, rounding=rounding, seed=9)
-        reply = await dev.request(opcode, payload, status=refused_unless(served))
-        if served:
-            dev.decode_result(reply.data[4:] if opcode == Op.GEMM else reply.data, 4, 4, out)  # checks the size
-            dev.last_cycles = struct.unpack_from("<I", reply.data)[0] if opcode == Op.GEMM else None
-        await works()
+    ident = conformance.identity_of(core_of(cfg), max_payload=cfg["max_payload"],
+                                    frame_timeout=cfg["frame_timeout"], stream_bytes=cfg["stream_bytes"],
+                                    clock_hz=cfg["clock_hz"])
+    got = await dev.identify()
+    assert got == ident, f"IDENTIFY {got} != {ident}"
+    failures = await run_conformance(dev, ident)
+    assert not failures, f"{len(failures)} conformance cases fail:\n" + "\n".join(failures)
     await dev.check_status()
 
     # And a product still runs correctly after all that.

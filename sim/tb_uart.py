@@ -41,6 +41,7 @@ from amaranth.lib.wiring import In, Out
 from cocotb.triggers import ClockCycles, Edge, Event, ReadOnly, RisingEdge, Timer, with_timeout
 from cocotb.utils import get_sim_time
 
+from hbfp.contract import functions_mask
 from hbfp.host import protocol
 from hbfp.host.protocol import Op, OutFormat, Status
 from hbfp.hw.activation import FUNCTIONS
@@ -405,7 +406,7 @@ async def test_top_identify_and_products(dut):
 
     cfg, rng, dev = await _top_setup(dut)
     ident = await dev.identify()
-    mask = sum(1 << FUNCTIONS.index(f) for f in cfg["built"])
+    mask = functions_mask(cfg["built"])
     want = protocol.Identity(
         protocol_version=1, abi_major=protocol.ABI_VERSION[0], abi_minor=protocol.ABI_VERSION[1], stream_bytes=1,
         rows=cfg["rows"], cols=cfg["cols"], mantissa_bits=cfg["mantissa_bits"], tile_rows=cfg["tile"][0],

@@ -167,9 +167,12 @@ def quantize_matrix(x: list[list[float]], m_bits: int, tile: tuple[int, int], mo
     return codes, exps
 
 
-def gemm_matrix(qa, ea, ma, tile_a, qb, eb, mb, tile_b, c=None, bias=None) -> list[list[float]]:
-    """The BFP product of section 3 from codes and exponent codes (nested lists)."""
-    m, k, n = len(qa), len(qb), len(qb[0])
+def gemm_matrix(qa, ea, ma, tile_a, qb, eb, mb, tile_b, c=None, bias=None, n=None) -> list[list[float]]:
+    """The BFP product of section 3 from codes and exponent codes (nested lists). ``n``: the
+    number of columns of B, needed when K = 0 (B has no rows to count them in)."""
+    m, k = len(qa), len(qb)
+    if n is None:
+        n = len(qb[0])
     tm, tk = tile_a
     _, tn = tile_b
     out = []

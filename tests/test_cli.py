@@ -78,3 +78,141 @@ def test_verilog_of_a_reduced_device(tmp_path):
 def test_verilog_rejects_bad_configuration(tmp_path, capsys):
     assert cli.main(["verilog", "--rows", "3", "-o", str(tmp_path)]) == 2
     assert "power of two" in capsys.readouterr().err
+
+
+# ---- the CLI writes only what it owns ----------------------------------------------------------
+
+
+def one_line_error(capsys, *words) -> str:
+    """The command's stderr: one line, no traceback, with ``words`` in it."""
+    err = capsys.readouterr().err.strip()
+    assert err and "\n" not in err and "Traceback" not in err, err
+    for word in words:
+        assert word in err, err
+    return err
+
+
+def test_build_keeps_the_users_files_and_replaces_only_its_own(tmp_path, capsys):
+    import json
+
+    from hbfp.hw.boards import MANIFEST
+
+    folder = tmp_path / "icebreaker"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine\n")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "more.txt").write_text("mine too\n")
+    assert cli.main(["build", "--board", "icebreaker", "--no-run", "-o", str(tmp_path)]) == 0
+    assert (folder / "notes.txt").read_text() == "mine\n" and (folder / "sub" / "more.txt").read_text() == "mine too\n"
+    assert "Traceback" not in capsys.readouterr().err
+    recorded = json.loads((folder / MANIFEST).read_text())["files"]
+    assert "config.json" in recorded and "hbfp_icebreaker.pcf" in recorded
+    assert not {"notes.txt", "sub/more.txt"} & set(recorded)
+    assert sorted(recorded) == sorted(p.name for p in folder.iterdir() if p.is_file() and p.name not in
+                                      (MANIFEST, "notes.txt"))
+
+    # A file an earlier build recorded (its bitstream, say) does not outlive the next build;
+    # the user's files stay, and the build writes its own again.
+    (folder / "hbfp_icebreaker.bin").write_bytes(b"old bitstream")
+    (folder / MANIFEST).write_text(json.dumps({"files": [*recorded, "hbfp_icebreaker.bin", "../outside.txt"]}))
+    (tmp_path / "outside.txt").write_text("not in the folder\n")
+    (folder / "config.json").write_text("edited\n")
+    assert cli.main(["build", "--board", "icebreaker", "--no-run", "-o", str(tmp_path)]) == 0
+    assert not (folder / "hbfp_icebreaker.bin").exists()
+    assert (tmp_path / "outside.txt").exists()  # a manifest names files inside the folder only
+    assert json.loads((folder / "config.json").read_text())["board"] == "icebreaker"
+    assert (folder / "notes.txt").read_text() == "mine\n" and (folder / "sub" / "more.txt").read_text() == "mine too\n"
+
+
+def test_build_refuses_to_overwrite_files_it_did_not_write(tmp_path, capsys):
+    """A folder without the build's manifest (the user's, or an earlier hbfp's) that holds a
+    file the build would write: refused before anything is written."""
+    folder = tmp_path / "icebreaker"
+    folder.mkdir()
+    (folder / "config.json").write_text("my own config\n")
+    (folder / "notes.txt").write_text("mine\n")
+    assert cli.main(["build", "--board", "icebreaker", "--no-run", "-o", str(tmp_path)]) == 2
+    one_line_error(capsys, "config.json", "did not write")
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "notes.txt"]
+    assert (folder / "config.json").read_text() == "my own config\n"
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink", "broken symlink", "file as -o"])
+def test_build_with_a_file_in_the_way(tmp_path, capsys, kind):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    out = tmp_path
+    if kind == "file":
+        (tmp_path / "icebreaker").write_text("mine\n")
+    elif kind == "symlink":
+        (tmp_path / "icebreaker").symlink_to(target)
+    elif kind == "broken symlink":
+        (tmp_path / "icebreaker").symlink_to(tmp_path / "nothing")
+    else:
+        out = tmp_path / "a_file"
+        out.write_text("mine\n")
+    assert cli.main(["build", "--board", "icebreaker", "--no-run", "-o", str(out)]) == 2
+    one_line_error(capsys, "hbfp build:")
+    assert not list(target.iterdir())
+    if kind == "file":
+        assert (tmp_path / "icebreaker").read_text() == "mine\n"
+
+
+def test_verilog_output_must_be_a_folder(tmp_path, capsys):
+    path = tmp_path / "params.json"
+    path.write_text("mine\n")
+    for out in (path, path / "v"):
+        assert cli.main(["verilog", "--rows", "2", "--cols", "2", "--size", "24", "--only", "mac_array",
+                         "-o", str(out)]) == 2
+        one_line_error(capsys, str(path), "not a folder")
+    assert path.read_text() == "mine\n"
+
+
+def test_verilog_refuses_unknown_components(tmp_path, capsys):
+    assert cli.main(["verilog", "--rows", "2", "--cols", "2", "--size", "24", "--only", "mac_array", "bogus",
+                     "-o", str(tmp_path / "v")]) == 2
+    one_line_error(capsys, "'bogus'", "gemm_core", "mac_array", "normalize")
+    assert not (tmp_path / "v").exists()
+
+
+# ---- configuration rules are checked, as ConfigError, everywhere -------------------------------
+
+#: A 2x2 array with 8x8 tiles: the K-tile (8 cycles) is shorter than the accumulator's
+#: read-modify-write (normalizer 4 + adder 5 + 2).
+SHORT_K_TILE = ["--rows", "2", "--cols", "2", "--tile", "8", "8", "--size", "16"]
+
+
+def test_a_k_tile_shorter_than_the_accumulator_loop_is_a_config_error(tmp_path, capsys):
+    import hbfp.host as host
+    from hbfp.hw.params import ConfigError, CoreConfig, rmw_latency
+
+    assert rmw_latency() == 11
+    with pytest.raises(ConfigError, match=r"read-modify-write \(11 cycles.*K-tile of 8 cycles"):
+        CoreConfig(rows=2, cols=2, tile=(8, 8), size=16)
+    assert issubclass(ConfigError, ValueError)
+    CoreConfig(rows=2, cols=2, tile=(12, 12), size=24)  # 12 cycles: enough
+    with pytest.raises((ConfigError, host.HbfpError)) as e:  # the registry may wrap it as BackendError
+        host.open("emu:rows=2,cols=2,tile=8x8,size=16")
+    cause = e.value if isinstance(e.value, ConfigError) else e.value.__cause__
+    assert isinstance(cause, ConfigError) and "read-modify-write" in str(e.value)
+    assert cli.main(["verilog", *SHORT_K_TILE, "-o", str(tmp_path / "v")]) == 2
+    one_line_error(capsys, "hbfp verilog:", "read-modify-write")
+    assert not (tmp_path / "v").exists()
+
+
+def test_the_configuration_rules_hold_under_python_O(tmp_path):
+    """``python -O`` drops asserts: the rules are not asserts."""
+    import subprocess
+    import sys
+
+    code = ("from hbfp.hw.params import CoreConfig, ConfigError\n"
+            "try:\n    CoreConfig(rows=2, cols=2, tile=(8, 8), size=16)\n"
+            "except ConfigError as e:\n    print('refused:', e)\n")
+    proc = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("refused: the accumulator's read-modify-write"), proc
+    proc = subprocess.run([sys.executable, "-O", "-m", "hbfp.cli", "verilog", *SHORT_K_TILE, "-o", str(tmp_path / "v")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc
+    err = proc.stderr.strip()
+    assert "\n" not in err and "Traceback" not in err and "read-modify-write" in err, err
+    assert not (tmp_path / "v").exists()

@@ -9,19 +9,13 @@ import pytest
 
 import hbfp.host as host
 from hbfp.golden import activations, bf16
-from hbfp.golden.bfp import BFPTensor, quantize
+from hbfp.golden.bfp import quantize
+from hbfp.golden.compare import same_bits
+from hbfp.host import protocol as P
 from hbfp.host import registry
 from hbfp.host.emu import EmuDevice
 from hbfp.host.transports import LoopbackTransport
-from hbfp.hw.params import CoreConfig
-
-
-def same(got, want) -> bool:
-    if isinstance(want, BFPTensor):
-        return (isinstance(got, BFPTensor) and got.fmt == want.fmt and np.array_equal(got.codes, want.codes)
-                and np.array_equal(got.exponents, want.exponents))
-    got, want = np.asarray(got), np.asarray(want)
-    return got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got.view(np.uint8), want.view(np.uint8))
+from hbfp.contract import CoreConfig
 
 
 def operands(rng, m, k, n, transpose_a=False, transpose_b=False, scale=1.0):
@@ -33,7 +27,7 @@ def operands(rng, m, k, n, transpose_a=False, transpose_b=False, scale=1.0):
 def check(dev, a, b, **kw):
     got = dev.gemm(a, b, **kw)
     want = host.reference_gemm(dev.format(), a, b, **kw)
-    assert same(got, want), kw
+    assert same_bits(got, want), kw
     return got
 
 
@@ -45,8 +39,9 @@ def dev():
 
 @pytest.fixture(scope="module")
 def small():
-    # 4x4 array, 48x48 buffers: everything above 48 is tiled.
-    with host.open("emu:rows=4,cols=4,size=48") as d:
+    # 4x4 array, 48x48 buffers: everything above 48 is tiled. A payload buffer for a whole
+    # buffer of fp32 values, so that an operand of one block travels in one WRITE.
+    with host.open(f"emu:rows=4,cols=4,size=48,max_payload={P.WRITE_HEADER + 4 * 48 * 48}") as d:
         yield d
 
 
@@ -103,12 +98,12 @@ def test_bfp_tensors_as_operands_and_k_zero(dev):
     a, b = operands(rng, 40, 100, 30)
     fmt = dev.format()
     qa, qb = quantize(a, fmt), quantize(b, fmt)
-    assert same(dev.gemm(qa, qb), host.reference_gemm(fmt, qa, qb))
+    assert same_bits(dev.gemm(qa, qb), host.reference_gemm(fmt, qa, qb))
     c = rng.standard_normal((40, 30)).astype(np.float32)
     bias = rng.standard_normal(30).astype(np.float32)
     empty_a, empty_b = np.zeros((40, 0), np.float32), np.zeros((0, 30), np.float32)
     check(dev, empty_a, empty_b, c=c, bias=bias, activation="relu")
-    assert same(dev.gemm(empty_a, empty_b), np.zeros((40, 30), np.float32))
+    assert same_bits(dev.gemm(empty_a, empty_b), np.zeros((40, 30), np.float32))
     assert dev.gemm(np.zeros((0, 5), np.float32), np.zeros((5, 3), np.float32)).shape == (0, 3)
 
 
@@ -184,7 +179,7 @@ def test_dlpack_inputs(dev):
     rng = np.random.default_rng(10)
     a, b = operands(rng, 30, 40, 50)
     got = dev.gemm(Producer(a), Producer(b), bias=Producer(np.ones(50, np.float32)))
-    assert same(got, host.reference_gemm(dev.format(), a, b, bias=np.ones(50, np.float32)))
+    assert same_bits(got, host.reference_gemm(dev.format(), a, b, bias=np.ones(50, np.float32)))
     # NumPy cannot export an ml_dtypes.bfloat16 array over DLPack: a clear error.
     with pytest.raises(host.NotSupported, match="cannot import the tensor through DLPack"):
         dev.gemm(Producer(a.astype(ml_dtypes.bfloat16)), b)
@@ -198,7 +193,7 @@ def test_torch_bf16_tensors_cross_through_dlpack(dev):
     ta, tb = torch.from_numpy(a).to(torch.bfloat16), torch.from_numpy(b).to(torch.bfloat16)
     got = dev.gemm(ta, tb.t(), transpose_b=True, input="bf16")  # a strided (transposed) bf16 view
     want = dev.gemm(a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16), input="bf16")
-    assert same(got, want)
+    assert same_bits(got, want)
 
 
 def test_argument_errors(dev):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import hbfp.host as host
-from hbfp.golden.bfp import BFPTensor
+from hbfp.golden.compare import same_bits
 from hbfp.host import protocol as P
 from hbfp.host.emu import EmuDevice
 from hbfp.host.transports import FaultyTransport, LoopbackTransport
@@ -22,18 +22,12 @@ def make(**kw):
     return emu, link, host.Device(link, **kw)
 
 
-def same(got, want) -> bool:
-    if isinstance(want, BFPTensor):
-        return np.array_equal(got.codes, want.codes) and np.array_equal(got.exponents, want.exponents)
-    return np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
-
-
 def product(dev, seed=0, **kw):
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((60, 110)).astype(np.float32)  # 2 x 3 blocks, 3 K chunks on 48x48 buffers
     b = rng.standard_normal((110, 70)).astype(np.float32)
     got = dev.gemm(a, b, **kw)
-    assert same(got, host.reference_gemm(dev.format(), a, b, **kw))
+    assert same_bits(got, host.reference_gemm(dev.format(), a, b, **kw))
 
 
 def test_corrupted_frame_gets_bad_crc_and_is_resent():

@@ -6,6 +6,7 @@ import zlib
 import numpy as np
 import pytest
 
+from hbfp import contract
 from hbfp.golden.bfp import HBFP8, HBFP16, MXINT8, Format, quantize
 from hbfp.host import protocol as P
 from hbfp.host.protocol import Frame, FrameParser, Op, OutFormat, Status
@@ -70,7 +71,7 @@ def test_expire_gives_up_a_partial_frame():
 
 
 def test_oversized_length():
-    head = P.HEADER.pack(P.MAGIC, 1, Op.WRITE, 5, 1000)
+    head = contract.HEADER.pack(magic=contract.MAGIC_WORD, version=1, opcode=Op.WRITE, tag=5, length=1000)
     # host: reported, and the hunt goes on at once
     got = FrameParser(100).feed(head + P.encode_frame(Op.IDENTIFY, 6))
     assert got[0] == (Status.BAD_LENGTH, Op.WRITE, 5) and got[1].tag == 6

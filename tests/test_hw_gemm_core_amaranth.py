@@ -9,7 +9,8 @@ from amaranth.sim import Simulator
 
 from hbfp.golden import bf16, quantize
 from hbfp.golden.gemm import gemm
-from hbfp.hw.gemm_core import OUT_FORMATS, TARGETS, GemmCore
+from hbfp.contract import OutFormat, Target
+from hbfp.hw.gemm_core import GemmCore
 from hbfp.hw.params import ROUNDING_CODES, CoreConfig
 
 FULL = CoreConfig(rows=4, cols=4, tile=(24, 24), size=48, functions=("relu",))
@@ -34,8 +35,8 @@ def run_commands(cfg: CoreConfig, qa, qb, commands: list[dict]) -> list[dict]:
             ctx.set(dut.w.payload.data, [int(v) & 0xFFFFFFFF for v in values] + [0] * (lanes - len(values)))
 
         ctx.set(dut.w.valid, 1)
-        for t, codes, exps, step in ((qa, TARGETS["a_codes"], TARGETS["a_exponents"], cfg.rows),
-                                     (qb, TARGETS["b_codes"], TARGETS["b_exponents"], cfg.cols)):
+        for t, codes, exps, step in ((qa, Target.A_CODES, Target.A_EXPONENTS, cfg.rows),
+                                     (qb, Target.B_CODES, Target.B_EXPONENTS, cfg.cols)):
             for r in range(t.shape[0]):
                 for c0 in range(0, t.shape[1], step):
                     write(codes, r, c0, [int(v) & 0xFF for v in t.codes[r, c0 : c0 + step]])
@@ -86,8 +87,8 @@ def as_matrix(beats, m: int, n: int, dtype) -> np.ndarray:
 def test_small_product_equals_golden(cfg):
     m, n, k = (10, 7, 30) if cfg is FULL else (5, 3, 20)
     qa, qb = operands(m, n, k)
-    res = run_commands(cfg, qa, qb, [dict(m=m, n=n, k=k, out_format=OUT_FORMATS["fp32"]),
-                                     dict(m=m, n=n, k=0, out_format=OUT_FORMATS["bf16"])])
+    res = run_commands(cfg, qa, qb, [dict(m=m, n=n, k=k, out_format=OutFormat.FP32),
+                                     dict(m=m, n=n, k=0, out_format=OutFormat.BF16)])
     assert [r["error"] for r in res] == [0, 0] and [r["busy"] for r in res] == [0, 0]
     assert len(res[0]["beats"]) == m * -(-n // cfg.cols)
     assert np.array_equal(as_matrix(res[0]["beats"], m, n, "fp32"), gemm(qa, qb).view(np.uint32))
@@ -101,7 +102,7 @@ def test_reduced_core_refuses_what_it_lacks():
     output is refused."""
     m, n, k = 4, 3, 24
     qa, qb = operands(m, n, k)
-    bfp, fp32 = OUT_FORMATS["bfp"], OUT_FORMATS["fp32"]
+    bfp, fp32 = OutFormat.BFP, OutFormat.FP32
     stochastic = ROUNDING_CODES["stochastic"]
     res = run_commands(REDUCED, qa, qb, [dict(m=m, n=n, k=k, out_format=bfp),
                                          dict(m=m, n=n, k=k, out_format=fp32, rounding=stochastic)])
