@@ -468,6 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
     gm.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each reply (default 5)")
     gm.set_defaults(func=_gemm)
 
+    import inspect
+
+    from hbfp.host.transports import Server
+
+    # The server's defaults, as its constructor defines them.
+    served = {name: p.default for name, p in inspect.signature(Server).parameters.items()}
     srv = sub.add_parser("sim-server", help="serve a device (default: the simulator) on a local TCP port to several "
                                             "clients at once or, with --pty, on a pseudo-terminal (a serial port)")
     srv.add_argument("--device", default="sim", help="device spec to serve (default sim; emu for a quick test)")
@@ -476,13 +482,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--connections", type=int, help="stop after this many connections (default: no limit)")
     srv.add_argument("--idle-timeout", type=float, help="stop after this many seconds without a client or a byte")
     srv.add_argument("--client-timeout", type=float, metavar="SECONDS",
-                     help="close a connection that sends no complete frame for this long (default 30; 0: never)")
+                     help=f"close a connection that sends no complete frame for this long (default "
+                          f"{served['client_timeout']:g}; 0: never)")
     srv.add_argument("--max-queued", type=int, metavar="BYTES",
                      help="stop running and reading a client's requests while this many bytes of its replies are "
-                          "unread (default 4194304)")
-    srv.add_argument("--max-clients", type=int, metavar="N", help="clients served at once; more are closed (default 16)")
+                          f"unread (default {served['max_queued']})")
+    srv.add_argument("--max-clients", type=int, metavar="N",
+                     help=f"clients served at once; more are closed (default {served['max_clients']})")
     srv.add_argument("--reply-timeout", type=float, metavar="SECONDS",
-                     help="a device silent this long has lost a request; its client gets no reply (default 1)")
+                     help=f"a device silent this long has lost a request; its client gets no reply (default "
+                          f"{served['reply_timeout']:g})")
     srv.add_argument("--pty", action="store_true",
                      help="serve on a pseudo-terminal instead of TCP: prints serial:/dev/pts/N for serial: clients "
                           "(with sim:...,uart=N the bytes also cross the gateware's UART)")

@@ -74,6 +74,7 @@ __all__ = [
     "ConfigError",
     "CoreConfig",
     "DeviceSpec",
+    "DEVICE_FIELDS",
     "DeviceStatus",
     "Identity",
     "rmw_latency",
@@ -138,6 +139,25 @@ class Status(enum.IntEnum):
     TIMEOUT = 7
 
 
+class _Coded(enum.IntEnum):
+    """A code whose host-side name is its member's name in lower case (``label``)."""
+
+    #: What the codes are, for the error of an unknown label.
+    _kind = enum.nonmember("code")
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def from_label(cls, label: str):
+        """The member named ``label`` (any case); ``ValueError`` listing the labels otherwise."""
+        key = str(label).upper()
+        if key not in cls.__members__:
+            _unknown(cls._kind, label, (m.label for m in cls))
+        return cls[key]
+
+
 class Target(enum.IntEnum):
     """WRITE's targets. The first five are also the core's buffer codes (``hw.gemm_core``);
     the value targets go through the input quantizer into the code and exponent buffers."""
@@ -159,53 +179,36 @@ class Encoding(enum.IntEnum):
     BF16 = 1
 
 
-class OutFormat(enum.IntEnum):
-    """The output format of GEMM and READ."""
+class OutFormat(_Coded):
+    """The output format of GEMM and READ; ``label`` is the host's name (``"fp32"``, ``"bf16"``,
+    ``"bfp"``)."""
 
+    _kind = enum.nonmember("output format")
     FP32 = 0
     BF16 = 1
     BFP = 2
 
-    @property
-    def label(self) -> str:
-        """The host's name of the format (``"fp32"``, ``"bf16"``, ``"bfp"``)."""
-        return self.name.lower()
-
-    @classmethod
-    def from_label(cls, label: str) -> "OutFormat":
-        try:
-            return cls[label.upper()]
-        except KeyError:
-            raise ValueError(f"unknown output format {label!r}; known: "
-                             f"{', '.join(f.label for f in cls)}") from None
-
 
 #: The rounding modes of the quantizers; a mode's code is its index in
 #: ``hbfp.golden.bfp.ROUNDINGS`` (the golden model's names).
-Rounding = enum.IntEnum("Rounding", [(name.upper(), code) for code, name in enumerate(ROUNDINGS)],
-                        module=__name__)
+Rounding = _Coded("Rounding", [(name.upper(), code) for code, name in enumerate(ROUNDINGS)], module=__name__)
 Rounding.__doc__ = "Rounding modes on the wire (WRITE of values, GEMM and READ with a BFP output)."
-Rounding.label = property(lambda self: self.name.lower())  # the golden model's name
-Rounding.from_label = classmethod(lambda cls, label: cls[label.upper()] if label.upper() in cls.__members__
-                                  else _unknown("rounding mode", label, ROUNDINGS))
+Rounding._kind = "rounding mode"
 #: The rounding modes by the golden model's names -> codes.
 ROUNDING_CODES = {r.label: int(r) for r in Rounding}
 
 
-class Unit(enum.IntEnum):
+class Unit(_Coded):
     """The units a reduced device may be built without, as bits of IDENTIFY's ``omitted``
     mask (a set bit: the unit is not there; 0, as from an ABI 1.0 device: the full device).
     Their lower-case names are ``CoreConfig``'s fields. ``VALUE_QUANTIZER``: WRITE of values
     (the device quantizes); ``BFP_OUTPUT``: GEMM and READ results in BFP; ``STOCHASTIC``:
     stochastic rounding in the device's quantizers."""
 
+    _kind = enum.nonmember("unit")
     VALUE_QUANTIZER = 0
     BFP_OUTPUT = 1
     STOCHASTIC = 2
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
 
 
 class GemmFlag(enum.IntFlag):
@@ -563,9 +566,7 @@ class Identity:
     def has(self, unit: str | Unit) -> bool:
         """Whether the device was built with ``unit`` (a ``Unit`` or its lower-case name)."""
         if not isinstance(unit, Unit):
-            if not isinstance(unit, str) or unit.upper() not in Unit.__members__:
-                _unknown("unit", unit, (u.label for u in Unit))
-            unit = Unit[unit.upper()]
+            unit = Unit.from_label(unit)
         return not self.omitted >> unit & 1
 
     @property
@@ -649,6 +650,10 @@ class DeviceSpec:
     def to_dict(self) -> dict:
         return {"core": self.config.to_dict(), "stream_bytes": self.stream_bytes, "clock_hz": self.clock_hz,
                 "max_payload": self.max_payload, "frame_timeout": self.frame_timeout}
+
+
+#: ``DeviceSpec``'s fields beside the core: the top's (and ``emu``'s) device parameters.
+DEVICE_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceSpec) if f.name != "config")
 
 
 # ---- options: one parser for specs, the command line and the boards -------------------------

@@ -46,6 +46,7 @@ from hbfp.contract import (
     NORMALIZE_LATENCY,
     QUANTIZE_LATENCY,
     UNARY_FUNCTIONS,
+    DEVICE_FIELDS,
     CoreConfig,
     DeviceSpec,
 )
@@ -69,15 +70,14 @@ __all__ = [
 NOMINAL_HZ = 100_000_000
 
 _ROUNDINGS = {code: name for name, code in P.ROUNDING_CODES.items()}
-#: ``DeviceSpec``'s fields beside the core: what ``EmuDevice`` takes as keywords.
-DEVICE_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceSpec) if f.name != "config")
 
 
 # ---- the gateware's cycle count (docs/architecture.md, "Latency and throughput of a command")
 
 # The latencies of the gateware's components that the count adds up are the contract's
 # (``NORMALIZE_LATENCY``, ``ADD_LATENCY``, ``ACTIVATION_LATENCY``, ``QUANTIZE_LATENCY``: the
-# gateware builds its components to them; tests/test_emu_gateware.py checks that they agree).
+# gateware builds its components to them); tests/test_emu_gateware.py holds the whole count
+# equal to the gateware's on every command.
 #: The stages that only hw/gemm_core.py's structure sets. A beat read from the operand buffers
 #: (``OperandBuffer``: synchronous read) reaches the MAC array through the beat FIFO (a
 #: ``SyncFIFO``: readable the cycle after the write).

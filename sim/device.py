@@ -337,9 +337,7 @@ class SimDevice:
         if "max_payload" in config:
             return int(config["max_payload"])
         if "top" in config:  # an accelerator top built with its default
-            from hbfp.hw.top import DEFAULT_MAX_PAYLOAD
-
-            return DEFAULT_MAX_PAYLOAD
+            return contract.DEFAULT_MAX_PAYLOAD
         return None
 
     def _run(self, cycles: int, stop: Stop, idle_cycles: int = 0) -> int:
@@ -389,7 +387,7 @@ SIM_OPTIONS: dict[str, contract.Option] = {
     "fifo_depth": contract.Option(contract.parse_int, "sim", "bytes of the UART's receive FIFO"),
 }
 _CORE_FIELDS = tuple(f.name for f in dataclasses.fields(contract.CoreConfig))
-_TOP_FIELDS = tuple(f.name for f in dataclasses.fields(contract.DeviceSpec) if f.name != "config")
+_TOP_FIELDS = contract.DEVICE_FIELDS
 
 
 def parse_arg(arg: str | None) -> dict:
