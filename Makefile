@@ -42,9 +42,11 @@ test: $(STAMP)
 sim: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests/test_hw_*.py
 
-## sim-full: the long cocotb regression (more vectors, exhaustive on both simulators)
+## sim-full: the long regression (more vectors, exhaustive on both simulators; emu against the
+## RTL on a stalling 16x16 configuration too; the conformance table on the default top)
 sim-full: $(STAMP)
-	HBFP_SIM_FULL=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests/test_hw_*.py
+	HBFP_SIM_FULL=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests/test_hw_*.py tests/test_emu_gateware.py \
+	  tests/test_conformance.py
 
 ## fuzz: the long protocol fuzz (20,000 bursts per emu configuration, 5,000 on the RTL, 4 seeds)
 ## and the conformance table on the default top

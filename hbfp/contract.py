@@ -295,6 +295,10 @@ class Descriptor:
         for f in self.fields:
             self.offsets[f.name] = offset
             offset += f.bits // 8
+        self._names = tuple(f.name for f in self.fields if not f.reserved)
+        self._name_set = frozenset(self._names)
+        # (name or None for a reserved field) per field, in wire order: what pack() fills in.
+        self._slots = tuple(None if f.reserved else f.name for f in self.fields)
 
     @property
     def size(self) -> int:
@@ -304,22 +308,23 @@ class Descriptor:
     @property
     def names(self) -> tuple[str, ...]:
         """The fields that carry values (reserved ones left out)."""
-        return tuple(f.name for f in self.fields if not f.reserved)
+        return self._names
 
     def pack(self, **values) -> bytes:
         """The bytes of the record; missing fields are 0. ``ValueError`` for an unknown field or
         a value that does not fit its width."""
-        unknown = set(values) - set(self.names)
-        if unknown:
-            raise ValueError(f"{self.name}: unknown fields {sorted(unknown)}; fields: {', '.join(self.names)}")
-        out = []
-        for f in self.fields:
-            v = 0 if f.reserved else values.get(f.name, 0)
-            v = int(v)
-            if not 0 <= v < 1 << f.bits:
-                raise ValueError(f"{self.name}.{f.name} = {v} does not fit {f.bits} bits")
-            out.append(v)
-        return self.struct.pack(*out)
+        if not self._name_set.issuperset(values):
+            unknown = sorted(set(values) - self._name_set)
+            raise ValueError(f"{self.name}: unknown fields {unknown}; fields: {', '.join(self._names)}")
+        out = [0 if n is None else values.get(n, 0) for n in self._slots]
+        try:
+            return self.struct.pack(*out)
+        except struct.error:  # a value out of its field's range (or not an integer): say which
+            for f, v in zip(self.fields, out):
+                v = int(v)
+                if not 0 <= v < 1 << f.bits:
+                    raise ValueError(f"{self.name}.{f.name} = {v} does not fit {f.bits} bits") from None
+            raise
 
     def unpack(self, data: bytes, offset: int = 0) -> dict:
         """The fields (reserved ones left out) of the record at ``data[offset:]``."""

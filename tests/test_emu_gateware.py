@@ -26,9 +26,10 @@ from hbfp.host.protocol import Op, OutFormat, Status, Target
 from hbfp.contract import CoreConfig
 from hbfp.sim.harness import build
 
-#: Under pytest-xdist the tests of this file run on the worker of tests/test_sim_device.py:
-#: they share built libraries (the small top's is the same).
-pytestmark = pytest.mark.xdist_group("sim_device")
+#: Under pytest-xdist the tests of this file run on a worker of their own, beside the one of
+#: tests/test_sim_device.py (a build of a library both use, the small top's, waits for the
+#: other's under the build's file lock).
+pytestmark = pytest.mark.xdist_group("emu_gateware")
 needs_sim = pytest.mark.skipif(build.unavailable() is not None, reason=str(build.unavailable()))
 
 #: sim configurations (``sim:ARG``), each a Verilator build the first time.
@@ -36,12 +37,14 @@ CONFIGS = {
     "default": "",
     "small": os.environ.get("HBFP_SIM_TEST_CONFIG",
                             "rows=4,cols=4,tile=16x16,size=32,stream_bytes=4,functions=relu+gelu,frame_timeout=4096"),
-    # A 1 x 16 tile (MXINT8-like: K along the stored rows of A and B^T) on a 16 x 16 array
-    # (the top's array is square): the exponent prefetch, max(R, C) + 3 cycles, outlasts a
-    # K-tile of 16 (as on a 32 x 32 array with 32 x 32 tiles).
-    "tile1x16": "rows=16,cols=16,tile=1x16,size=32,functions=relu",
     "reduced": "rows=2,cols=2,tile=12x12,size=24,functions=none,value_quantizer=0,bfp_output=0,stochastic=0",
 }
+if os.environ.get("HBFP_SIM_FULL"):
+    # In `make sim-full` only (its build takes about 4 minutes on 2 cores): a 1 x 16 tile
+    # (MXINT8-like: K along the stored rows of A and B^T) on a 16 x 16 array (the top's array
+    # is square): the exponent prefetch, max(R, C) + 3 cycles, outlasts a K-tile of 16 (as on
+    # a 32 x 32 array with 32 x 32 tiles).
+    CONFIGS["tile1x16"] = "rows=16,cols=16,tile=1x16,size=32,functions=relu"
 
 
 def _top_available() -> str | None:
