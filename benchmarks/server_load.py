@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 import hbfp.host as host
+from hbfp.golden.compare import same_bits
 from hbfp.host import protocol as P
 from hbfp.host.protocol import Op
 
@@ -106,7 +107,7 @@ def run(device: str, clients: int, seconds: float, mnk: int, bad: bool) -> dict:
             rng = np.random.default_rng(0)
             pairs = [tuple(rng.standard_normal((mnk, mnk)).astype(np.float32) for _ in "ab") for _ in range(8)]
             refs = [host.reference_gemm(fmt, a, b) for a, b in pairs]
-            assert np.array_equal(dev.gemm(*pairs[0]).view(np.uint32), refs[0].view(np.uint32))  # warm the server up
+            assert same_bits(dev.gemm(*pairs[0]), refs[0])  # warm the server up
         time.sleep(0.5)
         before = memory(server.proc.pid)
         if bad:
@@ -130,7 +131,7 @@ def run(device: str, clients: int, seconds: float, mnk: int, bad: bool) -> dict:
                         t0 = time.perf_counter()
                         got = dev.gemm(a, b)
                         seconds = time.perf_counter() - t0
-                        same = np.array_equal(got.view(np.uint32), refs[j % len(pairs)].view(np.uint32))
+                        same = same_bits(got, refs[j % len(pairs)])
                         key = "ok" if same else "wrong"
                         with lock:
                             latencies.append(seconds)

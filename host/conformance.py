@@ -33,6 +33,8 @@ import zlib
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 
+from hbfp import contract
+
 from . import protocol as P
 from .protocol import Op, OutFormat, Status, Target
 
@@ -54,7 +56,7 @@ __all__ = [
 
 #: The tag of the STATUS requests the driver adds around a case.
 STATUS_TAG = 0xFFFE
-_HEADER = struct.Struct("<2sBBHI")  # magic, version, opcode, tag, length (docs/protocol.md)
+_HEADER = contract.HEADER  # magic, version, opcode, tag, length (docs/protocol.md)
 _STATUS_SIZE = 16
 
 
@@ -165,19 +167,12 @@ def _counters(replies: Iterable[Reply]) -> Counters:
 
 def identity_of(config, *, max_payload: int, frame_timeout: int, stream_bytes: int = 1,
                 clock_hz: int = 0) -> P.Identity:
-    """The IDENTIFY a device built from ``config`` (a ``CoreConfig``) reports, so that a
-    table can be made before the device is opened (and the device's own IDENTIFY checked
-    against it)."""
-    from hbfp.contract import FUNCTIONS
+    """The IDENTIFY a device built from ``config`` (a ``CoreConfig``) reports (the contract's
+    ``DeviceSpec.identity``), so that a table can be made before the device is opened."""
+    from hbfp.contract import DeviceSpec
 
-    th, tw = config.tile
-    return P.Identity(
-        protocol_version=P.PROTOCOL_VERSION, abi_major=P.ABI_VERSION[0], abi_minor=P.ABI_VERSION[1],
-        stream_bytes=stream_bytes, rows=config.rows, cols=config.cols, mantissa_bits=config.mantissa_bits,
-        tile_rows=th, tile_cols=tw, leaky_shift=config.leaky_shift, size=config.size,
-        functions_mask=sum(1 << FUNCTIONS.index(f) for f in config.built_functions), clock_hz=clock_hz,
-        max_payload=max_payload, frame_timeout=frame_timeout, omitted=config.omitted,
-    )
+    return DeviceSpec(config, stream_bytes=stream_bytes, clock_hz=clock_hz, max_payload=max_payload,
+                      frame_timeout=frame_timeout).identity()
 
 
 # ---- the table ----------------------------------------------------------------------------------
@@ -185,7 +180,8 @@ def identity_of(config, *, max_payload: int, frame_timeout: int, stream_bytes: i
 
 def _header(opcode: int, tag: int, length: int, *, version: int = P.PROTOCOL_VERSION,
             magic: bytes = P.MAGIC) -> bytes:
-    return _HEADER.pack(magic, version, opcode, tag, length)
+    return _HEADER.pack(magic=int.from_bytes(magic, "little"), version=version, opcode=opcode, tag=tag,
+                        length=length)
 
 
 class _Table:
@@ -275,7 +271,8 @@ class _Table:
             f, t = self.frame(Op.GEMM, self.gemm())
             f = bytearray(f)
             f[offset] ^= bit
-            _, _, op, tag, _ = _HEADER.unpack_from(f)
+            head = _HEADER.unpack(f)
+            op, tag = head["opcode"], head["tag"]
             self.add(f"crc/{what}", [Send(bytes(f), replies=1)], [Reply(Status.BAD_CRC, op | P.REPLY, tag, 0, b"")])
         # a length field changed by the flip: the frame ends where the length says
         f, t = self.frame(Op.GEMM, self.gemm())  # length 16
@@ -298,7 +295,7 @@ class _Table:
         zero, tz = self.frame(Op.WRITE, P.encode_write(Target.ACC, 0, 0, 1, C, bytes(4 * C)))
         ones = bytearray(self.frame(Op.WRITE, P.encode_write(Target.ACC, 0, 0, 1, C,
                                                              struct.pack(f"<{C}f", *[1.0] * C)))[0])
-        _, _, _, to, _ = _HEADER.unpack_from(ones)
+        to = _HEADER.unpack(ones)["tag"]
         ones[-6] ^= 0x10  # in the data
         read, tr = self.frame(Op.READ, P.encode_read(1, C))
         self.add("crc/write-changes-nothing", [Send(zero + bytes(ones) + read, replies=3)],

@@ -196,15 +196,11 @@ def _emu_kwargs(name: str) -> dict:
 
 
 def _sim_identity() -> P.Identity:
-    from hbfp.hw import top
-    from hbfp.hw.params import CoreConfig
-    from hbfp.sim.device import _CORE_FIELDS, parse_arg
+    from hbfp.contract import DeviceSpec
+    from hbfp.sim.device import SIM_OPTIONS, parse_arg
 
     opts = parse_arg(SIM_TOP_ARG)
-    cfg = CoreConfig(**{k: v for k, v in opts.items() if k in _CORE_FIELDS})
-    return K.identity_of(cfg, max_payload=opts.get("max_payload", top.DEFAULT_MAX_PAYLOAD),
-                         frame_timeout=opts.get("frame_timeout", top.DEFAULT_FRAME_TIMEOUT),
-                         stream_bytes=opts.get("stream_bytes", 1), clock_hz=opts.get("clock_hz", 0))
+    return DeviceSpec.from_options({k: v for k, v in opts.items() if k not in SIM_OPTIONS}).identity()
 
 
 def _report(failures) -> str:
@@ -287,7 +283,7 @@ def test_tcp():
     """The whole table through a ``Server`` serving an emu on 127.0.0.1 (the device's clock
     is the server's wall clock: frame_timeout 10 M cycles at the nominal 100 MHz, 0.1 s)."""
     from hbfp.host.transports import Server
-    from hbfp.hw.params import CoreConfig
+    from hbfp.contract import CoreConfig
 
     emu = EmuDevice(CoreConfig(**SMALL, functions=("relu", "gelu", "relu_grad")), frame_timeout=10_000_000)
     ident = emu.identity

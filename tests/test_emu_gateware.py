@@ -26,6 +26,8 @@ from hbfp.host.protocol import Op, OutFormat, Status, Target
 from hbfp.contract import CoreConfig
 from hbfp.sim.harness import build
 
+from .conftest import SIM_TOP_ARG
+
 #: Under pytest-xdist the tests of this file run on a worker of their own, beside the one of
 #: tests/test_sim_device.py (a build of a library both use, the small top's, waits for the
 #: other's under the build's file lock).
@@ -35,8 +37,7 @@ needs_sim = pytest.mark.skipif(build.unavailable() is not None, reason=str(build
 #: sim configurations (``sim:ARG``), each a Verilator build the first time.
 CONFIGS = {
     "default": "",
-    "small": os.environ.get("HBFP_SIM_TEST_CONFIG",
-                            "rows=4,cols=4,tile=16x16,size=32,stream_bytes=4,functions=relu+gelu,frame_timeout=4096"),
+    "small": SIM_TOP_ARG,
     "reduced": "rows=2,cols=2,tile=12x12,size=24,functions=none,value_quantizer=0,bfp_output=0,stochastic=0",
 }
 if os.environ.get("HBFP_SIM_FULL"):

@@ -11,9 +11,11 @@ import hbfp.host as host
 from hbfp.host import protocol as P
 from hbfp.host.emu import EmuDevice
 from hbfp.host.transports import LoopbackTransport
-from hbfp.hw.params import CoreConfig
+from hbfp.contract import CoreConfig
 
-SMALL = CoreConfig(rows=4, cols=4, size=48)
+from . import conftest
+
+SMALL = CoreConfig(**conftest.SMALL)
 
 
 @pytest.fixture

@@ -53,7 +53,7 @@ class Bursts:
     """Random requests and bursts for a device of identity ``ident``, from ``rng``."""
 
     def __init__(self, ident: P.Identity, rng: random.Random, *, small: bool = False):
-        from hbfp.hw.activation import FUNCTIONS
+        from hbfp.contract import FUNCTIONS
 
         self.i, self.r = ident, rng
         self.nf = len(FUNCTIONS)
@@ -329,7 +329,7 @@ def test_fuzz_sim(sim_top, seed):
     """The same bursts on the gateware and on an ``emu`` of the same identity."""
     from hbfp.host import conformance
 
-    from hbfp.hw.params import CoreConfig
+    from hbfp.contract import CoreConfig
 
     ident = conformance.identify(sim_top)
 

@@ -11,7 +11,7 @@ from hbfp.golden.compare import same_bits
 from hbfp.host import protocol as P
 from hbfp.host.emu import EmuDevice
 from hbfp.host.transports import FaultyTransport, LoopbackTransport
-from hbfp.hw.params import CoreConfig
+from hbfp.contract import CoreConfig
 
 CFG = CoreConfig(rows=4, cols=4, size=48)
 

@@ -16,10 +16,11 @@ from hbfp.host import protocol as P
 from hbfp.host.emu import EmuDevice, parse_options
 from hbfp.host.protocol import Op, OutFormat, Status, Target
 from hbfp.host.transports import LoopbackTransport
-from hbfp.hw.activation import FUNCTIONS, GRADIENT_FUNCTIONS, UNARY_FUNCTIONS
-from hbfp.hw.params import CoreConfig
+from hbfp.contract import FUNCTIONS, GRADIENT_FUNCTIONS, UNARY_FUNCTIONS
+from hbfp.contract import CoreConfig
 
-SMALL = dict(rows=4, cols=4, size=48)  # everything above 48 is tiled
+from .conftest import SMALL  # 4x4, 48x48 buffers: everything above 48 is tiled
+
 #: A payload buffer for a whole buffer of fp32 values: an operand block travels in one WRITE
 #: (the expected host work below counts blocks, not WRITE chunks).
 WHOLE = P.WRITE_HEADER + 4 * 48 * 48

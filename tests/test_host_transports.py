@@ -15,7 +15,7 @@ from hbfp import cli
 from hbfp.host import protocol as P
 from hbfp.host.emu import EmuDevice
 from hbfp.host.transports import FaultyTransport, Server, TcpTransport, serve_fd
-from hbfp.hw.params import CoreConfig
+from hbfp.contract import CoreConfig
 
 CFG = CoreConfig(rows=4, cols=4, size=48)
 

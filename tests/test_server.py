@@ -14,11 +14,12 @@ import pytest
 
 import hbfp.host as host
 from hbfp import cli
+from hbfp.contract import CoreConfig
+from hbfp.golden.compare import same_bits
 from hbfp.host import protocol as P
 from hbfp.host.emu import EmuDevice, command_cycles
 from hbfp.host.protocol import Op, Status, Target
 from hbfp.host.transports import Server
-from hbfp.hw.params import CoreConfig
 
 CFG = CoreConfig(rows=4, cols=4, size=48)
 
@@ -71,12 +72,6 @@ class Raw:
         self.close()
 
 
-def equal(got, want) -> bool:
-    if isinstance(want, np.ndarray):
-        return np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
-    return np.array_equal(got.codes, want.codes) and np.array_equal(got.exponents, want.exponents)
-
-
 def product(dev, rng, m, k, n, **kw) -> bool:
     """A random product on ``dev``, compared bit for bit with ``reference_gemm``."""
     a = rng.standard_normal((m, k)).astype(np.float32)
@@ -85,7 +80,7 @@ def product(dev, rng, m, k, n, **kw) -> bool:
         kw["c"] = rng.standard_normal((m, n)).astype(np.float32)
     if kw.pop("with_bias", False):
         kw["bias"] = rng.standard_normal(n).astype(np.float32)
-    return equal(dev.gemm(a, b, **kw), host.reference_gemm(dev.format(), a, b, **kw))
+    return same_bits(dev.gemm(a, b, **kw), host.reference_gemm(dev.format(), a, b, **kw))
 
 
 def test_several_clients_at_once_get_their_own_products_bit_for_bit():

@@ -25,6 +25,8 @@ from hbfp.sim import device as sim_device
 from hbfp.sim.device import SimDevice, Stop, backend, parse_arg
 from hbfp.sim.harness import build
 
+from .conftest import SIM_TOP_ARG
+
 pytestmark = [
     pytest.mark.skipif(build.unavailable() is not None, reason=str(build.unavailable())),
     # Under pytest-xdist all tests of this file share one worker: they share built libraries.
@@ -263,7 +265,7 @@ def _top_available() -> str | None:
 
 
 #: The configuration the tests build (small: the build dominates the suite's time).
-TOP_ARG = os.environ.get("HBFP_SIM_TEST_CONFIG", "rows=4,cols=4,tile=16x16,size=32,stream_bytes=4,functions=relu+gelu,frame_timeout=4096")
+TOP_ARG = SIM_TOP_ARG
 
 
 @pytest.fixture(scope="module")
