@@ -25,6 +25,7 @@ What is here:
 from __future__ import annotations
 
 import dataclasses
+import math
 import enum
 import struct
 from collections.abc import Callable, Iterable
@@ -407,6 +408,15 @@ def rmw_latency() -> int:
     return NORMALIZE_LATENCY + ADD_LATENCY + 2
 
 
+def default_out_lanes(rows: int, cols: int, tile: tuple[int, int], size: int, stream_bytes: int = 1) -> int:
+    """The epilogue's lanes (results a cycle) when a configuration does not choose them: the
+    fewest that divide both ``cols`` and the tile's columns and keep up with the MAC array on
+    a product as deep as the buffers (``rows * cols`` results every ``size`` cycles) and with
+    the link's fp32 rate (``stream_bytes / 4`` values a cycle)."""
+    # Until the epilogue is built narrower than the array, it has one lane per column.
+    return cols
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -434,6 +444,7 @@ class CoreConfig:
     value_quantizer: bool = True
     bfp_output: bool = True
     stochastic: bool = True
+    out_lanes: int | None = None
 
     def __post_init__(self):
         try:
@@ -477,6 +488,12 @@ class CoreConfig:
         if self.tk < max(self.rows, self.cols):
             raise ConfigError(f"the K-tile ({self.tk}) must be at least as long as the array's sides "
                               f"({self.rows}, {self.cols})")
+        if self.out_lanes is None:
+            object.__setattr__(self, "out_lanes", default_out_lanes(self.rows, self.cols, tile, self.size))
+        lanes_unit = math.gcd(self.cols, tw)
+        if not _is_int(self.out_lanes) or self.out_lanes < 1 or lanes_unit % self.out_lanes:
+            raise ConfigError(f"out_lanes must divide cols ({self.cols}) and the tile's columns ({tw}), "
+                              f"got {self.out_lanes!r}")
         if rmw_latency() > self.tk:
             raise ConfigError(f"the accumulator's read-modify-write ({rmw_latency()} cycles: normalizer "
                               f"{NORMALIZE_LATENCY}, adder {ADD_LATENCY}, read and write 2) must finish within a "
@@ -738,6 +755,7 @@ OPTIONS: dict[str, Option] = {
     "size": Option(parse_int, "core", "buffer side: operands and outputs up to SIZE x SIZE"),
     "functions": Option(parse_functions, "core", "activation units built: relu+gelu, none, all"),
     "leaky_shift": Option(parse_int, "core", "leaky_relu's slope 2^-SHIFT"),
+    "out_lanes": Option(parse_int, "core", "epilogue lanes: results a cycle (divides cols and the tile's columns)"),
     **{u.label: Option(parse_bool, "core", f"build the {u.label} unit (0/1)") for u in Unit},
     "stream_bytes": Option(parse_int, "device", "bytes per beat of the link"),
     "clock_hz": Option(parse_int, "device", "clock reported by IDENTIFY (0: unknown)"),
