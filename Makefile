@@ -74,9 +74,10 @@ $(FPGA_STAMP): $(STAMP)
 ## fpga: the open FPGA flow (YoWASP Yosys and nextpnr for ECP5 and iCE40) in the .venv
 fpga: $(FPGA_STAMP)
 
-## fpga-report: build every board (bitstreams: ECP5, iCE40; Quartus projects: Intel) and run
-## the density experiment (BFP8 vs bf16 vs fp16 PEs on ECP5); rewrites docs/reports/boards.md
-## and docs/reports/density.md (about an hour on 2 cores)
+## fpga-report: build every board (bitstreams: ECP5, iCE40; Quartus projects: Intel), measure
+## the 8x8 core on its own (three placement seeds) and run the density experiment (BFP8 vs bf16
+## vs fp16 PEs on ECP5); rewrites docs/reports/boards.md, ecp5-core-8x8-s96.md/.json,
+## summary.json and density.md (about an hour and a half on 2 cores)
 fpga-report: $(FPGA_STAMP)
 	$(PY) benchmarks/fpga_report.py --write
 	$(PY) benchmarks/density.py --write

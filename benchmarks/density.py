@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,7 +42,7 @@ from hbfp.hw.normalize import NormalizeDatapath
 from hbfp.hw.openflow import pnr_ecp5, synth_ecp5
 from hbfp.hw.params import EXP_WIDTH, FP32_WIDTH, psum_width
 
-from report import publish  # benchmarks/report.py
+from report import publish, verilog_logic  # benchmarks/report.py
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The paper's figures (Drumond et al., NeurIPS 2018, section 5).
@@ -96,15 +95,19 @@ class ConversionLanes(wiring.Component):
 
 
 class Mult18(wiring.Component):
-    """One 18x18 signed multiplier with registered inputs and output: what a MULT18X18D
-    holds. Synthesized LUT-only, it gives the LUT4 equivalent of one DSP block."""
+    """One signed multiplier (18x18 unless told) with registered inputs and output: what a
+    MULT18X18D holds. Synthesized LUT-only, it gives the LUT4 equivalent of one DSP block
+    (and benchmarks/lut_mult.py's reference: Yosys' own mapping of ``*``)."""
 
-    def __init__(self):
-        super().__init__({"a": In(signed(18)), "b": In(signed(18)), "p": Out(signed(36))})
+    LATENCY = 2
+
+    def __init__(self, width_a: int = 18, width_b: int = 18):
+        self.width_a, self.width_b = width_a, width_b
+        super().__init__({"a": In(signed(width_a)), "b": In(signed(width_b)), "p": Out(signed(width_a + width_b))})
 
     def elaborate(self, platform):
         m = Module()
-        a, b = Signal(signed(18)), Signal(signed(18))
+        a, b = Signal.like(self.a), Signal.like(self.b)
         m.d.sync += [a.eq(self.a), b.eq(self.b), self.p.eq(a * b)]
         return m
 
@@ -120,13 +123,6 @@ def designs(rows: int, cols: int, tk: int) -> dict:
     }
 
 
-def _logic(verilog_text: str | Path) -> str:
-    """Verilog without its source-line attributes (an edit elsewhere in a file moves them)."""
-    if isinstance(verilog_text, Path):
-        verilog_text = verilog_text.read_text()
-    return re.sub(r'\(\* src = "[^"]*" \*\)', "", verilog_text)
-
-
 def measure(name: str, factory, nodsp: bool, work: Path, args, log) -> dict:
     """Synthesize, place and route one design in ``work/<name>-<dsp|lut>``; with ``--reuse``
     a saved result stands while the design's Verilog and the flow options are unchanged."""
@@ -139,7 +135,7 @@ def measure(name: str, factory, nodsp: bool, work: Path, args, log) -> dict:
     tag = f"{name} ({'LUT-only' if nodsp else 'DSP'})"
     options = {"device": args.device, "package": args.package, "freq": args.freq, "seed": args.seed}
     saved = d / "result.json"
-    if args.reuse and saved.exists() and (d / "top.v").exists() and _logic(d / "top.v") == _logic(text):
+    if args.reuse and saved.exists() and (d / "top.v").exists() and verilog_logic(d / "top.v") == verilog_logic(text):
         row = json.loads(saved.read_text())
         if row.get("options") == options:
             log(f"{tag}: reused {saved}")

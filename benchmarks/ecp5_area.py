@@ -1,26 +1,139 @@
 """Area and Fmax of a GEMM core on ECP5 through the open flow (YoWASP Yosys + nextpnr-ecp5).
 
-Generates the core's Verilog (``hbfp verilog`` options), synthesizes it with ``synth_ecp5``,
-places and routes it out of context (no I/O buffers: the core's ports are internal to a
-board top) on an LFE5U-85F, and prints LUT4s, flip-flops, MULT18X18D, DP16KD block RAMs and
-Fmax; ``--write`` also saves the table under docs/reports/.
+Generates the core's Verilog (``hbfp verilog`` options), synthesizes it once with
+``synth_ecp5`` (``--no-dsp``: LUT-only, ``-nodsp``), places and routes that netlist out of
+context (no I/O buffers: the core's ports are internal to a board top) on an LFE5U-85F once
+per placement seed (``--seeds``, default 1 2 3), and prints LUT4s, flip-flops, MULT18X18D,
+DP16KD block RAMs and Fmax (the median over the seeds). ``--write`` also saves the table
+under docs/reports/; ``--json FILE`` writes the figures for a machine:
+
+- ``lut4``, ``ff``, ``dsp``, ``bram``: nextpnr's TRELLIS_COMB, TRELLIS_FF, MULT18X18D, DP16KD;
+- ``fmax_mhz``: the median Fmax over the seeds; ``seeds``: ``[{seed, fmax_mhz}, ...]``;
+- ``array_lut4``, ``lanes_lut4``, ``yosys_lut4``: from Yosys' statistics of the same
+  synthesis, in which the MAC array (the core's ``mac`` submodule) and the normalizer and
+  adder lanes (submodules named ``normalize<j>``, ``add<j>``) keep their module boundaries
+  (``keep_hierarchy``; the rest is flattened as usual): their LUT4s and the whole design's,
+  each LUT4 + 2 x CCU2C as nextpnr counts them (distributed RAM aside);
+  ``share_outside_array_and_lanes`` = 1 - (array + lanes) / whole, all three from Yosys.
 
 Needs the ``fpga`` extra: ``pip install -e .[fpga]``. The first YoWASP call takes about a
-minute to prepare; synthesis of the 8x8 core takes minutes, place and route longer.
+minute to prepare; synthesis of the 8x8 core takes minutes, each place and route longer
+(about 10 minutes on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import re
+import statistics
 from pathlib import Path
 
 from hbfp.hw.generate import generate
-from hbfp.hw.openflow import pnr_ecp5, synth_ecp5
+from hbfp.hw.openflow import lut4_cells, pnr_ecp5, synth_ecp5, verilog_modules
 from hbfp.hw.params import CoreConfig
 
-from report import publish  # benchmarks/report.py
+from report import publish, verilog_logic  # benchmarks/report.py
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The core's submodules measured within it: the MAC array, and the lanes (normalizers and fp32
+#: adders, one of each per column), by the last part of their Amaranth path.
+ARRAY_MODULE = re.compile(r"mac")
+LANE_MODULES = re.compile(r"(normalize|add)\d*")
+
+
+def measured_modules(names: list[str], pattern: re.Pattern) -> list[str]:
+    """Modules whose last path component matches ``pattern``, leaving out those inside one."""
+    hits = [n for n in names if "." in n and pattern.fullmatch(n.rsplit(".", 1)[1])]
+    return [n for n in hits if not any(n.startswith(h + ".") for h in hits)]
+
+
+def measure(cfg: CoreConfig, work: Path, seeds=(1, 2, 3), nodsp: bool = False, device: str = "85k",
+            package: str = "CABGA381", freq: float = 100.0, *, reuse: bool = False, log=print) -> dict:
+    """Synthesize the core of ``cfg`` once, place and route it once per seed in ``work``; the
+    figures ``--json`` writes (also saved as ``work/result.json``). ``reuse``: return the saved
+    figures when the core's Verilog (its logic) and the options are those measured."""
+    generate(cfg, work, only=["gemm_core"], log=lambda s: None)
+    src = work / "gemm_core.v"
+    options = {"seeds": list(seeds), "nodsp": nodsp, "device": device, "package": package, "freq": freq,
+               "verilog_sha256": hashlib.sha256(verilog_logic(src).encode()).hexdigest()}
+    saved = work / "result.json"
+    if reuse and saved.exists():
+        res = json.loads(saved.read_text())
+        if res.get("options") == options:
+            log(f"reused {saved}")
+            return res
+    names = verilog_modules(src)
+    array, lanes = measured_modules(names, ARRAY_MODULE), measured_modules(names, LANE_MODULES)
+    log(f"synth_ecp5{' -nodsp' if nodsp else ''} (kept: {', '.join(array + lanes)}) ...")
+    synth = synth_ecp5(src, "gemm_core", work, nodsp=nodsp, keep=array + lanes)
+    runs = []
+    for seed in seeds:
+        log(f"nextpnr-ecp5 --{device} --out-of-context --seed {seed} ...")
+        pnr = pnr_ecp5(synth["json"], work / f"seed{seed}", device, package, freq, seed)
+        runs.append({"seed": seed, "fmax_mhz": pnr["fmax_min"], "utilization": pnr["utilization"],
+                     "seconds": pnr["seconds"]})
+        log(f"  seed {seed}: {pnr['fmax_min']:.1f} MHz ({pnr['seconds']:.0f} s)")
+    util = runs[0]["utilization"]  # packing comes before placement: the same for every seed
+    whole = lut4_cells(synth["cells"])
+    array_lut4 = sum(lut4_cells(synth["modules"][n]) for n in array)
+    lanes_lut4 = sum(lut4_cells(synth["modules"][n]) for n in lanes)
+    res = {
+        "config": {"rows": cfg.rows, "cols": cfg.cols, "size": cfg.size, "functions": list(cfg.built_functions),
+                   "nodsp": nodsp, "device": device, "package": package, "freq_mhz": freq},
+        "lut4": util["TRELLIS_COMB"][0], "ff": util["TRELLIS_FF"][0], "dsp": util["MULT18X18D"][0],
+        "bram": util["DP16KD"][0], "available": {k: util[k][1] for k in ("TRELLIS_COMB", "TRELLIS_FF",
+                                                                         "MULT18X18D", "DP16KD")},
+        "fmax_mhz": statistics.median(r["fmax_mhz"] for r in runs),
+        "seeds": [{"seed": r["seed"], "fmax_mhz": r["fmax_mhz"]} for r in runs],
+        "array_lut4": array_lut4, "lanes_lut4": lanes_lut4, "yosys_lut4": whole,
+        "share_outside_array_and_lanes": 1 - (array_lut4 + lanes_lut4) / whole,
+        "array_modules": array, "lanes_modules": lanes,
+        "hierarchy": "synth_ecp5 with keep_hierarchy on the array and lane modules (the rest flattened)",
+        "synth_seconds": synth["seconds"], "pnr_seconds": [r["seconds"] for r in runs],
+        "stat": synth["stat"], "options": options,
+    }
+    saved.write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+def figures(res: dict) -> dict:
+    """``measure``'s result without Yosys' statistics text: what ``--json`` writes."""
+    return {k: v for k, v in res.items() if k != "stat"}
+
+
+def table(res: dict, command: str) -> str:
+    c = res["config"]
+    names = {"TRELLIS_COMB": "lut4", "TRELLIS_FF": "ff", "MULT18X18D": "dsp", "DP16KD": "bram"}
+    fmax = res["fmax_mhz"]
+    seeds = ", ".join(f"{s['fmax_mhz']:.1f} (seed {s['seed']})" for s in res["seeds"])
+    lines = [
+        f"# ECP5 reading: {c['rows']}x{c['cols']} GEMM core, HBFP8, {c['size']}x{c['size']} buffers, "
+        f"activations {', '.join(c['functions']) or 'none'}{', LUT-only' if c['nodsp'] else ''}",
+        "",
+        f"Command: `{command}`",
+        f"(YoWASP Yosys `synth_ecp5{' -nodsp' if c['nodsp'] else ''}`, nextpnr-ecp5 out of context on "
+        f"LFE5U-{c['device'].upper()} {c['package']}; synthesis {res['synth_seconds']:.0f} s, place and route "
+        f"{' + '.join(f'{s:.0f}' for s in res['pnr_seconds'])} s).",
+        "",
+        "| resource | used | available | share |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [f"| {k} | {res[v]:,} | {res['available'][k]:,} | {100 * res[v] / res['available'][k]:.0f}% |"
+              for k, v in names.items()]
+    lines += [
+        "",
+        f"Fmax after place and route: **{fmax:.1f} MHz**, the median of {seeds} (target {c['freq_mhz']:g} MHz); "
+        f"peak {c['rows'] * c['cols'] * fmax / 1e3:.2f} GMAC/s at that clock.",
+        "",
+        f"Within the core (Yosys, LUT4 + 2 x CCU2C, {res['hierarchy']}): the MAC array "
+        f"{res['array_lut4']:,}, the normalizer and adder lanes {res['lanes_lut4']:,}, of {res['yosys_lut4']:,}: "
+        f"{100 * res['share_outside_array_and_lanes']:.0f}% of the logic is outside the array and the lanes.",
+        "",
+        "Yosys cell counts (before packing):", "", "```", res["stat"].strip(), "```", "",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -32,43 +145,27 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="85k", help="nextpnr-ecp5 device option (default 85k)")
     p.add_argument("--package", default="CABGA381")
     p.add_argument("--freq", type=float, default=100.0, help="target clock in MHz")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3],
+                   help="placement seeds, one place and route each on the same netlist (default 1 2 3)")
+    p.add_argument("--no-dsp", action="store_true", help="LUT-only: synth_ecp5 -nodsp (for density comparisons)")
     p.add_argument("--out", default="build/ecp5", help="work folder")
+    p.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
     p.add_argument("--write", action="store_true", help="write docs/reports/ecp5-<config>.md")
+    p.add_argument("--reuse", action="store_true", help="keep the saved figures if the Verilog and options are unchanged")
     args = p.parse_args(argv)
 
     cfg = CoreConfig(rows=args.rows, cols=args.cols, size=args.size, functions=tuple(args.functions))
-    name = f"core-{cfg.rows}x{cfg.cols}-s{cfg.size}"
-    work = ROOT / args.out / name
-    print(f"{name}: Verilog")
-    generate(cfg, work, only=["gemm_core"], log=lambda s: None)
-    print(f"{name}: synth_ecp5 ...", flush=True)
-    synth = synth_ecp5(work / "gemm_core.v", "gemm_core", work)
-    print(f"{name}: nextpnr-ecp5 --{args.device} --out-of-context ...", flush=True)
-    pnr = pnr_ecp5(synth["json"], work, args.device, args.package, args.freq, args.seed)
-    t_synth, t_pnr = synth["seconds"], pnr["seconds"]
-    util = pnr["utilization"]
-    fmax = max(pnr["fmax"].values())
-    rows = [(k, *util[k]) for k in ("TRELLIS_COMB", "TRELLIS_FF", "MULT18X18D", "DP16KD") if k in util]
-    macs = cfg.rows * cfg.cols * fmax * 1e6
-    lines = [
-        f"# ECP5 reading: {cfg.rows}x{cfg.cols} GEMM core, HBFP8, {cfg.size}x{cfg.size} buffers, activations {', '.join(cfg.functions)}",
-        "",
-        f"Command: `python benchmarks/ecp5_area.py --rows {cfg.rows} --cols {cfg.cols} --size {cfg.size} "
-        f"--functions {' '.join(cfg.functions)} --device {args.device} --freq {args.freq:g} --seed {args.seed}`",
-        f"(YoWASP Yosys `synth_ecp5`, nextpnr-ecp5 out of context on LFE5U-{args.device.upper()} {args.package}; "
-        f"synthesis {t_synth:.0f} s, place and route {t_pnr:.0f} s).",
-        "",
-        "| resource | used | available | share |",
-        "|---|---:|---:|---:|",
-    ]
-    lines += [f"| {k} | {u:,} | {a:,} | {100 * u / a:.0f}% |" for k, u, a in rows]
-    lines += ["", f"Fmax after place and route: **{fmax:.1f} MHz** (target {args.freq:g} MHz); "
-              f"peak {macs / 1e9:.2f} GMAC/s at that clock.", ""]
-    stat = synth["stat"]
-    lines += ["Yosys cell counts (before packing):", "", "```", stat.strip(), "```", ""]
-    text = "\n".join(lines)
-    publish(text, f"ecp5-{name}.md", args.write)
+    name = f"core-{cfg.rows}x{cfg.cols}-s{cfg.size}{'-lut' if args.no_dsp else ''}"
+    res = measure(cfg, ROOT / args.out / name, args.seeds, args.no_dsp, args.device, args.package, args.freq,
+                  reuse=args.reuse, log=lambda s: print(f"{name}: {s}", flush=True))
+    command = (f"python benchmarks/ecp5_area.py --rows {cfg.rows} --cols {cfg.cols} --size {cfg.size} "
+               f"--functions {' '.join(args.functions)} --device {args.device} --freq {args.freq:g} "
+               f"--seeds {' '.join(map(str, args.seeds))}{' --no-dsp' if args.no_dsp else ''}")
+    publish(table(res, command), f"ecp5-{name}.md", args.write)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(figures(res), indent=1) + "\n")
+        print(f"written {args.json}")
     return 0
 
 

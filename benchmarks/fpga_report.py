@@ -9,8 +9,23 @@ in the same flow, against the whole board design). A design that does not fit is
 with what it needs. Intel boards get their Quartus project (``hbfp build``); Quartus is not
 a PyPI package, so their area and Fmax come from compiling that project where Quartus is.
 
-``--reuse`` takes an existing build of the same configuration (``build/boards/<board>``)
-instead of building again. The ULX3S build takes about 20 minutes on 2 cores.
+It also measures the ULX3S's 8x8 core on its own (``benchmarks/ecp5_area.py``: out of context,
+the median Fmax over ``--core-seeds``, the LUT4s of the MAC array and of the normalizer and
+adder lanes within it), and with ``--write`` saves docs/reports/ecp5-core-8x8-s96.md and
+docs/reports/summary.json, the headline figures for a machine:
+
+- ``core_8x8_fmax_mhz``, ``core_8x8_lut4``, ``core_8x8_array_lut4``, ``core_8x8_lanes_lut4``,
+  ``core_8x8_share_outside_array_and_lanes`` (a fraction of Yosys' LUT4s);
+- ``board_<name>_macs``, ``board_<name>_fmax_mhz``, ``board_<name>_lut4`` per open-flow board
+  built;
+- ``density_mac_s_per_lut4_vs_fp16_core``: MAC/s per LUT4 of the BFP8 core over an fp16 core,
+  both whole cores LUT-only. null: there is no fp16 whole core to measure (benchmarks/density.py
+  compares arrays, not cores).
+
+A figure that was not measured in this run (a board left out, a design that does not fit) is
+null. ``--reuse`` takes an existing build of the same configuration (``build/boards/<board>``,
+``build/ecp5/core-8x8-s96``) instead of building again. The ULX3S build takes about 20 minutes
+on 2 cores, the core's three placements about 30.
 """
 
 from __future__ import annotations
@@ -27,7 +42,8 @@ from hbfp.hw import boards
 from hbfp.hw.mac_array import MacArray
 from hbfp.hw.openflow import RESOURCES, bin_path, run_tool, synth_ecp5
 
-from report import publish  # benchmarks/report.py
+from ecp5_area import ROOT, figures, measure, table  # benchmarks/ecp5_area.py
+from report import REPORTS, publish  # benchmarks/report.py
 
 
 #: nextpnr resource names -> the report's columns.
@@ -53,6 +69,35 @@ def mac_array_logic(flow: str, cfg, work: Path) -> dict:
     stat = json.loads((work / "stat.json").read_text())
     cells = stat.get("design", {}).get("num_cells_by_type") or stat["modules"]["\\mac_array"]["num_cells_by_type"]
     return {"logic": cells.get("SB_LUT4", 0), "dsp": cells.get("SB_MAC16", 0)}
+
+
+#: The keys summary.json always has (null where not measured).
+SUMMARY_KEYS = (
+    "core_8x8_fmax_mhz", "core_8x8_lut4", "core_8x8_array_lut4", "core_8x8_lanes_lut4",
+    "core_8x8_share_outside_array_and_lanes", "board_ulx3s_macs", "board_ulx3s_fmax_mhz", "board_ulx3s_lut4",
+    # Needs an fp16 whole core, which the gateware does not have: never filled in yet.
+    "density_mac_s_per_lut4_vs_fp16_core",
+)
+
+
+def core_8x8(args) -> dict:
+    """The ULX3S's 8x8 core measured on its own (``ecp5_area.measure``): its summary figures;
+    with ``--write`` also docs/reports/ecp5-core-8x8-s96.md and .json."""
+    _, cfg, _ = boards.board_config("ulx3s")
+    if (cfg.rows, cfg.cols) != (8, 8):
+        return {}
+    name = f"core-{cfg.rows}x{cfg.cols}-s{cfg.size}"
+    res = measure(cfg, ROOT / "build" / "ecp5" / name, args.core_seeds, reuse=args.reuse,
+                  log=lambda s: print(f"{name}: {s}", flush=True))
+    seeds = " ".join(map(str, args.core_seeds))
+    command = (f"python benchmarks/ecp5_area.py --rows {cfg.rows} --cols {cfg.cols} --size {cfg.size} --functions "
+               f"{' '.join(cfg.built_functions)} --seeds {seeds} (run by benchmarks/fpga_report.py)")
+    publish(table(res, command), f"ecp5-{name}.md", args.write)
+    if args.write:
+        (REPORTS / f"ecp5-{name}.json").write_text(json.dumps(figures(res), indent=1) + "\n")
+    return {"core_8x8_fmax_mhz": res["fmax_mhz"], "core_8x8_lut4": res["lut4"],
+            "core_8x8_array_lut4": res["array_lut4"], "core_8x8_lanes_lut4": res["lanes_lut4"],
+            "core_8x8_share_outside_array_and_lanes": res["share_outside_array_and_lanes"]}
 
 
 def configuration(cfg) -> str:
@@ -87,10 +132,15 @@ def main(argv=None) -> int:
     p.add_argument("--boards", nargs="+", choices=list(boards.BOARDS), default=list(boards.BOARDS))
     p.add_argument("--out", default="build/boards", help="build folder (default build/boards)")
     p.add_argument("--reuse", action="store_true", help="reuse finished builds of the same configuration")
-    p.add_argument("--write", action="store_true", help="write docs/reports/boards.md")
+    p.add_argument("--write", action="store_true", help="write docs/reports/boards.md and summary.json")
+    p.add_argument("--core-seeds", type=int, nargs="+", default=[1, 2, 3],
+                   help="placement seeds of the 8x8 core's own measurement (default 1 2 3)")
+    p.add_argument("--no-core", action="store_true", help="leave out the 8x8 core's own measurement")
     args = p.parse_args(argv)
 
     rows, notes = [], []
+    # Every figure of summary.json starts unmeasured; only what this run measures fills one in.
+    summary: dict = {key: None for key in SUMMARY_KEYS}
     t_all = time.perf_counter()
     for name in args.boards:
         board, cfg, top_kw = boards.board_config(name)
@@ -138,6 +188,8 @@ def main(argv=None) -> int:
         mac = mac_array_logic(board.flow, cfg, Path(args.out) / f"{name}-mac-array")
         outside = 1 - mac["logic"] / used("logic")
         fmax = report["fmax_mhz"]
+        summary.update({f"board_{name}_macs": macs, f"board_{name}_fmax_mhz": fmax,
+                        f"board_{name}_lut4": used("logic")})
         rows.append(
             f"| {name} | {board.title} | {conf} | {cell('logic')} | {cell('ff')} | {cell('dsp')} | {cell('bram')} | "
             f"{fmax:.1f} | {'met' if report['timing_met'] else '**not met**'} | {clock_mhz:.0f} | "
@@ -146,6 +198,9 @@ def main(argv=None) -> int:
                      + (f", built in {seconds / 60:.1f} min" if seconds else " (reused build)")
                      + f"; the MAC array alone: {mac['logic']:,} logic cells and {mac['dsp']} DSP blocks of "
                      f"{used('logic'):,} and {used('dsp')}. {board.notes}")
+
+    if not args.no_core:
+        summary.update(core_8x8(args))
 
     lines = [
         "# FPGA boards: area, Fmax and throughput",
@@ -166,6 +221,11 @@ def main(argv=None) -> int:
     ]
     text = "\n".join(lines)
     publish(text, "boards.md", args.write)
+    summary_text = json.dumps(summary, indent=1) + "\n"
+    print(summary_text)
+    if args.write:
+        (REPORTS / "summary.json").write_text(summary_text)
+        print(f"written {REPORTS / 'summary.json'}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 #: Where the reports live.
@@ -16,3 +17,11 @@ def publish(text: str, name: str, write: bool) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
         print(f"written {out}")
+
+
+def verilog_logic(verilog_text: str | Path) -> str:
+    """Verilog without its source-line attributes (an edit elsewhere in a file moves them): two
+    designs with the same logic compare equal, so a saved result can stand for both."""
+    if isinstance(verilog_text, Path):
+        verilog_text = verilog_text.read_text()
+    return re.sub(r'\(\* src = "[^"]*" \*\)', "", verilog_text)

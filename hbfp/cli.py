@@ -223,9 +223,13 @@ def _gemm(args) -> int:
     except host.HbfpError as e:
         print(f"hbfp gemm: {args.device}: {e}", file=sys.stderr)
         return 1
+    # A simulated device counts the cycles the exchange occupies the link (docs/host.md).
+    link_device = getattr(dev.transport, "device", None)
+    wire = (lambda: link_device.wire_cycles) if hasattr(link_device, "wire_cycles") else None
     with dev:
         ident = dev.identity
         before = dev.stats.copy()
+        wire_before = wire() if wire else 0
         t0 = time.perf_counter()
         try:
             got = dev.gemm(a, b, **kw)
@@ -234,6 +238,7 @@ def _gemm(args) -> int:
             return 1
         seconds = time.perf_counter() - t0
         st = dev.stats - before
+        wire_cycles = wire() - wire_before if wire else None
     want = host.reference_gemm(ident.fmt(), a, b, **kw)
     if isinstance(want, BFPTensor):
         bad = int((got.codes != want.codes).sum()) + int((got.exponents != want.exponents).sum())
@@ -255,6 +260,9 @@ def _gemm(args) -> int:
     if ident.clock_hz and st.cycles:
         line += f", {st.cycles / ident.clock_hz * 1e3:.3f} ms at {ident.clock_hz / 1e6:g} MHz"
     print(line)
+    if wire_cycles is not None:
+        ratio = f" ({wire_cycles / st.cycles:.2f}x the device's)" if st.cycles else ""
+        print(f"  wire: {wire_cycles:,} cycles on the wire{ratio}, {ident.stream_bytes} byte(s) a beat")
     return 0 if not bad else 1
 
 

@@ -85,6 +85,7 @@ __all__ = [
     "ADD_LATENCY",
     "ACTIVATION_LATENCY",
     "QUANTIZE_LATENCY",
+    "MAC_LATENCY",
     "OPTIONS",
     "Option",
     "parse_int",
@@ -378,15 +379,21 @@ class ConfigError(ValueError):
 # Pipeline latencies of the gateware's components, which the configuration rules and ``emu``'s
 # cycle count read; the components are built to them (their ``LATENCY``).
 #: The accumulator's read-modify-write (``hw.normalize``, ``hw.add_f32``): the normalizer's
-#: cycles from a K-tile sum to its fp32 value, the adder's from its operands to the sum.
-NORMALIZE_LATENCY = 4
-ADD_LATENCY = 5
-#: The activation unit's cycles from a bf16 input to its bf16 output (``hw.activation``).
-ACTIVATION_LATENCY = 4
+#: cycles from a K-tile sum to its fp32 value, the adder's from its operands to the sum (five
+#: and seven stages, each at most one carry chain or a few LUT levels: 150 MHz on an ECP5).
+NORMALIZE_LATENCY = 5
+ADD_LATENCY = 7
+#: The activation unit's cycles from a bf16 input to its bf16 output (``hw.activation``): the
+#: ROM address, the ROM read, its output register, the function select and the three-stage
+#: multiplier.
+ACTIVATION_LATENCY = 7
 #: The BFP quantizer's cycles from the cycle a tile's last input beat is accepted to the cycle
-#: its first output beat is valid (``hw.quantize``): the bank handover, the memory read and four
-#: pipeline stages.
-QUANTIZE_LATENCY = 6
+#: its first output beat is valid (``hw.quantize``): three fill stages (the exponent max), the
+#: bank handover, the memory read and nine drain stages (the read data registered twice, the
+#: random generator's five, rounding, saturation, sign).
+QUANTIZE_LATENCY = 14
+#: The MAC array's cycles from a K-tile's last beat in to its first row of sums out (``hw.mac_array``).
+MAC_LATENCY = 3
 
 
 def product_width(mantissa_bits_a: int, mantissa_bits_b: int) -> int:
@@ -400,21 +407,40 @@ def psum_width(mantissa_bits_a: int, mantissa_bits_b: int, tk: int) -> int:
     return bound.bit_length() + 1
 
 
+#: The GEMM core's own stages (``hw.gemm_core`` is built to them; ``emu``'s cycle count reads
+#: them): an operand buffer read (the request registered, the banks' outputs registered before
+#: the lane rotation), an
+#: accumulator or bias read (the block RAM's output registered), and the cycles of a K-tile's
+#: exponent prefetch beyond ``max(rows, cols)`` (address register, read, queue, release): K-tiles
+#: start every ``max(tk, max(rows, cols) + PREFETCH_CYCLES)`` cycles.
+OPERAND_READ_LATENCY = 3
+ACC_READ_LATENCY = 2
+PREFETCH_CYCLES = 4
+
+
 def rmw_latency() -> int:
-    """Cycles from a K-tile sum leaving the MAC array to its fp32 accumulation written back:
-    the normalizer, the adder, the accumulator's read and its write (docs/architecture.md). The
-    loop must close within one K-tile, since the next K-tile's sum of the same output arrives
-    ``tk`` cycles later."""
-    return NORMALIZE_LATENCY + ADD_LATENCY + 2
+    """Cycles the accumulator's read-modify-write loop takes: the read (issued so that the old
+    value arrives with the normalizer's result), the adder and the write (docs/architecture.md).
+    The loop must close within one K-tile, since the next K-tile's sum of the same output
+    arrives ``tk`` cycles later."""
+    return ACC_READ_LATENCY + ADD_LATENCY + 1
 
 
-def default_out_lanes(rows: int, cols: int, tile: tuple[int, int], size: int, stream_bytes: int = 1) -> int:
+#: Processing elements of the MAC array per epilogue lane (bias adder, activation unit,
+#: quantizer lane) when a configuration does not choose ``out_lanes``.
+PES_PER_OUT_LANE = 64
+
+
+def default_out_lanes(rows: int, cols: int, tile: tuple[int, int], stream_bytes: int = 1) -> int:
     """The epilogue's lanes (results a cycle) when a configuration does not choose them: the
-    fewest that divide both ``cols`` and the tile's columns and keep up with the MAC array on
-    a product as deep as the buffers (``rows * cols`` results every ``size`` cycles) and with
-    the link's fp32 rate (``stream_bytes / 4`` values a cycle)."""
-    # Until the epilogue is built narrower than the array, it has one lane per column.
-    return cols
+    fewest that divide both ``cols`` and the tile's columns and give one lane per
+    ``PES_PER_OUT_LANE`` processing elements (so the epilogue grows with the array and stays
+    a small part of it) and at least the link's fp32 rate (``stream_bytes / 4`` values a
+    cycle). The epilogue of a row-block overlaps the next row-block's products, so only the
+    last one's ``rows * N / out_lanes`` cycles add to a product's length."""
+    unit = math.gcd(cols, tile[1])
+    want = max(-(-rows * cols // PES_PER_OUT_LANE), -(-stream_bytes // 4), 1)
+    return next((d for d in range(1, unit + 1) if unit % d == 0 and d >= want), unit)
 
 
 def _is_int(v) -> bool:
@@ -425,13 +451,15 @@ def _is_int(v) -> bool:
 class CoreConfig:
     """One configuration of the GEMM core, decided at elaboration time.
 
-    ``rows`` x ``cols``: the MAC array (powers of two). ``mantissa_bits`` and ``tile``: the BFP
+    ``rows`` x ``cols``: the MAC array (any sides). ``mantissa_bits`` and ``tile``: the BFP
     format of both stored operands and of BFP outputs (the tile's column side is the K-tile
     ``tk``; a non-square tile, such as MXINT8's 1 x 32, needs A stored M x K and B stored N x K).
     ``size``: the buffers hold ``size`` x ``size`` operands and outputs (a multiple of the
     tile sides and of the array sides). ``functions``: the activation units built (None: every
     function of ``FUNCTIONS``). ``value_quantizer``, ``bfp_output``, ``stochastic``: the optional
-    units (``Unit``); a device without them is a *reduced* device.
+    units (``Unit``); a device without them is a *reduced* device. ``out_lanes``: the epilogue's
+    results a cycle (None: ``default_out_lanes``). ``dsp_macs``: the processing elements that
+    multiply in DSP blocks, the rest in LUTs (None: all); neither changes a result.
     Every rule is checked here, as ``ConfigError``, for the gateware and ``emu`` alike."""
 
     rows: int = 8
@@ -445,6 +473,7 @@ class CoreConfig:
     bfp_output: bool = True
     stochastic: bool = True
     out_lanes: int | None = None
+    dsp_macs: int | None = None
 
     def __post_init__(self):
         try:
@@ -474,29 +503,26 @@ class CoreConfig:
             raise ConfigError(f"size {self.size} does not fit the descriptors' 16-bit sides")
         if self.stochastic and not (self.value_quantizer or self.bfp_output):
             raise ConfigError("stochastic rounding needs a quantizer: value_quantizer or bfp_output")
-        for name in ("rows", "cols"):
-            v = getattr(self, name)
-            if v & (v - 1):
-                raise ConfigError(f"{name} must be a power of two, got {v}")
         th, tw = tile
         for side in (th, tw, self.rows, self.cols):
             if self.size % side:
                 raise ConfigError(f"size {self.size} must be a multiple of the tile sides {tile} and the array "
                                   f"sides ({self.rows}, {self.cols})")
-        if tw % self.cols:
-            raise ConfigError(f"the tile's columns ({tw}) must be a multiple of cols ({self.cols}) for BFP output")
         if self.tk < max(self.rows, self.cols):
             raise ConfigError(f"the K-tile ({self.tk}) must be at least as long as the array's sides "
                               f"({self.rows}, {self.cols})")
         if self.out_lanes is None:
-            object.__setattr__(self, "out_lanes", default_out_lanes(self.rows, self.cols, tile, self.size))
+            object.__setattr__(self, "out_lanes", default_out_lanes(self.rows, self.cols, tile))
         lanes_unit = math.gcd(self.cols, tw)
         if not _is_int(self.out_lanes) or self.out_lanes < 1 or lanes_unit % self.out_lanes:
             raise ConfigError(f"out_lanes must divide cols ({self.cols}) and the tile's columns ({tw}), "
                               f"got {self.out_lanes!r}")
+        if self.dsp_macs is not None and (not _is_int(self.dsp_macs) or not 0 <= self.dsp_macs <= self.rows * self.cols):
+            raise ConfigError(f"dsp_macs must be 0 .. rows * cols ({self.rows * self.cols}) or None (all), "
+                              f"got {self.dsp_macs!r}")
         if rmw_latency() > self.tk:
-            raise ConfigError(f"the accumulator's read-modify-write ({rmw_latency()} cycles: normalizer "
-                              f"{NORMALIZE_LATENCY}, adder {ADD_LATENCY}, read and write 2) must finish within a "
+            raise ConfigError(f"the accumulator's read-modify-write ({rmw_latency()} cycles: read "
+                              f"{ACC_READ_LATENCY}, adder {ADD_LATENCY}, write 1) must finish within a "
                               f"K-tile of {self.tk} cycles")
 
     @property
@@ -667,6 +693,9 @@ class DeviceSpec:
         other = set(options) - set(core) - set(dev)
         if other:
             raise ConfigError(f"unknown device options {sorted(other)}; known: {', '.join(OPTIONS)}")
+        if "out_lanes" not in core:  # the epilogue keeps up with the link (default_out_lanes)
+            base = CoreConfig(**core)
+            core["out_lanes"] = default_out_lanes(base.rows, base.cols, base.tile, dev.get("stream_bytes", 1))
         return cls(CoreConfig(**core), **dev)
 
     def to_dict(self) -> dict:
@@ -748,14 +777,15 @@ _NOT = Option(str, "", "")
 #: boards' defaults). A backend adds its own with ``parse_options(arg, extra=...)``.
 OPTIONS: dict[str, Option] = {
     "format": Option(parse_format, "format", f"a named format ({', '.join(FORMATS)}): mantissa bits and tile"),
-    "rows": Option(parse_int, "core", "MAC array rows (a power of two)"),
-    "cols": Option(parse_int, "core", "MAC array columns (a power of two)"),
+    "rows": Option(parse_int, "core", "MAC array rows"),
+    "cols": Option(parse_int, "core", "MAC array columns"),
     "mantissa_bits": Option(parse_int, "core", "BFP mantissa bits, sign included"),
     "tile": Option(parse_tile, "core", "BFP tile, ROWSxCOLS (e.g. 24x24)"),
     "size": Option(parse_int, "core", "buffer side: operands and outputs up to SIZE x SIZE"),
     "functions": Option(parse_functions, "core", "activation units built: relu+gelu, none, all"),
     "leaky_shift": Option(parse_int, "core", "leaky_relu's slope 2^-SHIFT"),
     "out_lanes": Option(parse_int, "core", "epilogue lanes: results a cycle (divides cols and the tile's columns)"),
+    "dsp_macs": Option(parse_int, "core", "processing elements that multiply in DSP blocks (the rest in LUTs)"),
     **{u.label: Option(parse_bool, "core", f"build the {u.label} unit (0/1)") for u in Unit},
     "stream_bytes": Option(parse_int, "device", "bytes per beat of the link"),
     "clock_hz": Option(parse_int, "device", "clock reported by IDENTIFY (0: unknown)"),

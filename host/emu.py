@@ -40,8 +40,12 @@ from hbfp.golden import bf16
 from hbfp.golden.bfp import BFPTensor, quantize
 from hbfp.golden.gemm import epilogue, gemm
 from hbfp.contract import (
+    ACC_READ_LATENCY,
     ACTIVATION_LATENCY,
     ADD_LATENCY,
+    MAC_LATENCY,
+    OPERAND_READ_LATENCY,
+    PREFETCH_CYCLES,
     FUNCTIONS,
     NORMALIZE_LATENCY,
     QUANTIZE_LATENCY,
@@ -61,8 +65,6 @@ __all__ = [
     "command_cycles",
     "parse_options",
     "backend",
-    "DRAIN_CYCLES",
-    "BFP_EPILOGUE_CYCLES",
     "NOMINAL_HZ",
 ]
 
@@ -75,39 +77,21 @@ _ROUNDINGS = {code: name for name, code in P.ROUNDING_CODES.items()}
 # ---- the gateware's cycle count (docs/architecture.md, "Latency and throughput of a command")
 
 # The latencies of the gateware's components that the count adds up are the contract's
-# (``NORMALIZE_LATENCY``, ``ADD_LATENCY``, ``ACTIVATION_LATENCY``, ``QUANTIZE_LATENCY``: the
-# gateware builds its components to them); tests/test_emu_gateware.py holds the whole count
-# equal to the gateware's on every command.
-#: The stages that only hw/gemm_core.py's structure sets. A beat read from the operand buffers
-#: (``OperandBuffer``: synchronous read) reaches the MAC array through the beat FIFO (a
-#: ``SyncFIFO``: readable the cycle after the write).
-OPERAND_READ_CYCLES = 1
-BEAT_FIFO_CYCLES = 1
-#: ``MacArray``: a K-tile's first row of sums leaves 3 cycles after its last beat enters; its R
-#: rows drain one a cycle.
-MAC_LATENCY = 3
-#: The exponent prefetch of a K-tile keeps the core busy for ``max(R, C) + 2`` cycles after
-#: the K-tile's first beat is issued, and the next K-tile's first beat waits for it: K-tiles
-#: start every ``max(tk, max(R, C) + PREFETCH_CYCLES)`` cycles (``tk`` unless tk < max(R, C) + 3).
-PREFETCH_CYCLES = 3
-#: The MAC phase ends ``NORMALIZE_LATENCY + ADD_LATENCY + FLUSH_MARGIN`` quiet cycles after the
-#: last row drained (the last write-back is done: the core's ``flush`` counter).
-FLUSH_MARGIN = 2
-#: Cycles from a product's last operand beat to its epilogue's start, beyond the R cycles the
-#: MAC array takes to drain the last K-tile: the beat's way to the array, the array, and the
-#: flush (1 + 1 + 3 + 4 + 5 + 2 = 16).
-DRAIN_CYCLES = OPERAND_READ_CYCLES + BEAT_FIFO_CYCLES + MAC_LATENCY + NORMALIZE_LATENCY + ADD_LATENCY + FLUSH_MARGIN
-#: A command with K = 0 (READ, and the GEMM's second pass) starts its epilogue one cycle after
-#: it is accepted (the descriptor's register).
-READ_START_CYCLES = 1
-#: From the epilogue's last accumulator read to its last output beat without the activation
-#: stage: the read's register, the bias adders (a value without bias waits beside them), the
-#: output register (1 + 5 + 1 = 7). A core with unary activation units built adds
-#: ``ACTIVATION_LATENCY`` (whether or not the command uses one).
-EPILOGUE_CYCLES = 1 + ADD_LATENCY + 1
-#: A BFP output then passes the quantizer: its last beat leaves ``QUANTIZE_LATENCY - 1`` cycles
-#: plus one tile's beats (``th * tw / C``) after the last value entered.
-BFP_EPILOGUE_CYCLES = QUANTIZE_LATENCY - 1
+# (``OPERAND_READ_LATENCY``, ``PREFETCH_CYCLES``, ``MAC_LATENCY``, ``NORMALIZE_LATENCY``, ``ADD_LATENCY``,
+# ``ACC_READ_LATENCY``, ``ACTIVATION_LATENCY``, ``QUANTIZE_LATENCY``: the gateware builds its
+# components to them); tests/test_emu_gateware.py holds the whole count equal to the
+# gateware's on every command.
+#: The stages that only hw/gemm_core.py's structure sets: the first operand beat is issued the
+#: cycle after the command is accepted; a drained row passes one register before the
+#: accumulate lanes; the epilogue's first read is issued two cycles after acceptance (the
+#: descriptor's register, then its start); a read's chunk of ``out_lanes`` values is registered
+#: once selected from the word; the output queue (``SyncFIFOBuffered``) offers a value
+#: ``QUEUE_CYCLES`` after it is written.
+ISSUE_START = 1
+DRAIN_REGISTER = 1
+EPILOGUE_START = 2
+CHUNK_SELECT = 1
+QUEUE_CYCLES = 2
 
 
 def _activation_stage(cfg: CoreConfig) -> bool:
@@ -119,30 +103,53 @@ def command_cycles(cfg: CoreConfig, m: int, n: int, k: int, out_format: int) -> 
     """The cycles a GEMM (or, with ``k = 0``, a READ) takes on the gateware: the core's count
     from the cycle after it accepts the command to the cycle of its last output beat, which
     the reply and STATUS report (docs/architecture.md, "Latency and throughput of a
-    command")::
+    command").
 
-        K > 0:  start = (T - 1) * max(tk, max(R, C) + PREFETCH_CYCLES) + tk + R + DRAIN_CYCLES
-                        with T = ceil(M/R) * ceil(N/C) * ceil(K/tk) K-tiles
-        K = 0:  start = READ_START_CYCLES
-        cycles = start + beats + EPILOGUE_CYCLES (+ ACTIVATION_LATENCY if unary units are built)
-                 (BFP: + BFP_EPILOGUE_CYCLES + th * tw / C)
-        beats  = M * ceil(N/C)  (fp32, bf16)   or   ceil(M/th) * ceil(N/tw) * th * tw / C  (BFP)
+    The MAC phase issues K-tiles every ``period = max(tk, max(R, C) + PREFETCH_CYCLES)``
+    cycles and never waits; row-block b is closed (its rows readable) at::
+
+        ready(b) = j_b * period + tk + OPERAND_READ_LATENCY + MAC_LATENCY + R + DRAIN_REGISTER
+                   + NORMALIZE_LATENCY + ADD_LATENCY,   j_b = its last K-tile's index
+
+    The epilogue issues its U reads (``out_lanes`` values each: ``M * ceil(N / E)`` row-major,
+    or ``tiles * th * tw / E`` tile-major for BFP) one a cycle from ``EPILOGUE_START``, each
+    once its row is closed, so the last read goes at ``max(EPILOGUE_START + U - 1,
+    max_b(ready(b) + U - 1 - u_b))`` with u_b the first read of row-block b; then the epilogue
+    (accumulator read, bias adders, the activation stage if unary units are built) and the
+    output queue, and for BFP the quantizer: its latency and the last tile's beats.
 
     It depends on the configuration and the sides and output format only: not on transposes,
     bias, the activation chosen, accumulation, rounding or the data."""
-    R, C, tk = cfg.rows, cfg.cols, cfg.tk
+    R, C, tk, E = cfg.rows, cfg.cols, cfg.tk, cfg.out_lanes
     th, tw = cfg.tile
-    if k:
-        ktiles = -(-m // R) * -(-n // C) * -(-k // tk)
-        period = max(tk, max(R, C) + PREFETCH_CYCLES)
-        start = (ktiles - 1) * period + tk + R + DRAIN_CYCLES
+    bfp = out_format == OutFormat.BFP
+    tiles_n = -(-n // tw)
+    if bfp:
+        tile_reads = tw // E  # reads of a tile's row
+        reads = -(-m // th) * tiles_n * th * tile_reads
     else:
-        start = READ_START_CYCLES
-    cycles = start + EPILOGUE_CYCLES + (ACTIVATION_LATENCY if _activation_stage(cfg) else 0)
-    if out_format == OutFormat.BFP:
-        tile_beats = th * tw // C
-        return cycles + -(-m // th) * -(-n // tw) * tile_beats + BFP_EPILOGUE_CYCLES + tile_beats
-    return cycles + m * -(-n // C)
+        row_reads = -(-n // E)
+        reads = m * row_reads
+    last_read = EPILOGUE_START + reads - 1
+    if k:
+        blocks_n, ktiles = -(-n // C), -(-k // tk)
+        period = max(tk, max(R, C) + PREFETCH_CYCLES)
+        for b in range(-(-m // R)):
+            j = (b + 1) * blocks_n * ktiles - 1
+            ready = (j * period + tk + OPERAND_READ_LATENCY + MAC_LATENCY + R + DRAIN_REGISTER
+                     + NORMALIZE_LATENCY + ADD_LATENCY)
+            row = b * R
+            if bfp:
+                band, r = divmod(row, th)
+                first = (band * tiles_n * th + r) * tile_reads
+            else:
+                first = row * row_reads
+            last_read = max(last_read, ready + reads - 1 - first)
+    epilogue = ACC_READ_LATENCY + CHUNK_SELECT + ADD_LATENCY + (ACTIVATION_LATENCY if _activation_stage(cfg) else 0)
+    cycles = last_read + epilogue + QUEUE_CYCLES
+    if bfp:
+        cycles += QUANTIZE_LATENCY + th * tile_reads - 1
+    return cycles
 
 
 class _Refused(Exception):

@@ -1,17 +1,22 @@
 """The bf16 activation unit: every activation function and gradient of
 ``hbfp.golden.activations``, one result per cycle (docs/numerics.md, section 4).
 
-Structure (one pipeline, every stage advancing together):
+Structure (one pipeline, every stage advancing together; each stage at most one carry chain
+and a few LUT levels, or a block RAM's clock-to-out into a register, for 150 MHz on an ECP5):
 
-- stage 0 (comb): the ROM address of every table unit, from the input's sign, exponent field
-  and mantissa (``TableUnit`` indexing, out-of-window fields clamped as the golden model does);
-- stage 1 (ROM read, synchronous): the table words, and the input registered beside them;
-  the function's output (``y``) is chosen from the table word or a rule (``small_rule``,
-  ``large_rule_pos``/``large_rule_neg``), or from comparators (relu, leaky_relu and their
-  derivatives), with NaN inputs overriding everything;
-- stage 2: ``y`` and the multiplier's second operand (the upstream gradient ``g`` for a
-  gradient function, 1.0 for a unary one) are registered;
-- stages 3-4: ``MulBF16Datapath`` computes ``bf16.mul(y, operand)``.
+- stage 1: the ROM address of every table unit, from the input's sign, exponent field and
+  mantissa (``TableUnit`` indexing, out-of-window fields clamped as the golden model does),
+  registered, and the input beside it;
+- stage 2 (ROM read, synchronous): the table words;
+- stage 3: the table words registered as they leave the block RAMs (whose clock-to-out leaves
+  no time for logic behind them), and beside them what depends on the input alone: its
+  classes, the rule values and each table's window tests;
+- stage 4: the function's output (``y``), chosen from the table word or a rule
+  (``small_rule``, ``large_rule_pos``/``large_rule_neg``), or from comparators (relu,
+  leaky_relu and their derivatives), with NaN inputs overriding everything, and the
+  multiplier's second operand (the upstream gradient ``g`` for a gradient function, 1.0 for a
+  unary one);
+- stages 5-7: ``MulBF16Datapath`` computes ``bf16.mul(y, operand)``.
 
 A unary function goes through the multiplier too, times 1.0: every unit output is a normal,
 a zero, an inf or ``QNAN | sign`` (never a subnormal), and the multiplier returns each of
@@ -25,7 +30,7 @@ elaboration time (``table_unit(name)``): the gateware cannot drift from the gold
 from __future__ import annotations
 
 
-from amaranth import Cat, Const, Module, Mux, Signal
+from amaranth import Array, Cat, Const, Module, Mux, Signal, Value
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
@@ -64,6 +69,10 @@ FUNC_WIDTH = (len(FUNCTIONS) - 1).bit_length()
 BF16 = data.StructLayout({"mantissa": MANT_BITS, "field": BF16_WIDTH - MANT_BITS - 1, "sign": 1})
 #: One input beat of the activation unit.
 ACTIVATION_INPUT = data.StructLayout({"x": BF16_WIDTH, "g": BF16_WIDTH, "func": FUNC_WIDTH})
+
+#: Words of one ROM part: a DP16KD block RAM holds 1024 x 16 bits.
+_ROM_PART_BITS = 10
+_ROM_PART = 1 << _ROM_PART_BITS
 
 _SIGN = 1 << (BF16_WIDTH - 1)
 _INF = FIELD_INF << MANT_BITS
@@ -109,13 +118,16 @@ class MulBF16Datapath(wiring.Component):
     ``sign(a) ^ sign(b)`` (the golden model's NaN sign is the host FPU's: compare by class).
 
     Advance/valid pipeline: every register moves when ``advance`` is high; ``o_valid``
-    follows ``i_valid`` ``LATENCY`` advances later. Latency 2 cycles, one product per cycle.
+    follows ``i_valid`` ``LATENCY`` advances later. Latency 3 cycles, one product per cycle:
+    (1) the significand product (a DSP block), the field sum, the classes; (2) normalization,
+    the rounding decision and its carry, the range tests; (3) the rounding increment and the
+    result.
 
     Ports: ``advance``, ``i_valid``, ``a``, ``b`` (bf16 patterns) in; ``o_valid``, ``o`` out.
     """
 
     #: Register stages between ``a``/``b`` and ``o``.
-    LATENCY = 2
+    LATENCY = 3
 
     def __init__(self):
         super().__init__(
@@ -157,37 +169,59 @@ class MulBF16Datapath(wiring.Component):
                 valid.eq(self.i_valid),
             ]
 
+        def reg(value, name):
+            r = Signal(Value.cast(value).shape(), name=name, reset_less=True)
+            with m.If(self.advance):
+                m.d.sync += r.eq(value)
+            return r
+
         # Stage 2: normalize (the product of two significands in [1, 2) lies in [1, 4): at
-        # most one right shift), round to nearest even on the dropped bits, then range checks.
+        # most one right shift) and decide the rounding (RNE on the dropped bits), and whether
+        # it carries out of the significand; beside them, the range tests for each exponent
+        # the result may get. The sum of two biased fields counts the bias twice; the
+        # normalizing shift and a rounding carry (which leaves the mantissa bits at 0) each add
+        # one, so the result's field plus EXP_BIAS is field_sum + k, k = top + carry in 0..2.
         top = prod[-1]
         kept = Mux(top, prod[sig_bits:], prod[sig_bits - 1 : -1])
         guard = Mux(top, prod[sig_bits - 1], prod[sig_bits - 2])
         sticky = Mux(top, prod[: sig_bits - 1] != 0, prod[: sig_bits - 2] != 0)
-        rounded = Signal(sig_bits + 1)
-        m.d.comb += rounded.eq(kept + (guard & (sticky | kept[0])))
-        # The result's biased field plus EXP_BIAS, kept unsigned (no negative range to
-        # handle): the sum of two biased fields counts the bias twice; the normalizing shift
-        # and a rounding carry (which leaves the mantissa bits at 0) each add one.
-        biased2 = Signal(field_sum.shape().width + 1)
-        m.d.comb += biased2.eq(field_sum + top + rounded[-1])
-        overflow = biased2 >= FIELD_INF + EXP_BIAS
-        underflow = biased2 <= EXP_BIAS
-        sign_bit = Cat(Const(0, BF16_WIDTH - 1), sign)
-        normal = Cat(rounded[:MANT_BITS], (biased2 - EXP_BIAS)[: a.field.shape().width], sign)
+        up = guard & (sticky | kept[0])
+        k = top + (up & kept.all())
+        field_width = a.field.shape().width
+        overflow = Array(field_sum >= FIELD_INF + EXP_BIAS - j for j in range(3))[k]
+        underflow = Array(field_sum <= EXP_BIAS - j for j in range(3))[k]
+        field = Array((field_sum + j - EXP_BIAS)[:field_width] for j in range(3))[k]
+        kept2 = reg(kept, "kept2")
+        up2 = reg(up, "up2")
+        field2 = reg(field, "field2")
+        sign2 = reg(sign, "sign2")
+        # The output's class: NaN, inf (an input or an overflow), zero (an input or FTZ after
+        # rounding) or a normal number.
+        nan2 = reg(nan, "nan2")
+        inf2 = reg(~nan & (inf | overflow), "inf2")
+        zero2 = reg(~nan & ~inf & ~overflow & (zero | underflow), "zero2")
+        valid2 = Signal()
+        with m.If(self.advance):
+            m.d.sync += valid2.eq(valid)
+
+        # Stage 3: the rounding increment (a carry out leaves the mantissa bits at 0) and the
+        # result.
+        mantissa = (kept2 + up2)[:MANT_BITS]
+        sign_bit = Cat(Const(0, BF16_WIDTH - 1), sign2)
         out = Signal(BF16_WIDTH)
-        with m.If(nan):
+        with m.If(nan2):
             m.d.comb += out.eq(sign_bit | QNAN)
-        with m.Elif(inf | overflow):
+        with m.Elif(inf2):
             m.d.comb += out.eq(sign_bit | _INF)
-        with m.Elif(zero | underflow):
+        with m.Elif(zero2):
             m.d.comb += out.eq(sign_bit)
         with m.Else():
-            m.d.comb += out.eq(normal)
+            m.d.comb += out.eq(Cat(mantissa, field2, sign2))
 
         o = Signal(BF16_WIDTH, reset_less=True)
         o_valid = Signal()
         with m.If(self.advance):
-            m.d.sync += [o.eq(out), o_valid.eq(valid)]
+            m.d.sync += [o.eq(out), o_valid.eq(valid2)]
         m.d.comb += [self.o.eq(o), self.o_valid.eq(o_valid)]
         return m
 
@@ -201,13 +235,13 @@ class ActivationDatapath(wiring.Component):
     a function left out of ``functions`` (or an unassigned code) gives ``0x7FC0`` (NaN).
 
     Every register moves when ``advance`` is high; ``o_valid`` follows ``i_valid`` ``LATENCY``
-    advances later. Latency 4 cycles, one result per cycle.
+    advances later. Latency 7 cycles, one result per cycle.
 
     Ports: ``advance``, ``i_valid``, ``i`` (``ACTIVATION_INPUT``) in; ``o_valid``, ``o`` out.
     """
 
-    #: ROM read, function select, then the multiplier (2 + ``MulBF16Datapath.LATENCY``): the
-    #: contract's ``ACTIVATION_LATENCY``, which ``emu`` counts.
+    #: ROM address, ROM read, ROM output register, function select, then the multiplier (4 +
+    #: ``MulBF16Datapath.LATENCY``): the contract's ``ACTIVATION_LATENCY``, which ``emu`` counts.
     LATENCY = ACTIVATION_LATENCY
 
     def __init__(self, *, functions=FUNCTIONS, leaky_shift: int = LEAKY_SHIFT):
@@ -238,48 +272,110 @@ class ActivationDatapath(wiring.Component):
         x0 = data.View(BF16, self.i.x)
         field_width = x0.field.shape().width
 
-        # Stage 0 -> 1: one synchronous ROM per table unit (a block RAM each), read every
-        # cycle the pipeline moves and holding its word while it stalls, like the registers.
-        words = {}
+        # Stage 1: each table unit's ROM address, registered (it is too deep to share a cycle
+        # with the block RAM's address setup). The row is the field's offset in the window, in
+        # the negative half for a negative x: the window tests and both offsets are computed
+        # side by side, then selected. Out-of-window fields read a clamped (in-range) word that
+        # the rules replace.
+        addresses = {}
         for name in self.tables:
             unit = activations.table_unit(name)
-            rom = Memory(shape=BF16_WIDTH, depth=unit.rom_entries, init=[int(w) for w in unit.rom])
-            m.submodules[f"rom_{name}"] = rom
-            port = rom.read_port(domain="sync")
-            # Out-of-window fields read a clamped (in-range) word that the rules replace.
-            offset = Mux(
-                x0.field < unit.f_lo,
-                0,
-                Mux(x0.field > unit.f_hi, unit.fields - 1, (x0.field - unit.f_lo)[:field_width]),
-            )
-            row = Mux(x0.sign, offset + unit.fields, offset)
-            m.d.comb += [port.addr.eq(Cat(x0.mantissa, row)), port.en.eq(advance)]
-            words[name] = port.data
+            below = x0.field < unit.f_lo
+            above = x0.field > unit.f_hi
+            offset = (x0.field - unit.f_lo)[:field_width]
+            offset_neg = (x0.field + (unit.fields - unit.f_lo))[:field_width + 1]
+            half = unit.fields * x0.sign
+            row = Mux(below, half, Mux(above, half + unit.fields - 1, Mux(x0.sign, offset_neg, offset)))
+            address = Signal(range(unit.rom_entries), name=f"address_{name}", reset_less=True)
+            with m.If(advance):
+                m.d.sync += address.eq(Cat(x0.mantissa, row))
+            addresses[name] = address
+        xa = Signal(BF16, reset_less=True)
+        ga = Signal(BF16_WIDTH, reset_less=True)
+        funca = Signal(FUNC_WIDTH, reset_less=True)
+        va = Signal()
+        with m.If(advance):
+            m.d.sync += [xa.eq(self.i.x), ga.eq(self.i.g), funca.eq(self.i.func), va.eq(self.i_valid)]
+
+        # Stage 2: the ROMs, synchronous, read every cycle the pipeline moves and holding their
+        # words while it stalls, like the registers. Each table unit's ROM is built of parts of
+        # one block RAM each (``_ROM_PART`` words), so that every block RAM output goes straight
+        # into a register (stage 3) and the part is chosen after it, by the address's high bits.
+        parts = {}  # table unit -> (part words, part index)
+        for name in self.tables:
+            unit = activations.table_unit(name)
+            rom_words = [int(w) for w in unit.rom]
+            address = addresses[name]
+            outs = []
+            for p, start in enumerate(range(0, unit.rom_entries, _ROM_PART)):
+                chunk = rom_words[start:start + _ROM_PART]
+                rom = Memory(shape=BF16_WIDTH, depth=len(chunk), init=chunk)
+                m.submodules[f"rom_{name}_{p}"] = rom
+                port = rom.read_port(domain="sync")
+                m.d.comb += [port.addr.eq(address[:_ROM_PART_BITS]), port.en.eq(advance)]
+                outs.append(port.data)
+            part = Signal(range(len(outs)), name=f"part_{name}", reset_less=True)
+            with m.If(advance):
+                m.d.sync += part.eq(address[_ROM_PART_BITS:])
+            parts[name] = (outs, part)
 
         x1 = Signal(BF16, reset_less=True)
         g1 = Signal(BF16_WIDTH, reset_less=True)
         func1 = Signal(FUNC_WIDTH, reset_less=True)
         v1 = Signal()
         with m.If(advance):
-            m.d.sync += [
-                x1.eq(self.i.x),
-                g1.eq(self.i.g),
-                func1.eq(self.i.func),
-                v1.eq(self.i_valid),
-            ]
+            m.d.sync += [x1.eq(xa), g1.eq(ga), func1.eq(funca), v1.eq(va)]
 
-        # Stage 1: the unit outputs. Shared input decodes first.
+        # Stage 3: the block RAM words are registered as they come out (their clock-to-out
+        # leaves no time for logic behind them); beside them, everything that depends on the
+        # input alone: its classes, the rule values and each table's window tests.
         sign16 = Cat(Const(0, BF16_WIDTH - 1), x1.sign)
         x_zero, _, x_nan = _classes(x1)
-        positive = ~x1.sign & ~x_zero  # x > 0 after DAZ (NaN is overridden below)
-        x_daz = Mux(x_zero, sign16, x1.as_value())
         # x * 0.5 by exponent decrement; fields 1 and 0 flush to a zero of x's sign.
         x_half = Mux(
             x1.field <= 1,
             sign16,
             Mux(x1.field == FIELD_INF, x1.as_value(), x1.as_value() - (1 << MANT_BITS)),
         )
+        # leaky_relu: shifts past the field range flush every finite negative input (as the
+        # golden model's clamp to 255 does).
+        s = min(self.leaky_shift, FIELD_INF)
+        leaky_neg = Mux(
+            x1.field == FIELD_INF,
+            x1.as_value(),
+            Mux(x1.field <= s, sign16, Cat(x1.mantissa, (x1.field - s)[:field_width], x1.sign)),
+        )
 
+        def reg(value, name):
+            r = Signal(Value.cast(value).shape(), name=name, reset_less=True)
+            with m.If(advance):
+                m.d.sync += r.eq(value)
+            return r
+
+        x2 = Signal(BF16, reset_less=True)
+        with m.If(advance):
+            m.d.sync += x2.eq(x1)
+        g2 = reg(g1, "g2")
+        func2 = reg(func1, "func2")
+        positive = reg(~x1.sign & ~x_zero, "positive2")  # x > 0 after DAZ (NaN is overridden below)
+        x_neg = reg(x1.sign & ~x_zero, "x_neg2")
+        x_daz = reg(Mux(x_zero, sign16, x1.as_value()), "x_daz2")
+        x_half = reg(x_half, "x_half2")
+        leaky_neg = reg(leaky_neg, "leaky_neg2")
+        x_nan = reg(x_nan, "x_nan2")
+        sign16 = reg(sign16, "sign16_2")
+        windows = {}
+        for name in self.tables:
+            unit = activations.table_unit(name)
+            outs, part = parts[name]
+            words = Array(reg(w, f"word_{name}_{p}") for p, w in enumerate(outs))
+            windows[name] = (reg(x1.field < unit.f_lo, f"below_{name}"), reg(x1.field > unit.f_hi, f"above_{name}"),
+                             words[reg(part, f"part2_{name}")])
+        v2 = Signal()
+        with m.If(advance):
+            m.d.sync += v2.eq(v1)
+
+        # Stage 4: the unit outputs, chosen by the function, and the multiplier's operands.
         def rule(r):
             kind = r[0]
             if kind == "const":
@@ -292,31 +388,20 @@ class ActivationDatapath(wiring.Component):
 
         def table(name):
             unit = activations.table_unit(name)
+            below, above, word = windows[name]
             return Mux(
-                x1.field < unit.f_lo,
+                below,
                 rule(unit.small_rule),
-                Mux(
-                    x1.field > unit.f_hi,
-                    Mux(x1.sign, rule(unit.large_rule_neg), rule(unit.large_rule_pos)),
-                    words[name],
-                ),
+                Mux(above, Mux(x2.sign, rule(unit.large_rule_neg), rule(unit.large_rule_pos)), word),
             )
 
-        # leaky_relu: shifts past the field range flush every finite negative input (as the
-        # golden model's clamp to 255 does).
-        s = min(self.leaky_shift, FIELD_INF)
-        leaky_neg = Mux(
-            x1.field == FIELD_INF,
-            x1.as_value(),
-            Mux(x1.field <= s, sign16, Cat(x1.mantissa, (x1.field - s)[:field_width], x1.sign)),
-        )
         slope = (EXP_BIAS - self.leaky_shift) << MANT_BITS if self.leaky_shift < EXP_BIAS else 0
 
         def unit_output(name):
             if name == "relu":
-                return Mux(positive, x1.as_value(), 0)
+                return Mux(positive, x2.as_value(), 0)
             if name == "leaky_relu":
-                return Mux(x1.sign & ~x_zero, leaky_neg, x_daz)
+                return Mux(x_neg, leaky_neg, x_daz)
             if name == "relu_grad":
                 return Mux(positive, _ONE, 0)
             if name == "leaky_relu_grad":
@@ -326,34 +411,33 @@ class ActivationDatapath(wiring.Component):
         y = Signal(BF16_WIDTH)
         operand = Signal(BF16_WIDTH)
         built = Signal()
-        with m.Switch(func1):
+        with m.Switch(func2):
             for name in self.functions:
                 with m.Case(function_code(name)):
                     m.d.comb += [
                         y.eq(unit_output(name)),
-                        operand.eq(g1 if name in GRADIENT_FUNCTIONS else _ONE),
+                        operand.eq(g2 if name in GRADIENT_FUNCTIONS else _ONE),
                         built.eq(1),
                     ]
             with m.Default():
                 m.d.comb += [y.eq(QNAN), operand.eq(_ONE), built.eq(0)]
 
-        # Stage 2: the multiplier's operands, so that the ROM's clock-to-out and the function
-        # multiplexer are not in front of the multiplier.
+        # (Registered, so that the function multiplexer is not in front of the multiplier.)
         y2 = Signal(BF16_WIDTH, reset_less=True)
         operand2 = Signal(BF16_WIDTH, reset_less=True)
-        v2 = Signal()
+        v3 = Signal()
         with m.If(advance):
             m.d.sync += [
                 y2.eq(Mux(x_nan & built, sign16 | QNAN, y)),
                 operand2.eq(operand),
-                v2.eq(v1),
+                v3.eq(v2),
             ]
 
-        # Stages 3-4: y times g (gradients) or times 1.0 (unary functions: exact identity).
+        # Stages 5-7: y times g (gradients) or times 1.0 (unary functions: exact identity).
         m.submodules.mul = mul = MulBF16Datapath()
         m.d.comb += [
             mul.advance.eq(advance),
-            mul.i_valid.eq(v2),
+            mul.i_valid.eq(v3),
             mul.a.eq(y2),
             mul.b.eq(operand2),
             self.o.eq(mul.o),
@@ -378,7 +462,7 @@ class Activation(wiring.Component):
     see ``rom_bits``); a code of a function not built, or an unassigned code, gives ``0x7FC0``
     (NaN). ``leaky_shift``: the leaky_relu slope exponent.
 
-    Latency 4 cycles (``LATENCY``); throughput one beat per cycle, any mix of functions;
+    Latency 7 cycles (``LATENCY``); throughput one beat per cycle, any mix of functions;
     ``i.ready`` follows ``~o.valid | o.ready`` (all stages move together).
     """
 

@@ -64,14 +64,17 @@ class AddF32Datapath(wiring.Component):
     ``LATENCY`` advancing cycles earlier. With ``advance`` low every stage holds, so
     ``result`` holds too. Several lanes may share one ``advance``.
 
-    Latency: ``LATENCY`` = 5 cycles. Throughput: one addition per cycle.
+    Latency: ``LATENCY`` = 7 cycles. Throughput: one addition per cycle.
 
-    Stages (a register after each): 1. unpack, DAZ, classify, compare magnitudes, swap,
-    exponent difference; 2. align the smaller significand (guard/round/sticky); 3. add or
-    subtract; 4. leading-zero count and normalize; 5. round, pack, specials, FTZ, overflow.
+    Stages (a register after each; each is at most one carry chain or a few LUT levels deep,
+    for 150 MHz on an ECP5): 1. classify, compare magnitudes, both exponent differences;
+    2. swap, DAZ, clamp the alignment shift; 3. align the smaller significand, sticky decoded
+    from the shift amount; 4. add or subtract; 5. leading-zero count; 6. normalizing shift,
+    result exponent; 7. round (RNE increment) beside the range tests, specials, FTZ, overflow,
+    pack.
     """
 
-    LATENCY = ADD_LATENCY  # the five stages below (hw.params: CoreConfig checks the K-tile against it)
+    LATENCY = ADD_LATENCY  # the seven stages below (hw.params: CoreConfig checks the K-tile against it)
 
     def __init__(self):
         super().__init__(
@@ -107,126 +110,164 @@ class AddF32Datapath(wiring.Component):
             valid = reg
         m.d.comb += self.out_valid.eq(valid)
 
-        # 1. Unpack, DAZ, classify, order the operands by magnitude.
+        # 1. Classify; compare magnitudes; both exponent differences, so that stage 2 only
+        # selects one (the subtractors run beside the comparator instead of after it).
         a = F32Layout(self.a)
         b = F32Layout(self.b)
-        # DAZ: a subnormal input has exponent field 0 and reads as a zero of its sign, so
-        # its fraction is dropped and no hidden bit is set.
-        a_zero = a.exp == 0
-        b_zero = b.exp == 0
-        a_mag = Mux(a_zero, 0, Cat(a.frac, a.exp))
-        b_mag = Mux(b_zero, 0, Cat(b.frac, b.exp))
-        a_sig = Mux(a_zero, 0, Cat(a.frac, Const(1, 1)))
-        b_sig = Mux(b_zero, 0, Cat(b.frac, Const(1, 1)))
         a_nan = (a.exp == _EXP_MAX) & (a.frac != 0)
         b_nan = (b.exp == _EXP_MAX) & (b.frac != 0)
         a_inf = (a.exp == _EXP_MAX) & (a.frac == 0)
         b_inf = (b.exp == _EXP_MAX) & (b.frac == 0)
         # Magnitudes compare as integers (exponent above fraction); the larger one sets the
-        # sign and the exponent, so the significand difference is never negative.
-        swap = b_mag > a_mag
-        exp_big = Mux(swap, b.exp, a.exp)
-        exp_small = Mux(swap, a.exp, b.exp)
-        exp_diff = (exp_big - exp_small)[:F32_EXP_BITS]
+        # sign and the exponent, so the significand difference is never negative. The raw
+        # patterns order like the DAZ'd ones except among two subnormals or zeros, whose sum is
+        # an exact zero (sign ``zero_sign``, exponent 0) in either order: no DAZ mux in front.
         s1 = self._stage(
             m,
             "s1",
-            sign=Mux(swap, b.sign, a.sign),
-            sub=a.sign ^ b.sign,
-            exp=exp_big,
-            sig_big=Mux(swap, b_sig, a_sig),
-            sig_small=Mux(swap, a_sig, b_sig),
-            shift=Mux(exp_diff > _ALIGN_MAX, _ALIGN_MAX, exp_diff),
+            a=self.a,
+            b=self.b,
+            swap=b.as_value()[: FP32_WIDTH - 1] > a.as_value()[: FP32_WIDTH - 1],
+            diff_ab=(a.exp - b.exp)[:F32_EXP_BITS],
+            diff_ba=(b.exp - a.exp)[:F32_EXP_BITS],
             # inf + -inf is invalid; otherwise an inf is the larger magnitude, so its sign
             # is the sign carried with the larger operand.
             nan=a_nan | b_nan | (a_inf & b_inf & (a.sign ^ b.sign)),
             inf=a_inf | b_inf,
+        )
+
+        # 2. Order the operands; DAZ: a subnormal input has exponent field 0 and reads as a zero
+        # of its sign, so its fraction is dropped and no hidden bit is set.
+        a = F32Layout(s1.a)
+        b = F32Layout(s1.b)
+        a_sig = Mux(a.exp == 0, 0, Cat(a.frac, Const(1, 1)))
+        b_sig = Mux(b.exp == 0, 0, Cat(b.frac, Const(1, 1)))
+        exp_diff = Mux(s1.swap, s1.diff_ba, s1.diff_ab)
+        s2 = self._stage(
+            m,
+            "s2",
+            sign=Mux(s1.swap, b.sign, a.sign),
+            sub=a.sign ^ b.sign,
+            exp=Mux(s1.swap, b.exp, a.exp),
+            sig_big=Mux(s1.swap, b_sig, a_sig),
+            sig_small=Mux(s1.swap, a_sig, b_sig),
+            shift=Mux(exp_diff > _ALIGN_MAX, _ALIGN_MAX, exp_diff),
+            nan=s1.nan,
+            inf=s1.inf,
             # The sign of an exact zero sum: -0 only for (-0) + (-0) (RNE).
             zero_sign=a.sign & b.sign,
         )
 
-        # 2. Align the smaller significand; what falls below the round bit ORs into sticky.
-        wide = Cat(Const(0, _ALIGN_MAX), s1.sig_small) >> s1.shift
+        # 3. Align the smaller significand; what falls below the round bit ORs into sticky.
+        # Bit i of the significand lands below the round bit when i + _GR_BITS < shift: the
+        # sticky bit is decoded from the shift amount beside the shifter, not after it, through
+        # a table (one LUT per mask bit, where a comparison would take a carry chain).
+        wide = Cat(Const(0, _ALIGN_MAX), s2.sig_small) >> s2.shift
         kept = wide[_ALIGN_MAX - _GR_BITS :]
-        sticky = wide[: _ALIGN_MAX - _GR_BITS] != 0
-        s2 = self._stage(
-            m,
-            "s2",
-            sign=s1.sign,
-            sub=s1.sub,
-            exp=s1.exp,
-            big=Cat(Const(0, _GR_BITS + 1), s1.sig_big),
-            small=Cat(sticky, kept),
-            nan=s1.nan,
-            inf=s1.inf,
-            zero_sign=s1.zero_sign,
-        )
-
-        # 3. One adder for both: a difference adds the complement (one extra bit for the
-        # carry of a sum). The sticky LSB makes a difference round right: the true value lies
-        # strictly between the computed one and the next multiple of two sticky units.
-        small = Cat(s2.small, Const(0, 1))
-        total = (Cat(s2.big, Const(0, 1)) + (small ^ s2.sub.replicate(_EXT_BITS + 1)) + s2.sub)[: _EXT_BITS + 1]
+        below = Signal(_SIG_BITS)  # the significand bits that the shift drops below the round bit
+        with m.Switch(s2.shift):
+            for k in range(_ALIGN_MAX + 1):
+                with m.Case(k):
+                    m.d.comb += below.eq((1 << max(k - _GR_BITS, 0)) - 1)
+        sticky = (s2.sig_small & below) != 0
         s3 = self._stage(
             m,
             "s3",
             sign=s2.sign,
+            sub=s2.sub,
             exp=s2.exp,
-            total=total,
+            big=Cat(Const(0, _GR_BITS + 1), s2.sig_big),
+            small=Cat(sticky, kept),
             nan=s2.nan,
             inf=s2.inf,
             zero_sign=s2.zero_sign,
         )
 
-        # 4. Normalize: bring the leading one to the top bit. Padding the count's input with
-        # ones below gives a power-of-two tree and a count of _EXT_BITS + 1 for a zero total.
-        pad = (1 << _EXT_BITS.bit_length()) - (_EXT_BITS + 1)
-        lzc, _ = _leading_zeros(Cat(Const((1 << pad) - 1, pad), s3.total))
-        normal = (s3.total << lzc)[: _EXT_BITS + 1]
-        # The hidden bit of the larger operand sits one below the top bit: a count of zero is
-        # a carry out of the significand, one is no change, more is cancellation.
-        exp_res = Signal(signed(F32_EXP_BITS + 2))
-        m.d.comb += exp_res.eq(s3.exp + 1 - lzc)
+        # 4. One adder for both: a difference adds the complement (one extra bit for the
+        # carry of a sum). The sticky LSB makes a difference round right: the true value lies
+        # strictly between the computed one and the next multiple of two sticky units.
+        small = Cat(s3.small, Const(0, 1))
+        total = (Cat(s3.big, Const(0, 1)) + (small ^ s3.sub.replicate(_EXT_BITS + 1)) + s3.sub)[: _EXT_BITS + 1]
         s4 = self._stage(
             m,
             "s4",
             sign=s3.sign,
-            exp=exp_res,
-            sig=normal[-_SIG_BITS:],
-            guard=normal[-_SIG_BITS - 1],
-            sticky=normal[: -_SIG_BITS - 1] != 0,
-            zero=s3.total == 0,
+            exp=s3.exp,
+            total=total,
             nan=s3.nan,
             inf=s3.inf,
             zero_sign=s3.zero_sign,
         )
 
-        # 5. Round to nearest even and pack. Adding the rounding increment to exponent and
-        # fraction together lets a carry out of the significand step the exponent (and turn
-        # the largest finite magnitude into the inf pattern).
-        round_up = s4.guard & (s4.sticky | s4.sig[0])
-        packed = (Cat(s4.sig[:F32_FRAC_BITS], s4.exp[:F32_EXP_BITS]) + round_up)[: FP32_WIDTH - 1]
-        # A sum of two normals below 2**-126 is a multiple of 2**-149 and so exact (no guard
-        # or sticky bit), hence "below 2**-126 after rounding" is "exponent below 1" here.
-        tiny = s4.exp < 1
-        huge = (s4.exp >= _EXP_MAX) | (packed[F32_FRAC_BITS:] == _EXP_MAX)
+        # 5. Count the leading zeros. Padding the count's input with ones below gives a
+        # power-of-two tree and a count of _EXT_BITS + 1 for a zero total.
+        pad = (1 << _EXT_BITS.bit_length()) - (_EXT_BITS + 1)
+        lzc, _ = _leading_zeros(Cat(Const((1 << pad) - 1, pad), s4.total))
+        s5 = self._stage(
+            m,
+            "s5",
+            sign=s4.sign,
+            exp=s4.exp,
+            total=s4.total,
+            lzc=lzc,
+            zero=s4.total == 0,
+            nan=s4.nan,
+            inf=s4.inf,
+            zero_sign=s4.zero_sign,
+        )
+
+        # 6. Normalize: bring the leading one to the top bit. The hidden bit of the larger
+        # operand sits one below the top bit: a count of zero is a carry out of the
+        # significand, one is no change, more is cancellation.
+        normal = (s5.total << s5.lzc)[: _EXT_BITS + 1]
+        exp_res = Signal(signed(F32_EXP_BITS + 2))
+        m.d.comb += exp_res.eq(s5.exp + 1 - s5.lzc)
+        s6 = self._stage(
+            m,
+            "s6",
+            sign=s5.sign,
+            exp=exp_res,
+            sig=normal[-_SIG_BITS:],
+            guard=normal[-_SIG_BITS - 1],
+            sticky=normal[: -_SIG_BITS - 1] != 0,
+            zero=s5.zero,
+            nan=s5.nan,
+            inf=s5.inf,
+            zero_sign=s5.zero_sign,
+        )
+
+        # 7. Round to nearest even and pack. Adding the rounding increment to exponent and
+        # fraction together lets a carry out of the significand step the exponent (and turn the
+        # largest finite magnitude into the inf pattern). A sum of two normals below 2**-126 is a
+        # multiple of 2**-149 and so exact (no guard or sticky bit), hence "below 2**-126 after
+        # rounding" is "exponent below 1" here. The range tests read the exponent before the
+        # increment, beside the adder (the carry reaches the inf field only from field 254 with
+        # an all-ones fraction), so only a multiplexer follows the increment.
+        round_up = s6.guard & (s6.sticky | s6.sig[0])
+        packed = (Cat(s6.sig[:F32_FRAC_BITS], s6.exp[:F32_EXP_BITS]) + round_up)[: FP32_WIDTH - 1]
+        # The range tests as bit tests of the (signed) exponent: LUTs, where comparisons with
+        # a constant would take carry chains.
+        exp = s6.exp
+        tiny = exp[-1] | (exp == 0)  # below 1
+        at_inf = ~exp[-1] & (exp[F32_EXP_BITS] | exp[:F32_EXP_BITS].all())  # _EXP_MAX or more
+        huge = at_inf | ((exp == _EXP_MAX - 1) & s6.sig[:F32_FRAC_BITS].all() & round_up)
         zero_magnitude = Const(0, FP32_WIDTH - 1)
         inf_magnitude = Const(_EXP_MAX << F32_FRAC_BITS, FP32_WIDTH - 1)
         result = Signal(FP32_WIDTH)
-        with m.If(s4.nan):
+        with m.If(s6.nan):
             m.d.comb += result.eq(F32_QNAN)
-        with m.Elif(s4.inf):
-            m.d.comb += result.eq(Cat(inf_magnitude, s4.sign))
-        with m.Elif(s4.zero):
-            m.d.comb += result.eq(Cat(zero_magnitude, s4.zero_sign))
+        with m.Elif(s6.inf):
+            m.d.comb += result.eq(Cat(inf_magnitude, s6.sign))
+        with m.Elif(s6.zero):
+            m.d.comb += result.eq(Cat(zero_magnitude, s6.zero_sign))
         with m.Elif(tiny):
-            m.d.comb += result.eq(Cat(zero_magnitude, s4.sign))
+            m.d.comb += result.eq(Cat(zero_magnitude, s6.sign))
         with m.Elif(huge):
-            m.d.comb += result.eq(Cat(inf_magnitude, s4.sign))
+            m.d.comb += result.eq(Cat(inf_magnitude, s6.sign))
         with m.Else():
-            m.d.comb += result.eq(Cat(packed, s4.sign))
-        s5 = self._stage(m, "s5", result=result)
-        m.d.comb += self.result.eq(s5.result)
+            m.d.comb += result.eq(Cat(packed, s6.sign))
+        s7 = self._stage(m, "s7", result=result)
+        m.d.comb += self.result.eq(s7.result)
         return m
 
 
@@ -234,7 +275,7 @@ class AddF32(wiring.Component):
     """Stream fp32 adder: each beat ``{a, b}`` on ``i`` gives ``hbfp.golden.bf16.add_f32(a,
     b)`` on ``o`` (32-bit fp32 pattern, NaN results as ``0x7FC00000``), in order.
 
-    Latency: ``LATENCY`` = ``AddF32Datapath.LATENCY`` = 5 cycles from a beat accepted on ``i``
+    Latency: ``LATENCY`` = ``AddF32Datapath.LATENCY`` = 7 cycles from a beat accepted on ``i``
     to its result valid on ``o``. Throughput: one beat per cycle. ``i.ready`` follows
     ``o.ready`` combinationally (``advance = ~o.valid | o.ready``).
     """

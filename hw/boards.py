@@ -39,7 +39,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from amaranth import Elaboratable, Instance, Module, Signal
@@ -240,7 +240,10 @@ def board_config(name: str, **overrides) -> tuple[Board, CoreConfig, dict]:
         raise ValueError(f"unknown build option(s) {', '.join(sorted(unknown))}")
     if board.link != "uart" and {"baud", "fifo_depth"} & set(top_fields):
         raise ValueError(f"{name} has no UART: baud and fifo_depth do not apply")
-    cfg = replace(board.cfg, **core_fields)
+    # From the board's options again (not ``replace``), so that the fields the contract derives
+    # (``out_lanes``) follow the overrides unless given.
+    board_core = {k: v for k, v in board.options.items() if k in CoreConfig.__dataclass_fields__}
+    cfg = CoreConfig(**{**board_core, **core_fields})
     top_kw = {**board.top_kw, **top_fields}
     if board.link == "uart":
         divisor_for(int(board.platform().default_clk_frequency), top_kw["baud"])  # a clear error if too fast

@@ -14,7 +14,7 @@ from amaranth.back import verilog
 
 from hbfp import __version__
 
-from . import activation, add_f32, buffers, gemm_core, mac_array, normalize, quantize, top
+from . import accumulate, activation, add_f32, buffers, epilogue, gemm_core, mac_array, normalize, quantize, top
 from hbfp.contract import OutFormat, Target
 
 from .params import EXP_BIAS, EXP_NAN, RANDOM_BITS, ROUNDING_CODES, SEED_SALT, CoreConfig, psum_width
@@ -25,10 +25,11 @@ __all__ = ["components", "parameters", "generate"]
 def components(cfg: CoreConfig) -> dict:
     """Name -> constructor of every component of the core, as configured in ``cfg``; "top"
     (the accelerator with its protocol engine, default link parameters) needs a square array
-    and is left out otherwise."""
+    whose columns (a power of two) divide the tile, and is left out otherwise."""
     m, tk = cfg.mantissa_bits, cfg.tk
     functions = cfg.built_functions
-    tops = {"top": lambda: top.AcceleratorTop(cfg)} if cfg.rows == cfg.cols else {}
+    square = cfg.rows == cfg.cols and not cfg.cols & (cfg.cols - 1) and cfg.tile[1] % cfg.cols == 0
+    tops = {"top": lambda: top.AcceleratorTop(cfg)} if square else {}  # AcceleratorTop's shapes
     units = {}  # the optional units, when built
     if functions:
         units["activation"] = lambda: activation.Activation(functions=functions, leaky_shift=cfg.leaky_shift)
@@ -37,6 +38,8 @@ def components(cfg: CoreConfig) -> dict:
     return {
         "gemm_core": lambda: gemm_core.GemmCore(cfg),
         "mac_array": lambda: mac_array.MacArray(cfg.rows, cfg.cols, tk, m, m),
+        "accumulate": lambda: accumulate.Accumulate(cfg),
+        "epilogue": lambda: epilogue.Epilogue(cfg, gemm_core.command_layout(cfg)),
         "normalize": lambda: normalize.Normalize(psum_width(m, m, tk), m, m),
         "add_f32": lambda: add_f32.AddF32(),
         **units,
@@ -57,6 +60,7 @@ def parameters(cfg: CoreConfig) -> dict:
             "normalize": normalize.NormalizeDatapath.LATENCY,
             "add_f32": add_f32.AddF32Datapath.LATENCY,
             "activation": activation.ActivationDatapath.LATENCY,
+            "mac_array": mac_array.MacArray.LATENCY,
         },
         "codes": {
             "write_targets": {t.name.lower(): int(t) for t in Target},

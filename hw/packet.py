@@ -1,24 +1,34 @@
-"""The packet engine: the device side of the wire protocol (docs/protocol.md).
+"""The packet engine: the device side of the wire protocol (docs/protocol.md), on a link of
+``stream_bytes`` (N) bytes a cycle.
 
-Bytes come in one per cycle; the engine hunts for the magic, takes the header, stores the
-payload in a ``max_payload``-byte buffer while it runs the CRC, and acts on a frame only
-after its CRC has checked and its fields have been validated. It then drives the GEMM core
-(writes and commands), the input quantizer (WRITE of values) and an activation unit
-(ELEMENTWISE), and sends exactly one reply per frame, whose CRC it computes on the way out.
+Bytes come from a realigning window (``hw.link.ByteWindow``) in front of the engine, which
+offers up to N bytes whatever their place in the link's beats. The engine hunts for the
+magic and takes the header a byte a cycle, then the payload N bytes a cycle into an N-byte
+wide buffer (``max_payload`` bytes in words of N) while a parallel CRC-32 runs over it; it
+acts on a frame only after the CRC has checked and the fields have been validated. It then
+drives the GEMM core (writes and commands), the input quantizer (WRITE of values) and an
+activation unit (ELEMENTWISE), and sends exactly one reply per frame, up to N payload bytes
+a cycle, whose CRC it computes on the way out.
 
-Components, each with stream ports:
+Components, each with named ports, in the order a frame meets them:
 
-- ``ByteUnpacker`` / ``BytePacker``: the AXI-stream-style beats of the top's ports (``data``
-  lanes and a ``keep`` mask) to and from one byte per cycle;
-- ``ReplyFramer``: magic, header, payload bytes and CRC of a reply;
-- ``LaneAssembler``: payload bytes to beats of 32-bit lanes (codes sign-extended, fp32 as is,
-  bf16 widened to fp32);
-- ``ResultSerializer``: the core's output beats to the reply layout (fp32 or bf16 row-major
-  without the padding lanes, BFP tile-major with each tile's exponent byte first);
-- ``PacketEngine``: the protocol state machine around those.
+- ``FrameReceiver``: hunt, header, payload into the buffer, CRC, timeouts and the skipping
+  of an oversize frame; hands each frame over as one ``FRAME`` record;
+- ``FrameChecker``: the validation order of docs/protocol.md as a function of a ``FRAME``:
+  the status and the ``plan`` (``plan_layout``) of what to execute and reply;
+- ``PayloadReader``: buffer words back out as byte chunks of one or two regions (a WRITE's
+  data; ELEMENTWISE's x and g);
+- ``LaneAssembler``: a window of payload bytes to a beat of 32-bit lanes, one a cycle;
+- ``WriteReplay``: a WRITE's beats to the core, as row chunks or through the quantizer;
+- ``ResultSerializer``: the core's output beats (``cfg.out_lanes`` values each) to the
+  reply's byte layout, a beat's bytes a cycle;
+- ``ReplyFramer``: magic, header, payload (up to N bytes a cycle) and CRC of a reply;
+- ``PacketEngine``: those around the dispatch state machine and the STATUS counters.
 """
 
 from __future__ import annotations
+
+from amaranth.lib import enum
 
 from amaranth import Cat, Const, Module, Mux, Signal, signed, unsigned
 from amaranth.lib import data, memory, stream, wiring
@@ -40,22 +50,32 @@ from hbfp.contract import (
 )
 
 from .activation import ACTIVATION_INPUT, FUNC_WIDTH, UNARY_FUNCTIONS
-from .crc import CRC32, crc32_state
+from .crc import ParallelCRC32, chunk_layout, crc32_state
 from .gemm_core import command_layout, output_layout, write_layout
+from .link import ByteWindow, WindowSignature, beat_layout, reply_chunk_layout
 from .params import BF16_WIDTH, EXP_WIDTH, FP32_WIDTH, CoreConfig, layout
 
 __all__ = [
-    "BYTE",
     "beat_layout",
+    "chunk_layout",
+    "reply_chunk_layout",
     "quantize_output_layout",
-    "ByteUnpacker",
-    "BytePacker",
-    "ReplyFramer",
+    "HEAD",
+    "FrameEvent",
+    "frame_layout",
+    "Action",
+    "plan_layout",
+    "FrameReceiver",
+    "FrameChecker",
+    "PayloadReader",
     "LaneAssembler",
+    "WriteReplay",
     "ResultSerializer",
+    "ReplyFramer",
     "PacketEngine",
     "ASSEMBLE_MODES",
     "DESCRIPTOR_BYTES",
+    "result_chunk_bytes",
 ]
 
 #: Fixed payload sizes of the commands, from the contract's descriptors: WRITE's header
@@ -65,18 +85,81 @@ READ_SIZE = protocol.READ.size
 GEMM_SIZE = protocol.GEMM.size
 ELEMENTWISE_HEADER = protocol.ELEMENTWISE.size
 
-#: A byte of a reply on its way out: ``last`` marks the final byte of a frame.
-BYTE = data.StructLayout({"data": 8, "last": 1})
 #: Payload bytes the engine keeps in registers (the longest command descriptor, WRITE's).
 DESCRIPTOR_BYTES = max(WRITE_HEADER, READ_SIZE, GEMM_SIZE, ELEMENTWISE_HEADER)
 #: ``LaneAssembler`` modes: how an element's bytes fill its 32-bit lane.
 ASSEMBLE_MODES = {"sign_extend": 0, "raw": 1, "high_half": 2}
+#: A frame's header after the magic, as received.
+HEAD = data.StructLayout({"version": 8, "opcode": 8, "tag": 16, "length": 32})
 
 
-def beat_layout(stream_bytes: int) -> data.StructLayout:
-    """One beat of the top's ``i``/``o`` ports: ``data`` lanes (lane 0 first on the wire) and
-    the ``keep`` mask (bit b: lane b holds a byte)."""
-    return data.StructLayout({"data": data.ArrayLayout(8, stream_bytes), "keep": stream_bytes})
+class FrameEvent(enum.Enum, shape=2):
+    """How a received frame ended: whole (CRC and all), refused at its header (a length
+    beyond ``max_payload``: its remaining bytes are skipped after the reply), or dropped
+    after ``frame_timeout`` cycles without a byte."""
+
+    COMPLETE = 0
+    OVERSIZE = 1
+    TIMEOUT = 2
+
+
+def frame_layout() -> data.StructLayout:
+    """A received frame as the receiver hands it over: the header, the first
+    ``DESCRIPTOR_BYTES`` of the payload, whether the CRC checked, and how it ended."""
+    return data.StructLayout({"head": HEAD, "desc": 8 * DESCRIPTOR_BYTES, "crc_ok": 1, "event": FrameEvent})
+
+
+class Action(enum.Enum, shape=3):
+    """What the engine does with a frame before (or instead of) its reply's payload."""
+
+    REPLY = 0  # an error, IDENTIFY, STATUS: the reply alone
+    WRITE = 1
+    CORE = 2  # GEMM and READ
+    ELEMENTWISE = 3
+    RESET = 4
+
+
+def _words(max_payload: int, stream_bytes: int) -> int:
+    return -(-max_payload // stream_bytes)
+
+
+def write_plan_layout(cfg: CoreConfig) -> data.StructLayout:
+    """A WRITE's replay: the core target of its code beats, the region in row chunks (or
+    tiles, for values), its tile grid position, the quantizer's rounding and seed, and how the
+    ``LaneAssembler`` builds a beat."""
+    D, C = cfg.size, cfg.cols
+    th, tw = cfg.tile
+    return data.StructLayout({
+        "values": 1, "target": 3,
+        "row": range(D + 1), "col": range(D + 1), "col_end": range(D + 1), "row_end": range(D + 1),
+        "step": range(C + 1), "chunks": range(D * D + 1), "empty": 1,
+        "erow": range(D // th + 1), "ecol": range(D // tw + 1),
+        "rounding": Rounding, "seed": 32,
+        "elem_bytes": range(5), "elems": range(C + 1), "mode": 2,
+    })
+
+
+def read_plan_layout(stream_bytes: int, max_payload: int) -> data.StructLayout:
+    """The payload regions ``PayloadReader`` streams: region a from word ``a_word`` byte
+    ``a_offset``, ``length`` bytes; with ``interleave`` region b (same length) too."""
+    words = _words(max_payload, stream_bytes)
+    return data.StructLayout({
+        "a_word": range(words + 1), "a_offset": range(stream_bytes), "length": range(max_payload + 1),
+        "b_word": range(words + 1), "b_offset": range(stream_bytes), "interleave": 1,
+    })
+
+
+def plan_layout(cfg: CoreConfig, stream_bytes: int, max_payload: int) -> data.StructLayout:
+    """``FrameChecker``'s decision: the reply (status, opcode, tag; ``fixed`` bytes from
+    registers after the status, then ``stream`` bytes from a unit) and what to execute."""
+    return data.StructLayout({
+        "status": 8, "opcode": 8, "tag": 16, "fixed": range(33), "stream": 32,
+        "action": Action,
+        "write": write_plan_layout(cfg),
+        "read": read_plan_layout(stream_bytes, max_payload),
+        "cmd": command_layout(cfg),
+        "gradient": 1, "e_func": FUNC_WIDTH,
+    })
 
 
 def quantize_output_layout(mantissa_bits: int, lanes: int) -> data.StructLayout:
@@ -88,296 +171,15 @@ def quantize_output_layout(mantissa_bits: int, lanes: int) -> data.StructLayout:
     })
 
 
-def _lowest_set(mask: Signal, width: int):
-    """Index of the lowest set bit of ``mask`` (0 when none): a priority encoder."""
-    index = Const(0, range(width))
-    for b in reversed(range(width)):
-        index = Mux(mask[b], b, index)
-    return index
+def result_chunk_bytes(cfg: CoreConfig) -> int:
+    """The most reply bytes one output beat of the core makes: ``out_lanes`` fp32 values, or a
+    BFP tile's exponent byte and ``out_lanes`` codes."""
+    code_bytes = 1 if cfg.mantissa_bits <= 8 else 2
+    return max(4 * cfg.out_lanes, 1 + code_bytes * cfg.out_lanes)
 
 
-class ByteUnpacker(wiring.Component):
-    """Beats of ``stream_bytes`` lanes (``beat_layout``) in, their kept bytes out in lane
-    order, one per cycle. A beat with an empty ``keep`` is dropped.
-
-    Throughput: one byte per cycle; a beat of k kept bytes takes k cycles, and the next beat
-    is accepted in the cycle its last byte leaves (no bubble). Latency 1 cycle (the beat is
-    registered), 0 for ``stream_bytes`` = 1 (wires).
-    """
-
-    def __init__(self, stream_bytes: int):
-        self.stream_bytes = stream_bytes
-        super().__init__({
-            "i": In(stream.Signature(beat_layout(stream_bytes))),
-            "o": Out(stream.Signature(8)),
-        })
-
-    def elaborate(self, platform):
-        m = Module()
-        n = self.stream_bytes
-        if n == 1:
-            m.d.comb += [
-                self.o.valid.eq(self.i.valid & self.i.payload.keep[0]),
-                self.o.payload.eq(self.i.payload.data[0]),
-                self.i.ready.eq(self.o.ready | ~self.i.payload.keep[0]),
-            ]
-            return m
-        held = Signal(data.ArrayLayout(8, n))
-        left = Signal(n)  # lanes of ``held`` still to send
-        first = _lowest_set(left, n)
-        rest = Signal(n)
-        m.d.comb += [
-            rest.eq(left & (left - 1)),
-            self.o.valid.eq(left != 0),
-            self.o.payload.eq(held[first]),
-            self.i.ready.eq((left == 0) | (self.o.ready & (rest == 0))),
-        ]
-        with m.If(self.i.valid & self.i.ready):
-            m.d.sync += [held.eq(self.i.payload.data), left.eq(self.i.payload.keep)]
-        with m.Elif(self.o.valid & self.o.ready):
-            m.d.sync += left.eq(rest)
-        return m
-
-
-class BytePacker(wiring.Component):
-    """Bytes (``BYTE``: ``data``, ``last``) in, beats of ``stream_bytes`` lanes out: lanes fill
-    from lane 0, and a frame's ``last`` byte sends its beat at once with the unused lanes'
-    ``keep`` bits clear (a reply never waits in a half-full beat).
-
-    Throughput: one byte per cycle (a full beat every ``stream_bytes`` cycles); the filling
-    beat and the beat on offer are separate registers. Latency 1 cycle after a beat's last
-    byte; wires for ``stream_bytes`` = 1.
-    """
-
-    def __init__(self, stream_bytes: int):
-        self.stream_bytes = stream_bytes
-        super().__init__({
-            "i": In(stream.Signature(BYTE)),
-            "o": Out(stream.Signature(beat_layout(stream_bytes))),
-        })
-
-    def elaborate(self, platform):
-        m = Module()
-        n = self.stream_bytes
-        if n == 1:
-            m.d.comb += [
-                self.o.valid.eq(self.i.valid),
-                self.o.payload.data[0].eq(self.i.payload.data),
-                self.o.payload.keep.eq(1),
-                self.i.ready.eq(self.o.ready),
-            ]
-            return m
-        fill = Signal(data.ArrayLayout(8, n))
-        count = Signal(range(n))
-        # An accepted byte may complete a beat, which needs the output register: accept only
-        # when that register is free or leaving (ready does not depend on the byte's value).
-        m.d.comb += self.i.ready.eq(~self.o.valid | self.o.ready)
-        with m.If(self.o.valid & self.o.ready):
-            m.d.sync += self.o.valid.eq(0)
-        with m.If(self.i.valid & self.i.ready):
-            complete = self.i.payload.last | (count == n - 1)
-            with m.If(complete):
-                for b in range(n):
-                    m.d.sync += self.o.payload.data[b].eq(Mux(count == b, self.i.payload.data, fill[b]))
-                m.d.sync += [
-                    self.o.payload.keep.eq((Const(2, n + 1) << count) - 1),
-                    self.o.valid.eq(1),
-                    count.eq(0),
-                ]
-            with m.Else():
-                m.d.sync += [fill[count].eq(self.i.payload.data), count.eq(count + 1)]
-        return m
-
-
-class ReplyFramer(wiring.Component):
-    """Frames a reply: ``header`` (opcode with the reply bit already set, tag, payload length)
-    starts a frame; the magic, version, opcode, tag and length go out, then exactly ``length``
-    bytes taken from ``i``, then the CRC-32 of all of them (``last`` on its final byte).
-
-    Throughput: one byte per cycle; ``i`` passes straight through (``i.ready`` is
-    ``o.ready`` while the payload flows). A frame costs ``length`` + 14 cycles; the next
-    ``header`` is accepted once the previous CRC has left.
-    """
-
-    def __init__(self):
-        super().__init__({
-            "header": In(stream.Signature(data.StructLayout({"opcode": 8, "tag": 16, "length": 32}))),
-            "i": In(stream.Signature(8)),
-            "o": Out(stream.Signature(BYTE)),
-        })
-
-    def elaborate(self, platform):
-        m = Module()
-        m.submodules.crc = crc = CRC32()
-        head = Signal(self.header.payload.shape())
-        index = Signal(range(protocol.HEADER.size))
-        left = Signal(32)
-        magic = int.from_bytes(protocol.MAGIC, "little")
-        head_bytes = Cat(Const(magic, 16), Const(protocol.PROTOCOL_VERSION, 8), head.opcode, head.tag, head.length)
-        fire = self.o.valid & self.o.ready
-        m.d.comb += crc.clear.eq(self.header.valid & self.header.ready)
-        with m.FSM():
-            with m.State("IDLE"):
-                m.d.comb += self.header.ready.eq(1)
-                with m.If(self.header.valid):
-                    m.d.sync += [head.eq(self.header.payload), left.eq(self.header.payload.length), index.eq(0)]
-                    m.next = "HEAD"
-            with m.State("HEAD"):
-                m.d.comb += [
-                    self.o.valid.eq(1),
-                    self.o.payload.data.eq(head_bytes.word_select(index, 8)),
-                    crc.i.valid.eq(fire),
-                    crc.i.payload.eq(self.o.payload.data),
-                ]
-                with m.If(fire):
-                    m.d.sync += index.eq(index + 1)
-                    with m.If(index == protocol.HEADER.size - 1):
-                        m.d.sync += index.eq(0)
-                        m.next = "PAYLOAD"
-                        with m.If(left == 0):
-                            m.next = "CRC"
-            with m.State("PAYLOAD"):
-                m.d.comb += [
-                    self.o.valid.eq(self.i.valid),
-                    self.o.payload.data.eq(self.i.payload),
-                    self.i.ready.eq(self.o.ready),
-                    crc.i.valid.eq(fire),
-                    crc.i.payload.eq(self.i.payload),
-                ]
-                with m.If(fire):
-                    m.d.sync += left.eq(left - 1)
-                    with m.If(left == 1):
-                        m.next = "CRC"
-            with m.State("CRC"):
-                m.d.comb += [
-                    self.o.valid.eq(1),
-                    self.o.payload.data.eq(crc.crc.word_select(index[:2], 8)),
-                    self.o.payload.last.eq(index == protocol.CRC_SIZE - 1),
-                ]
-                with m.If(fire):
-                    m.d.sync += index.eq(index + 1)
-                    with m.If(index == protocol.CRC_SIZE - 1):
-                        m.next = "IDLE"
-        return m
-
-
-class LaneAssembler(wiring.Component):
-    """Bytes to beats of ``lanes`` 32-bit lanes: ``elems`` elements a beat (1 .. lanes; the
-    other lanes are don't-care), ``elem_bytes`` little-endian bytes an element (1, 2 or 4),
-    placed by ``mode`` (``ASSEMBLE_MODES``): ``sign_extend`` (BFP codes), ``raw`` (fp32,
-    zero-extended), ``high_half`` (bf16 into the high half: its exact fp32 widening).
-
-    The configuration ports must hold still while a beat assembles. Throughput one byte per
-    cycle; a beat is offered the cycle after its last byte and assembling goes on while it
-    leaves (the beat register is the assembly register: a byte is taken when the beat on
-    offer is absent or leaving).
-    """
-
-    def __init__(self, lanes: int):
-        self.lanes = lanes
-        super().__init__({
-            "i": In(stream.Signature(8)),
-            "o": Out(stream.Signature(data.ArrayLayout(FP32_WIDTH, lanes))),
-            "elem_bytes": In(range(5)),
-            "elems": In(range(lanes + 1)),
-            "mode": In(2),
-        })
-
-    def elaborate(self, platform):
-        m = Module()
-        elem = Signal(range(self.lanes))
-        nbyte = Signal(2)  # byte of the element
-        byte = self.i.payload
-        pos = Signal(2)  # byte position in the lane
-        m.d.comb += pos.eq(nbyte + Mux(self.mode == ASSEMBLE_MODES["high_half"], 2, 0))
-        # The first byte of an element clears the rest of its lane: stale bytes of the
-        # previous beat never leak into a narrower element.
-        current = Mux(nbyte == 0, 0, self.o.payload[elem])
-        placed = Signal(FP32_WIDTH)
-        m.d.comb += placed.eq(current | (byte << (pos * 8)))
-        last_byte = nbyte == self.elem_bytes - 1
-        lane = Signal(FP32_WIDTH)
-        with m.If((self.mode == ASSEMBLE_MODES["sign_extend"]) & last_byte):
-            m.d.comb += lane.eq(Mux(nbyte == 0, byte.as_signed(), Cat(current[:8], byte).as_signed()))
-        with m.Else():
-            m.d.comb += lane.eq(placed)
-        m.d.comb += self.i.ready.eq(~self.o.valid | self.o.ready)
-        with m.If(self.o.valid & self.o.ready):
-            m.d.sync += self.o.valid.eq(0)
-        with m.If(self.i.valid & self.i.ready):
-            m.d.sync += [self.o.payload[elem].eq(lane), nbyte.eq(nbyte + 1)]
-            with m.If(last_byte):
-                m.d.sync += [nbyte.eq(0), elem.eq(elem + 1)]
-                with m.If(elem == self.elems - 1):
-                    m.d.sync += [elem.eq(0), self.o.valid.eq(1)]
-        return m
-
-
-class ResultSerializer(wiring.Component):
-    """The core's output beats (``output_layout``) to reply bytes, as docs/protocol.md lays
-    out a GEMM result: ``out_format`` fp32 (4 bytes a value) or bf16 (2 bytes), row-major,
-    only the first ``n`` columns of each row (a row is ``ceil(n / cols)`` beats whose lanes
-    beyond ``n`` are padding); BFP tile-major, every tile's exponent byte before its codes,
-    1 or 2 bytes a code (``cfg.mantissa_bits``), padding included.
-
-    ``start`` (strobe) rewinds the row and tile position before a result. Throughput one
-    byte per cycle; a beat leaves (``i.ready``) with its last byte, so the padding lanes
-    cost no cycles.
-    """
-
-    def __init__(self, cfg: CoreConfig):
-        self.cfg = cfg
-        self.code_bytes = 1 if cfg.mantissa_bits <= 8 else 2
-        super().__init__({
-            "i": In(stream.Signature(output_layout(cfg))),
-            "o": Out(stream.Signature(8)),
-            "out_format": In(2),
-            "n": In(range(cfg.size + 1)),
-            "start": In(1),
-        })
-
-    def elaborate(self, platform):
-        m = Module()
-        cfg = self.cfg
-        C = cfg.cols
-        th, tw = cfg.tile
-        beats_per_tile = th * tw // C
-        lane = Signal(range(C))
-        nbyte = Signal(2)
-        cols_left = Signal(range(cfg.size + 1))  # columns of the row from this beat on
-        tile_beat = Signal(range(beats_per_tile))
-        exp_sent = Signal()
-        bfp = self.out_format == OutFormat.BFP if cfg.bfp_output else Const(0)
-        bytes_per_lane = Mux(bfp, self.code_bytes, Mux(self.out_format == OutFormat.BF16, 2, 4))
-        lanes_here = Mux(bfp | (cols_left >= C), C, cols_left)
-        exp_phase = bfp & (tile_beat == 0) & ~exp_sent
-        beat_done = ~exp_phase & (nbyte == bytes_per_lane - 1) & (lane == lanes_here - 1)
-        value = self.i.payload.lanes[lane]
-        m.d.comb += [
-            self.o.valid.eq(self.i.valid),
-            self.o.payload.eq(Mux(exp_phase, self.i.payload.exponent, value.word_select(nbyte, 8))),
-            self.i.ready.eq(self.o.ready & beat_done),
-        ]
-        with m.If(self.start):
-            m.d.sync += [lane.eq(0), nbyte.eq(0), cols_left.eq(self.n), tile_beat.eq(0), exp_sent.eq(0)]
-        with m.Elif(self.o.valid & self.o.ready):
-            with m.If(exp_phase):
-                m.d.sync += exp_sent.eq(1)
-            with m.Elif(nbyte == bytes_per_lane - 1):
-                m.d.sync += [nbyte.eq(0), lane.eq(lane + 1)]
-                with m.If(beat_done):
-                    m.d.sync += lane.eq(0)
-                    with m.If(cols_left <= C):
-                        m.d.sync += cols_left.eq(self.n)
-                    with m.Else():
-                        m.d.sync += cols_left.eq(cols_left - C)
-                    with m.If(tile_beat == beats_per_tile - 1):
-                        m.d.sync += [tile_beat.eq(0), exp_sent.eq(0)]
-                    with m.Else():
-                        m.d.sync += tile_beat.eq(tile_beat + 1)
-            with m.Else():
-                m.d.sync += nbyte.eq(nbyte + 1)
-        return m
+def _min(a, b):
+    return Mux(a < b, a, b)
 
 
 def _multiple_of(value, step: int, limit: int):
@@ -399,118 +201,206 @@ def _ceil_div(value, step: int, limit: int):
     return sum((value > k * step).as_unsigned() for k in range(-(-limit // step)))
 
 
-class PacketEngine(wiring.Component):
-    """The protocol engine (docs/protocol.md). One byte per cycle in (``i``) and out (``o``:
-    reply bytes, ``last`` on each reply's final byte).
+def divmod_const(value, divisor: int, limit: int):
+    """``(value // divisor, value % divisor)`` for 0 <= value <= limit, by a multiplication
+    with a reciprocal: with ``m = ceil(2**s / divisor)`` and ``2**s > limit * divisor`` the
+    product's high part is the exact quotient (the error ``m * divisor - 2**s`` stays below
+    ``divisor``). Python ints or Amaranth Values."""
+    if divisor == 1:
+        return value, 0 * value if isinstance(value, int) else Const(0, 1)
+    s = (limit * divisor).bit_length()
+    mult = -(-(1 << s) // divisor)
+    q = (value * mult) >> s
+    return q, value - q * divisor
 
-    Receiving: the engine hunts for the magic, then takes the header, the payload and the
-    CRC, one byte per cycle, never stalling ``i`` inside a frame. The payload goes into a
-    ``max_payload``-byte buffer (one block RAM of bytes) and its first ``DESCRIPTOR_BYTES``
-    also into registers; the CRC register runs as the bytes arrive and the frame checks when
-    it ends at ``crc.RESIDUE``. Nothing is executed before the CRC has checked: a corrupted
-    WRITE changes no buffer (the reply is BAD_CRC and the host simply sends it again).
 
-    Deciding (2 cycles after the last CRC byte): the first failing check gives the status:
-    CRC, version, opcode, then per command: a length too short for the command's fixed part,
-    the region (WRITE: BAD_ADDRESS, also for an unknown target), the descriptor (encoding,
-    rounding; GEMM/READ: sides, transposes, activation, format, rounding; a reduced device's
-    omitted units, ``CoreConfig.value_quantizer``, ``bfp_output``, ``stochastic``;
-    ELEMENTWISE: the function), and last the length against what the fields imply. Two exceptions come
-    earlier: a length beyond ``max_payload`` is refused (BAD_LENGTH) as soon as the header
-    is in, and then ``length + 4`` bytes are skipped (or until ``frame_timeout`` cycles pass
-    without a byte); a frame that stops for ``frame_timeout`` cycles after its magic gets a
-    TIMEOUT reply with tag 0xFFFF and the opcode as far as it arrived (0x80 if not).
+class StoreSignature(wiring.Signature):
+    """A write port of the payload buffer, from the writer's side: word ``addr`` gets ``data``
+    (N bytes, lane 0 the lowest address) when ``en``."""
 
-    Executing:
-
-    - WRITE replays the data from the buffer, one byte per cycle, as ``w`` beats to the core
-      (codes, exponents, accumulator, bias) or through the input quantizer (values: ``q_i``
-      beats of ``cols`` fp32 elements, bf16 widened; ``q_o`` codes back to ``w`` as row
-      chunks plus one exponent beat per tile); the reply goes out after the last beat.
-    - GEMM and READ run the core twice: first the command itself with its output discarded
-      (so the core never waits on the 1-byte-per-cycle reply, and the ``cycles`` of the
-      reply and of STATUS are the core's own count for the command, independent of the
-      host's pace), then, once the reply's header (and for GEMM the ``cycles``) is out, the
-      same epilogue again as a K = 0 command whose output the ``ResultSerializer`` sends.
-      K = 0 re-reads the accumulator the first pass left, so the second pass equals the
-      first bit for bit (BFP stochastic rounding restarts at stream position 0 in both).
-    - ELEMENTWISE streams x (and g, interleaved) from the buffer through ``act_i``, and
-      ``act_o`` into the reply, two bytes a result.
-    - IDENTIFY, STATUS, RESET reply from registers. Every reply counts in STATUS when its
-      status is decided (so a STATUS reply counts itself); RESET then zeroes the counters,
-      the last error and the last cycles.
-
-    Throughput: 1 byte per cycle each way. Latency from a request's last CRC byte to its
-    reply's first byte: 4 cycles (errors, IDENTIFY, STATUS, RESET, ELEMENTWISE); a WRITE of
-    L payload bytes about L - 16 + 10 (the replay; quantized values add a tile's latency);
-    a GEMM or READ its ``cycles`` + 6.
-    """
-
-    def __init__(self, cfg: CoreConfig, *, stream_bytes: int = 1, clock_hz: int = 0,
-                 max_payload: int = DEFAULT_MAX_PAYLOAD, frame_timeout: int = DEFAULT_FRAME_TIMEOUT):
-        self.cfg = cfg
-        self.stream_bytes = stream_bytes
-        self.clock_hz = clock_hz
-        self.max_payload = max_payload
-        self.frame_timeout = frame_timeout
-        self.code_bytes = 1 if cfg.mantissa_bits <= 8 else 2
-        self.functions = cfg.built_functions
-        C = cfg.cols
+    def __init__(self, stream_bytes: int, words: int):
         super().__init__({
-            "i": In(stream.Signature(8)),
-            "o": Out(stream.Signature(BYTE)),
-            # GemmCore
-            "w": Out(stream.Signature(write_layout(cfg))),
-            "cmd": Out(stream.Signature(command_layout(cfg))),
-            "result": In(stream.Signature(output_layout(cfg))),
-            "core_cycles": In(32),
-            # the input Quantize
-            "q_i": Out(stream.Signature(data.ArrayLayout(FP32_WIDTH, C))),
-            "q_o": In(stream.Signature(quantize_output_layout(cfg.mantissa_bits, C))),
-            "q_rounding": Out(Rounding),
-            "q_seed": Out(32),
-            "q_clear": Out(1),
-            # the Activation unit
-            "act_i": Out(stream.Signature(ACTIVATION_INPUT)),
-            "act_o": In(stream.Signature(BF16_WIDTH)),
+            "en": Out(1),
+            "addr": Out(range(words)),
+            "data": Out(data.ArrayLayout(8, stream_bytes)),
         })
 
-    def identity(self) -> bytes:
-        """The 32 bytes of the IDENTIFY reply's data."""
-        return DeviceSpec(self.cfg, stream_bytes=self.stream_bytes, clock_hz=self.clock_hz,
-                          max_payload=self.max_payload, frame_timeout=self.frame_timeout).identity().encode()
+
+class FrameReceiver(wiring.Component):
+    """Frames from the byte window into the payload buffer, one ``FRAME`` record each.
+
+    Ports: ``i`` (``WindowSignature(N)``): the link's bytes; ``store``
+    (``StoreSignature``): payload word ``k`` of the frame is bytes ``k*N .. k*N+N-1`` (the
+    last word's lanes beyond the length are don't-care); ``frame`` (stream out,
+    ``frame_layout()``): offered once a frame has ended and held until taken; taking it
+    (``frame.ready``) releases the receiver, which then hunts for the next magic, or first
+    skips the ``length + 4`` bytes of an oversize frame (silently dropped after
+    ``frame_timeout`` cycles without a byte).
+
+    Throughput: hunting, the 8 header bytes after the magic and the 4 CRC bytes take a byte a
+    cycle; the payload N bytes a cycle (the window offers them at any alignment on the wire);
+    skipping up to N. The receiver takes no byte while a frame waits in ``frame``: the link
+    stalls while the engine executes and replies. A frame stopped mid-way for
+    ``frame_timeout`` cycles without a byte arriving (``i.arrived``, or taken) ends with
+    ``TIMEOUT``, with whatever of the header had arrived (the rest zero).
+    """
+
+    def __init__(self, stream_bytes: int, max_payload: int, frame_timeout: int):
+        self.stream_bytes, self.max_payload, self.frame_timeout = stream_bytes, max_payload, frame_timeout
+        self.words = _words(max_payload, stream_bytes)
+        super().__init__({
+            "i": In(WindowSignature(stream_bytes)),
+            "store": Out(StoreSignature(stream_bytes, self.words)),
+            "frame": Out(stream.Signature(frame_layout())),
+        })
 
     def elaborate(self, platform):
         m = Module()
-        cfg = self.cfg
-        D, C = cfg.size, cfg.cols
-        th, tw = cfg.tile
-        cb = self.code_bytes
-        P = self.max_payload
+        N, P = self.stream_bytes, self.max_payload
+        m.submodules.crc = crc = ParallelCRC32(N, init=crc32_state(protocol.MAGIC))
+        win = self.i
+        byte = win.data[0]
+        have = win.level != 0
 
-        m.submodules.rx_crc = rx_crc = CRC32(init=crc32_state(protocol.MAGIC))
-        m.submodules.framer = framer = ReplyFramer()
-        m.submodules.assembler = asm = LaneAssembler(C)
-        m.submodules.serializer = ser = ResultSerializer(cfg)
-        m.submodules.payload = buf = memory.Memory(shape=8, depth=P, init=[])
-        buf_wr = buf.write_port()
-        buf_rd = buf.read_port()
-        wiring.connect(m, framer.o, wiring.flipped(self.o))
-
-        byte = self.i.payload
-        got = self.i.valid & self.i.ready
-
-        # ---- received frame ------------------------------------------------------------
-        head = Signal(data.StructLayout({"version": 8, "opcode": 8, "tag": 16, "length": 32}))
-        head_index = Signal(range(protocol.HEADER.size))  # header byte after the magic
+        head = Signal(HEAD)
         desc = Signal(8 * DESCRIPTOR_BYTES)
+        event = Signal(FrameEvent)
+        head_index = Signal(range(protocol.HEADER.size))  # header byte after the magic
         count = Signal(range(P + 1))  # payload bytes received
+        word = Signal(range(self.words + 1))
         crc_index = Signal(range(protocol.CRC_SIZE))
         idle = Signal(range(self.frame_timeout + 1))  # cycles without a byte, mid-frame
         seen_h = Signal()
-        timed_out = Signal()
         skip_left = Signal(34)
-        skip_after = Signal()  # the reply goes out before the rest of the frame is skipped
+        m.d.comb += [
+            self.frame.payload.head.eq(head),
+            self.frame.payload.desc.eq(desc),
+            self.frame.payload.event.eq(event),
+            self.frame.payload.crc_ok.eq(crc.residue_ok),
+            crc.i.payload.data.eq(win.data),
+            self.store.addr.eq(word),
+            self.store.data.eq(win.data),
+        ]
+        left = Signal(32)  # payload bytes still to come
+        want = Signal(range(N + 1))  # the payload bytes of the next word
+        m.d.comb += [left.eq(head.length - count), want.eq(Mux(left >= N, N, left))]
+        took = Signal()  # bytes of the frame taken this cycle
+        activity = win.arrived | took
+
+        def take_bytes(k):
+            m.d.comb += [win.take.eq(k), took.eq(k != 0), crc.i.valid.eq(k != 0), crc.i.payload.count.eq(k)]
+
+        def mid_frame_timeout(then_reply: bool):
+            """A frame that stops arriving: after ``frame_timeout`` cycles without a byte."""
+            with m.If(activity):
+                m.d.sync += idle.eq(0)
+            with m.Elif(idle == self.frame_timeout - 1):
+                # The bytes of the frame that did arrive go with it: a payload's last bytes
+                # wait in the window for a whole word (fewer than the frame's rest, so none of
+                # them belongs to a later frame).
+                m.d.comb += win.take.eq(win.level)
+                m.d.sync += idle.eq(0)
+                if then_reply:
+                    m.d.sync += event.eq(FrameEvent.TIMEOUT)
+                    m.next = "DONE"
+                else:
+                    m.next = "HUNT"
+            with m.Else():
+                m.d.sync += idle.eq(idle + 1)
+
+        with m.FSM():
+            with m.State("HUNT"):
+                m.d.comb += win.take.eq(have)
+                with m.If(have):
+                    m.d.sync += seen_h.eq(byte == protocol.MAGIC[0])
+                    with m.If(seen_h & (byte == protocol.MAGIC[1])):
+                        m.d.comb += crc.clear.eq(1)
+                        m.d.sync += [seen_h.eq(0), head.eq(0), head_index.eq(0), idle.eq(0), count.eq(0),
+                                     word.eq(0), crc_index.eq(0), event.eq(FrameEvent.COMPLETE)]
+                        m.next = "HEADER"
+            with m.State("HEADER"):
+                take_bytes(have)
+                with m.If(have):
+                    m.d.sync += [head.as_value().word_select(head_index, 8).eq(byte), head_index.eq(head_index + 1)]
+                    with m.If(head_index == protocol.HEADER.size - len(protocol.MAGIC) - 1):
+                        m.next = "LENGTH"
+                mid_frame_timeout(True)
+            with m.State("LENGTH"):
+                # A length beyond the buffer is refused as soon as the header is in; the
+                # frame's remaining length + 4 bytes are skipped after the reply.
+                with m.If(head.length > P):
+                    m.d.sync += event.eq(FrameEvent.OVERSIZE)
+                    m.next = "DONE"
+                with m.Elif(head.length == 0):
+                    m.next = "CRC"
+                with m.Else():
+                    m.next = "PAYLOAD"
+            with m.State("PAYLOAD"):
+                full = win.level >= want
+                with m.If(full):
+                    take_bytes(want)
+                    m.d.comb += self.store.en.eq(1)
+                    m.d.sync += [count.eq(count + want), word.eq(word + 1)]
+                    for j in range(DESCRIPTOR_BYTES):
+                        with m.If((word == j // N) & (j % N < want)):
+                            m.d.sync += desc.word_select(j, 8).eq(win.data[j % N])
+                    with m.If(left <= N):
+                        m.next = "CRC"
+                mid_frame_timeout(True)
+            with m.State("CRC"):
+                take_bytes(have)
+                with m.If(have):
+                    m.d.sync += crc_index.eq(crc_index + 1)
+                    with m.If(crc_index == protocol.CRC_SIZE - 1):
+                        m.next = "DONE"
+                mid_frame_timeout(True)
+            with m.State("DONE"):
+                m.d.comb += self.frame.valid.eq(1)
+                with m.If(self.frame.ready):
+                    m.d.sync += skip_left.eq(head.length + protocol.CRC_SIZE)
+                    m.next = "HUNT"
+                    with m.If(event == FrameEvent.OVERSIZE):
+                        m.next = "SKIP"
+            with m.State("SKIP"):
+                k = Signal(range(N + 1))
+                m.d.comb += [k.eq(Mux(skip_left < win.level, skip_left, win.level)), win.take.eq(k), took.eq(k != 0)]
+                m.d.sync += skip_left.eq(skip_left - k)
+                with m.If(skip_left == k):
+                    m.next = "HUNT"
+                mid_frame_timeout(False)
+        return m
+
+
+class FrameChecker(wiring.Component):
+    """The decision on a received frame (combinational): ``plan`` from ``frame``.
+
+    The first failing check gives the status (docs/protocol.md): a dropped frame TIMEOUT (tag
+    0xFFFF), an oversize one BAD_LENGTH, then CRC, version, opcode, then per command: a length
+    too short for the command's fixed part, the region (WRITE: BAD_ADDRESS, also for an
+    unknown target), the descriptor (encoding, rounding; GEMM/READ: sides, transposes,
+    activation, format, rounding; a reduced device's omitted units, ``CoreConfig``'s
+    ``value_quantizer``, ``bfp_output``, ``stochastic``; ELEMENTWISE: the function), and last
+    the length against what the fields imply. With an OK status the plan also says what to
+    execute and how many reply bytes follow the status.
+    """
+
+    def __init__(self, cfg: CoreConfig, *, stream_bytes: int, max_payload: int):
+        self.cfg, self.stream_bytes, self.max_payload = cfg, stream_bytes, max_payload
+        super().__init__({
+            "frame": In(frame_layout()),
+            "plan": Out(plan_layout(cfg, stream_bytes, max_payload)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg, N, P = self.cfg, self.stream_bytes, self.max_payload
+        D, C = cfg.size, cfg.cols
+        th, tw = cfg.tile
+        cb = 1 if cfg.mantissa_bits <= 8 else 2
+        functions = cfg.built_functions
+        head, desc, plan = self.frame.head, self.frame.desc, self.plan
+        opcode, length = head.opcode, head.length
+        is_op = {op: opcode == op for op in Op}
 
         # The descriptor's bytes seen through each command's contract layout.
         w_desc = data.View(layout(protocol.WRITE), desc[:8 * WRITE_HEADER])
@@ -518,13 +408,8 @@ class PacketEngine(wiring.Component):
         r_desc = data.View(layout(protocol.READ), desc[:8 * READ_SIZE])
         e_desc = data.View(layout(protocol.ELEMENTWISE), desc[:8 * ELEMENTWISE_HEADER])
 
-        opcode, length = head.opcode, head.length
-        is_op = {op: opcode == op for op in Op}
-
-        # ---- validation (combinational from the frame's registers; registered in DECIDE) -
-        # WRITE
+        # ---- WRITE --------------------------------------------------------------------
         w_target, w_encoding, w_rounding = w_desc.target, w_desc.encoding, w_desc.rounding
-        w_seed = w_desc.seed
         w_row, w_col, w_rows, w_cols = w_desc.row, w_desc.col, w_desc.rows, w_desc.cols
         w_row_end = Signal(17)
         w_col_end = Signal(17)
@@ -556,7 +441,7 @@ class PacketEngine(wiring.Component):
         write_bytes = Signal(35)
         m.d.comb += write_bytes.eq(region * element_bytes)
 
-        # GEMM and READ share one set of fields (READ: K = 0 and only the bias flag)
+        # ---- GEMM and READ share one set of fields (READ: K = 0 and only the bias flag) ----
         is_read = is_op[Op.READ]
         c_m, c_n = Mux(is_read, r_desc.m, g_desc.m), Mux(is_read, r_desc.n, g_desc.n)
         c_k = Mux(is_read, 0, g_desc.k)
@@ -566,9 +451,9 @@ class PacketEngine(wiring.Component):
         c_rounding = Mux(is_read, r_desc.rounding, g_desc.rounding)
         c_seed = Mux(is_read, r_desc.seed, g_desc.seed)
         flag = {f.name.lower(): c_flags & f != 0 for f in GemmFlag}
-        unary_mask = functions_mask(n for n in self.functions if n in UNARY_FUNCTIONS)
-        built_mask = functions_mask(self.functions)
-        gradient_mask = functions_mask(n for n in self.functions if n not in UNARY_FUNCTIONS)
+        unary_mask = functions_mask(n for n in functions if n in UNARY_FUNCTIONS)
+        built_mask = functions_mask(functions)
+        gradient_mask = functions_mask(n for n in functions if n not in UNARY_FUNCTIONS)
         act_ok = (c_act == protocol.NO_ACTIVATION) | Const(unary_mask, 256).bit_select(c_act, 1)
         sides_ok = ((c_m >= 1) & (c_m <= D) & (c_n >= 1) & (c_n <= D)
                     & (is_read | ((c_k >= 1) & (c_k <= D))))
@@ -587,18 +472,23 @@ class PacketEngine(wiring.Component):
         result_bytes = Mux(c_format == OutFormat.FP32, elements << 2,
                            Mux(c_format == OutFormat.BF16, elements << 1, tiles * (1 + th * tw * cb)))
 
-        # ELEMENTWISE
+        # ---- ELEMENTWISE ----------------------------------------------------------------
         e_function, e_count = e_desc.function, e_desc.count
         e_gradient = Const(gradient_mask, 256).bit_select(e_function, 1)  # a built gradient function
         # An ELEMENTWISE that runs: none on a device without functions (it is refused), whose
         # path to the activation unit is then not built.
-        elementwise = is_op[Op.ELEMENTWISE] if self.functions else Const(0)
+        elementwise = is_op[Op.ELEMENTWISE] if functions else Const(0)
         e_built = Const(built_mask, 256).bit_select(e_function, 1)
         e_bytes = Signal(35)
         m.d.comb += e_bytes.eq(Mux(e_gradient, e_count << 2, e_count << 1))
 
         status = Signal(8)
-        with m.If(~rx_crc.residue_ok):
+        event = self.frame.event
+        with m.If(event == FrameEvent.TIMEOUT):
+            m.d.comb += status.eq(Status.TIMEOUT)
+        with m.Elif(event == FrameEvent.OVERSIZE):
+            m.d.comb += status.eq(Status.BAD_LENGTH)
+        with m.Elif(~self.frame.crc_ok):
             m.d.comb += status.eq(Status.BAD_CRC)
         with m.Elif(head.version != protocol.PROTOCOL_VERSION):
             m.d.comb += status.eq(Status.BAD_VERSION)
@@ -629,170 +519,61 @@ class PacketEngine(wiring.Component):
             with m.If(length != 0):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
 
-        # ---- the reply in preparation ----------------------------------------------------
-        r_status = Signal(8)
-        r_fixed = Signal(range(33))  # bytes from registers after the status byte
-        r_stream = Signal(32)  # bytes from a stream after those
-        fixed_index = Signal(range(32))
-        stream_left = Signal(32)
-
-        # STATUS counters (docs/protocol.md, 0x06): every reply counts once, when its status
-        # is decided; a STATUS reply thus counts itself.
-        accepted = Signal(32)
-        refused = Signal(32)
-        last_cycles = Signal(32)
-        last_error = Signal(8)
-        count_status = Signal()
-        counted = Signal(8)
-        with m.If(count_status):
-            with m.If(counted == Status.OK):
-                m.d.sync += accepted.eq(accepted + 1)
-            with m.Else():
-                m.d.sync += [refused.eq(refused + 1), last_error.eq(counted)]
-
-        identity = int.from_bytes(self.identity(), "little")
-        fixed = Mux(is_op[Op.IDENTIFY], Const(identity, 256),
-                    Mux(is_op[Op.STATUS], Cat(accepted, refused, last_cycles, last_error, Const(0, 24)),
-                        last_cycles))
-
-        # ---- payload reader: buffer -> assembler -------------------------------------------
-        rd_left = Signal(range(P + 1))
-        rd_a = Signal(range(P))
-        rd_b = Signal(range(P))  # ELEMENTWISE gradients: g, interleaved with x
-        rd_phase = Signal(2)
-        rd_interleave = Signal()
-        rd_valid = Signal()
-        rd_kick = Signal()
-        rd_advance = ~rd_valid | asm.i.ready
-        use_b = rd_interleave & rd_phase[1]
+        # ---- the plan ---------------------------------------------------------------------
+        ok = status == Status.OK
+        timed_out = event == FrameEvent.TIMEOUT
         m.d.comb += [
-            buf_rd.en.eq(rd_advance),
-            buf_rd.addr.eq(Mux(use_b, rd_b, rd_a)),
-            asm.i.valid.eq(rd_valid),
-            asm.i.payload.eq(buf_rd.data),
+            plan.status.eq(status),
+            plan.opcode.eq(opcode | protocol.REPLY),
+            plan.tag.eq(Mux(timed_out, protocol.FRAME_TIMEOUT_TAG, head.tag)),
+            plan.fixed.eq(Mux(~ok, 0, Mux(is_op[Op.IDENTIFY], protocol.IDENTITY.size,
+                                          Mux(is_op[Op.STATUS], protocol.STATUS.size,
+                                              Mux(is_op[Op.GEMM], protocol.CYCLES.size, 0))))),
+            plan.stream.eq(Mux(~ok, 0, Mux(elementwise, e_count << 1,
+                                           Mux(is_op[Op.GEMM] | is_read, result_bytes, 0)))),
+            plan.action.eq(Mux(~ok, Action.REPLY,
+                               Mux(is_op[Op.WRITE], Action.WRITE,
+                                   Mux(is_op[Op.GEMM] | is_read, Action.CORE,
+                                       Mux(elementwise, Action.ELEMENTWISE,
+                                           Mux(is_op[Op.RESET], Action.RESET, Action.REPLY)))))),
         ]
-        with m.If(rd_kick):
-            m.d.sync += [
-                rd_phase.eq(0),
-                rd_interleave.eq(elementwise & e_gradient),
-                rd_a.eq(Mux(is_op[Op.WRITE], WRITE_HEADER, ELEMENTWISE_HEADER)),
-                rd_b.eq(ELEMENTWISE_HEADER + (e_count << 1)),
-                rd_left.eq(Mux(is_op[Op.WRITE], length - WRITE_HEADER, length - ELEMENTWISE_HEADER)),
-            ]
-        with m.Elif(rd_advance):
-            m.d.sync += rd_valid.eq(rd_left != 0)
-            with m.If(rd_left != 0):
-                m.d.sync += [rd_left.eq(rd_left - 1), rd_phase.eq(rd_phase + 1)]
-                with m.If(use_b):
-                    m.d.sync += rd_b.eq(rd_b + 1)
-                with m.Else():
-                    m.d.sync += rd_a.eq(rd_a + 1)
-
-        # Assembler configuration, per command (held in registers during the replay).
-        a_bytes = Signal(range(5))
-        a_elems = Signal(range(C + 1))
-        a_mode = Signal(2)
-        m.d.comb += [asm.elem_bytes.eq(a_bytes), asm.elems.eq(a_elems), asm.mode.eq(a_mode)]
-
-        # ---- WRITE: the assembler's beats to the core, row-major or through the quantizer --
-        PATH_ROWS, PATH_VALUES, PATH_ACT = 0, 1, 2
-        path = Signal(2)
-        wr_target = Signal(3)  # core target of code beats (values: A or B codes)
-        wr_row = Signal(range(D + 1))
-        wr_col = Signal(range(D + 1))
-        wr_col0 = Signal(range(D + 1))
-        wr_col_end = Signal(range(D + 1))
-        wr_step = Signal(range(C + 1))
-        wr_left = Signal(range(D * D + 1))
-        # Values: the tile being written (absolute row and column of its corner), the row
-        # and column offset inside it, and its index in the exponent grid.
-        v_row, v_col = Signal(range(D + 1)), Signal(range(D + 1))
-        v_r, v_c = Signal(range(th)), Signal(range(tw))
-        v_erow, v_ecol, v_ecol0 = Signal(range(D // th + 1)), Signal(range(D // tw + 1)), Signal(range(D // tw + 1))
-        v_row_end = Signal(range(D + 1))
-        v_exp = Signal()  # the tile's codes are written: its exponent goes next
-        v_exponent = Signal(EXP_WIDTH)
-        v_done = Signal()
-        q_rounding = Signal(Rounding)
-        q_seed = Signal(32)
-        m.d.comb += [self.q_rounding.eq(q_rounding), self.q_seed.eq(q_seed)]
-        w_fire = self.w.valid & self.w.ready
-        writing = Signal()
-
-        with m.If(writing & (path == PATH_ROWS)):
-            m.d.comb += [
-                self.w.valid.eq(asm.o.valid),
-                asm.o.ready.eq(self.w.ready),
-                self.w.payload.target.eq(wr_target),
-                self.w.payload.row.eq(wr_row),
-                self.w.payload.col.eq(wr_col),
-            ]
-            for j in range(C):
-                m.d.comb += self.w.payload.data[j].eq(asm.o.payload[j])
-            with m.If(w_fire):
-                m.d.sync += [wr_left.eq(wr_left - 1), wr_col.eq(wr_col + wr_step)]
-                with m.If(wr_col + wr_step == wr_col_end):
-                    m.d.sync += [wr_col.eq(wr_col0), wr_row.eq(wr_row + 1)]
-        with m.If(writing & (path == PATH_VALUES)):
-            m.d.comb += [
-                self.q_i.valid.eq(asm.o.valid),
-                self.q_i.payload.eq(asm.o.payload),
-                asm.o.ready.eq(self.q_i.ready),
-            ]
-            with m.If(v_exp):
-                m.d.comb += [
-                    self.w.valid.eq(1),
-                    self.w.payload.target.eq(wr_target + (Target.A_EXPONENTS - Target.A_CODES)),
-                    self.w.payload.row.eq(v_erow),
-                    self.w.payload.col.eq(v_ecol),
-                    self.w.payload.data[0].eq(v_exponent),
-                ]
-                with m.If(w_fire):
-                    m.d.sync += v_exp.eq(0)
-                    with m.If(v_col + tw == wr_col_end):
-                        m.d.sync += [v_col.eq(wr_col0), v_ecol.eq(v_ecol0), v_row.eq(v_row + th), v_erow.eq(v_erow + 1)]
-                        with m.If(v_row + th == v_row_end):
-                            m.d.sync += v_done.eq(1)
-                    with m.Else():
-                        m.d.sync += [v_col.eq(v_col + tw), v_ecol.eq(v_ecol + 1)]
-            with m.Else():
-                m.d.comb += [
-                    self.w.valid.eq(self.q_o.valid),
-                    self.q_o.ready.eq(self.w.ready),
-                    self.w.payload.target.eq(wr_target),
-                    self.w.payload.row.eq(v_row + v_r),
-                    self.w.payload.col.eq(v_col + v_c),
-                ]
-                for j in range(C):
-                    m.d.comb += self.w.payload.data[j].eq(self.q_o.payload.codes[j])
-                with m.If(w_fire):
-                    m.d.sync += v_c.eq(v_c + C)
-                    with m.If(v_c == tw - C):
-                        m.d.sync += [v_c.eq(0), v_r.eq(v_r + 1)]
-                        with m.If(v_r == th - 1):
-                            m.d.sync += [v_r.eq(0), v_exp.eq(1), v_exponent.eq(self.q_o.payload.exponent)]
-        write_done = Mux(path == PATH_VALUES, v_done, wr_left == 0)
-
-        # ---- ELEMENTWISE: assembler -> activation -> two bytes a result -------------------
-        e_func = Signal(FUNC_WIDTH)
-        with m.If(path == PATH_ACT):
-            m.d.comb += [
-                self.act_i.valid.eq(asm.o.valid),
-                self.act_i.payload.x.eq(asm.o.payload[0][:16]),
-                self.act_i.payload.g.eq(asm.o.payload[0][16:]),
-                self.act_i.payload.func.eq(e_func),
-                asm.o.ready.eq(self.act_i.ready),
-            ]
-        act_high = Signal()  # the result's high byte goes next
-
-        # ---- GEMM and READ: the core command -----------------------------------------------
-        second_pass = Signal()
-        draining = Signal()
-        cmd = self.cmd.payload
+        wp = plan.write
         m.d.comb += [
-            cmd.m.eq(c_m),
-            cmd.n.eq(c_n),
-            cmd.k.eq(Mux(second_pass, 0, c_k)),
+            # Paths to units a reduced device lacks are never taken (refused above): their
+            # logic is not built.
+            wp.values.eq(is_values if cfg.value_quantizer else 0),
+            wp.target.eq(Mux(is_values, w_target - (Target.A_VALUES - Target.A_CODES), w_target)),
+            wp.row.eq(w_row), wp.col.eq(w_col), wp.col_end.eq(w_col_end), wp.row_end.eq(w_row_end),
+            wp.step.eq(Mux(is_exps, 1, C)),
+            wp.chunks.eq(Mux(is_exps, region, region >> (C.bit_length() - 1))),
+            wp.empty.eq(region == 0),
+            wp.erow.eq(_quotient_of_multiple(w_row, th, D)),
+            wp.ecol.eq(_quotient_of_multiple(w_col, tw, D)),
+            wp.rounding.eq(w_rounding),
+            wp.seed.eq(w_desc.seed),
+            wp.elem_bytes.eq(element_bytes),
+            wp.elems.eq(Mux(is_exps, 1, C)),
+            wp.mode.eq(Mux(is_codes, ASSEMBLE_MODES["sign_extend"],
+                           Mux(is_values & value_bf16, ASSEMBLE_MODES["high_half"], ASSEMBLE_MODES["raw"]))),
+        ]
+        # Payload regions in buffer words: a WRITE's data after its header; ELEMENTWISE's x,
+        # and its g after x.
+        rp = plan.read
+        a_start = Mux(is_op[Op.WRITE], WRITE_HEADER, ELEMENTWISE_HEADER)
+        b_start = Signal(range(P + ELEMENTWISE_HEADER + 1))
+        m.d.comb += b_start.eq(ELEMENTWISE_HEADER + (e_count << 1))
+        b_word, b_offset = divmod_const(b_start, N, P + ELEMENTWISE_HEADER)
+        m.d.comb += [
+            rp.a_word.eq(Mux(is_op[Op.WRITE], WRITE_HEADER // N, ELEMENTWISE_HEADER // N)),
+            rp.a_offset.eq(Mux(is_op[Op.WRITE], WRITE_HEADER % N, ELEMENTWISE_HEADER % N)),
+            rp.length.eq(Mux(is_op[Op.WRITE], length - a_start, e_count << 1)),
+            rp.b_word.eq(b_word),
+            rp.b_offset.eq(b_offset),
+            rp.interleave.eq(elementwise & e_gradient),
+        ]
+        cmd = plan.cmd
+        m.d.comb += [
+            cmd.m.eq(c_m), cmd.n.eq(c_n), cmd.k.eq(c_k),
             cmd.transpose_a.eq(flag["transpose_a"]),
             cmd.transpose_b.eq(flag["transpose_b"]),
             cmd.accumulate.eq(flag["accumulate"]),
@@ -802,154 +583,628 @@ class PacketEngine(wiring.Component):
             cmd.out_format.eq(c_format),
             cmd.rounding.eq(c_rounding),
             cmd.seed.eq(c_seed),
-            ser.out_format.eq(c_format),
-            ser.n.eq(c_n),
+            plan.gradient.eq(e_gradient),
+            plan.e_func.eq(e_function),
+        ]
+        return m
+
+
+class PayloadReader(wiring.Component):
+    """Payload bytes back out of the buffer: region a (``plan.a_word``, ``a_offset``,
+    ``length`` bytes) as chunks on ``a`` and, with ``plan.interleave``, region b (same length)
+    on ``b``, alternating words between them so that neither runs far ahead.
+
+    Ports: ``start`` (strobe: the plan is valid), ``plan`` (``read_plan_layout``), the
+    buffer's read port (``rd_addr``, ``rd_en`` out; ``rd_data`` in, one cycle after the
+    address and held while ``rd_en`` is low), ``a`` and ``b`` (streams out of
+    ``chunk_layout(N)``). Throughput: one word a cycle; a region's first chunk holds the
+    bytes of its first word from its offset on, its last the rest of its length.
+    """
+
+    def __init__(self, stream_bytes: int, max_payload: int):
+        self.stream_bytes, self.max_payload = stream_bytes, max_payload
+        words = _words(max_payload, stream_bytes)
+        super().__init__({
+            "start": In(1),
+            "plan": In(read_plan_layout(stream_bytes, max_payload)),
+            "rd_addr": Out(range(words)),
+            "rd_en": Out(1),
+            "rd_data": In(8 * stream_bytes),
+            "a": Out(stream.Signature(chunk_layout(stream_bytes))),
+            "b": Out(stream.Signature(chunk_layout(stream_bytes))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        N, P = self.stream_bytes, self.max_payload
+        words = _words(P, N)
+        regions = []
+        for name in ("a", "b"):
+            regions.append({"word": Signal(range(words + 1), name=f"{name}_word"),
+                            "offset": Signal(range(N), name=f"{name}_offset"),
+                            "left": Signal(range(P + 1), name=f"{name}_left")})
+        ra, rb = regions
+        held = Signal()  # rd_data holds a word for a chunk
+        held_b = Signal()
+        held_offset = Signal(range(N))
+        held_count = Signal(range(N + 1))
+        out_ready = Mux(held_b, self.b.ready, self.a.ready)
+        advance = ~held | out_ready
+        b_turn = Signal()
+        use_b = (rb["left"] != 0) & (b_turn | (ra["left"] == 0))
+        cur = {k: Mux(use_b, rb[k], ra[k]) for k in ("word", "offset", "left")}
+        room = N - cur["offset"]
+        count = Signal(range(N + 1))
+        m.d.comb += [
+            count.eq(Mux(cur["left"] < room, cur["left"], room)),
+            self.rd_en.eq(advance),
+            self.rd_addr.eq(cur["word"]),
+        ]
+        chunk = Signal(8 * N)
+        m.d.comb += chunk.eq(self.rd_data >> (held_offset * 8))
+        for port, is_b in ((self.a, 0), (self.b, 1)):
+            m.d.comb += [
+                port.valid.eq(held & (held_b == is_b)),
+                port.payload.data.eq(chunk),
+                port.payload.count.eq(held_count),
+            ]
+        with m.If(self.start):
+            m.d.sync += [
+                held.eq(0), b_turn.eq(0),
+                ra["word"].eq(self.plan.a_word), ra["offset"].eq(self.plan.a_offset), ra["left"].eq(self.plan.length),
+                rb["word"].eq(self.plan.b_word), rb["offset"].eq(self.plan.b_offset),
+                rb["left"].eq(Mux(self.plan.interleave, self.plan.length, 0)),
+            ]
+        with m.Elif(advance):
+            issue = cur["left"] != 0
+            m.d.sync += held.eq(issue)
+            with m.If(issue):
+                m.d.sync += [held_b.eq(use_b), held_offset.eq(cur["offset"]), held_count.eq(count),
+                             b_turn.eq(~use_b)]
+                for r, sel in ((ra, ~use_b), (rb, use_b)):
+                    with m.If(sel):
+                        m.d.sync += [r["word"].eq(r["word"] + 1), r["offset"].eq(0), r["left"].eq(r["left"] - count)]
+        return m
+
+
+class LaneAssembler(wiring.Component):
+    """A window of payload bytes to beats of ``lanes`` 32-bit lanes, one beat a cycle:
+    ``elems`` elements a beat (1 or ``lanes``; the other lanes are don't-care), ``elem_bytes``
+    little-endian bytes an element (1, 2 or 4), placed by ``mode`` (``ASSEMBLE_MODES``):
+    ``sign_extend`` (BFP codes), ``raw`` (fp32, exponents: zero-extended), ``high_half``
+    (bf16 into the high half: its exact fp32 widening).
+
+    Ports: ``i`` (``WindowSignature(4 * lanes)``), ``o`` (stream out); the configuration
+    ports hold still during a replay. Combinational: a beat is offered while the window holds
+    its ``elems * elem_bytes`` bytes and taken from the window as it leaves.
+    """
+
+    def __init__(self, lanes: int):
+        self.lanes = lanes
+        super().__init__({
+            "i": In(WindowSignature(4 * lanes)),
+            "o": Out(stream.Signature(data.ArrayLayout(FP32_WIDTH, lanes))),
+            "elem_bytes": In(range(5)),
+            "elems": In(range(lanes + 1)),
+            "mode": In(2),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        L = self.lanes
+        window = self.i.data
+        chunk = Signal(range(4 * L + 1))
+        m.d.comb += [
+            chunk.eq(self.elems * self.elem_bytes),
+            self.o.valid.eq((self.i.level >= chunk) & (chunk != 0)),
+            self.i.take.eq(Mux(self.o.valid & self.o.ready, chunk, 0)),
+        ]
+        sign = self.mode == ASSEMBLE_MODES["sign_extend"]
+        high = self.mode == ASSEMBLE_MODES["high_half"]
+        for j in range(L):
+            one = window[j]
+            two = Cat(window[2 * j], window[2 * j + 1]) if 2 * j + 1 < 4 * L else Const(0, 16)
+            four = Cat(*(window[4 * j + t] for t in range(4)))
+            lane = Signal(FP32_WIDTH, name=f"lane{j}")
+            with m.Switch(self.elem_bytes):
+                with m.Case(1):
+                    m.d.comb += lane.eq(Mux(sign, one.as_signed(), one))
+                with m.Case(2):
+                    m.d.comb += lane.eq(Mux(high, two << 16, Mux(sign, two.as_signed(), two)))
+                with m.Default():
+                    m.d.comb += lane.eq(four)
+            m.d.comb += self.o.payload[j].eq(lane)
+        return m
+
+
+class WriteReplay(wiring.Component):
+    """A WRITE's data, from the payload window, into the core's buffers.
+
+    Ports: ``start`` (strobe, with ``plan`` valid: ``write_plan_layout``), ``done`` (strobe:
+    the last beat has gone), ``i`` (``WindowSignature(4 * cols)``: the data bytes in order),
+    ``w`` (to the core), and the input quantizer's ``q_i``, ``q_o``, ``q_rounding``, ``q_seed``,
+    ``q_clear`` (a pulse at ``start``).
+
+    Codes, exponents, the accumulator and the bias go as ``w`` beats, row chunks of ``cols``
+    lanes (exponents one a beat), row-major over the region. Values go through the quantizer
+    (``q_i`` beats of ``cols`` fp32 elements, bf16 widened; its ``q_o`` codes back to ``w`` as
+    row chunks, then one exponent beat per tile). Throughput: one beat a cycle while the
+    window holds its bytes (``elem_bytes * cols`` of them: the link's N bytes a cycle feed a
+    beat every ``ceil(elem_bytes * cols / N)`` cycles).
+    """
+
+    def __init__(self, cfg: CoreConfig):
+        self.cfg = cfg
+        C = cfg.cols
+        super().__init__({
+            "start": In(1),
+            "plan": In(write_plan_layout(cfg)),
+            "done": Out(1),
+            "i": In(WindowSignature(4 * C)),
+            "w": Out(stream.Signature(write_layout(cfg))),
+            "q_i": Out(stream.Signature(data.ArrayLayout(FP32_WIDTH, C))),
+            "q_o": In(stream.Signature(quantize_output_layout(cfg.mantissa_bits, C))),
+            "q_rounding": Out(Rounding),
+            "q_seed": Out(32),
+            "q_clear": Out(1),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg, plan = self.cfg, self.plan
+        D, C = cfg.size, cfg.cols
+        th, tw = cfg.tile
+        m.submodules.assembler = asm = LaneAssembler(C)
+        wiring.connect(m, wiring.flipped(self.i), asm.i)
+        m.d.comb += [asm.elem_bytes.eq(plan.elem_bytes), asm.elems.eq(plan.elems), asm.mode.eq(plan.mode),
+                     self.q_rounding.eq(plan.rounding), self.q_seed.eq(plan.seed),
+                     self.q_clear.eq(self.start & plan.values)]
+
+        running = Signal()
+        row = Signal(range(D + 1))
+        col = Signal(range(D + 1))
+        left = Signal(range(D * D + 1))
+        # Values: the tile being written (absolute row and column of its corner), the row
+        # and column offset inside it, and its index in the exponent grid.
+        v_row, v_col = Signal(range(D + 1)), Signal(range(D + 1))
+        v_r, v_c = Signal(range(th)), Signal(range(tw))
+        v_erow, v_ecol = Signal(range(D // th + 1)), Signal(range(D // tw + 1))
+        v_exp = Signal()  # the tile's codes are written: its exponent goes next
+        v_exponent = Signal(EXP_WIDTH)
+        v_done = Signal()
+        w_fire = self.w.valid & self.w.ready
+
+        with m.If(self.start):
+            m.d.sync += [running.eq(1), row.eq(plan.row), col.eq(plan.col), left.eq(plan.chunks),
+                         v_row.eq(plan.row), v_col.eq(plan.col), v_r.eq(0), v_c.eq(0),
+                         v_erow.eq(plan.erow), v_ecol.eq(plan.ecol), v_exp.eq(0), v_done.eq(plan.empty)]
+        finished = Mux(plan.values, v_done, left == 0)
+        with m.If(running & finished):
+            m.d.comb += self.done.eq(1)
+            m.d.sync += running.eq(0)
+
+        with m.If(running & ~plan.values):
+            m.d.comb += [
+                self.w.valid.eq(asm.o.valid & (left != 0)),
+                asm.o.ready.eq(self.w.ready & (left != 0)),
+                self.w.payload.target.eq(plan.target),
+                self.w.payload.row.eq(row),
+                self.w.payload.col.eq(col),
+            ]
+            for j in range(C):
+                m.d.comb += self.w.payload.data[j].eq(asm.o.payload[j])
+            with m.If(w_fire):
+                m.d.sync += [left.eq(left - 1), col.eq(col + plan.step)]
+                with m.If(col + plan.step == plan.col_end):
+                    m.d.sync += [col.eq(plan.col), row.eq(row + 1)]
+        # Paths to units a reduced device lacks are never taken (refused): not built.
+        if cfg.value_quantizer:
+            with m.If(running & plan.values):
+                m.d.comb += [
+                    self.q_i.valid.eq(asm.o.valid),
+                    self.q_i.payload.eq(asm.o.payload),
+                    asm.o.ready.eq(self.q_i.ready),
+                ]
+                with m.If(v_exp):
+                    m.d.comb += [
+                        self.w.valid.eq(1),
+                        self.w.payload.target.eq(plan.target + (Target.A_EXPONENTS - Target.A_CODES)),
+                        self.w.payload.row.eq(v_erow),
+                        self.w.payload.col.eq(v_ecol),
+                        self.w.payload.data[0].eq(v_exponent),
+                    ]
+                    with m.If(w_fire):
+                        m.d.sync += v_exp.eq(0)
+                        with m.If(v_col + tw == plan.col_end):
+                            m.d.sync += [v_col.eq(plan.col), v_ecol.eq(plan.ecol), v_row.eq(v_row + th),
+                                         v_erow.eq(v_erow + 1)]
+                            with m.If(v_row + th == plan.row_end):
+                                m.d.sync += v_done.eq(1)
+                        with m.Else():
+                            m.d.sync += [v_col.eq(v_col + tw), v_ecol.eq(v_ecol + 1)]
+                with m.Else():
+                    m.d.comb += [
+                        self.w.valid.eq(self.q_o.valid),
+                        self.q_o.ready.eq(self.w.ready),
+                        self.w.payload.target.eq(plan.target),
+                        self.w.payload.row.eq(v_row + v_r),
+                        self.w.payload.col.eq(v_col + v_c),
+                    ]
+                    for j in range(C):
+                        m.d.comb += self.w.payload.data[j].eq(self.q_o.payload.codes[j])
+                    with m.If(w_fire):
+                        m.d.sync += v_c.eq(v_c + C)
+                        with m.If(v_c == tw - C):
+                            m.d.sync += [v_c.eq(0), v_r.eq(v_r + 1)]
+                            with m.If(v_r == th - 1):
+                                m.d.sync += [v_r.eq(0), v_exp.eq(1), v_exponent.eq(self.q_o.payload.exponent)]
+        return m
+
+
+class ResultSerializer(wiring.Component):
+    """The core's output beats (``output_layout``; the first ``cfg.out_lanes`` lanes of each
+    beat hold its values) to reply bytes, as docs/protocol.md lays out a GEMM result:
+    ``out_format`` fp32 (4 bytes a value) or bf16 (2 bytes), row-major, only the first ``n``
+    columns of each row (a row is ``ceil(n / out_lanes)`` beats whose lanes beyond ``n`` are
+    padding); BFP tile-major (``th * tw / out_lanes`` beats a tile), every tile's exponent
+    byte before its codes, 1 or 2 bytes a code (``cfg.mantissa_bits``), padding included.
+
+    Ports: ``i`` (stream in), ``o`` (stream out, ``chunk_layout(result_chunk_bytes(cfg))``):
+    a beat's bytes as one chunk, in order; ``out_format``, ``n``; ``start`` (strobe) rewinds
+    the row and tile position before a result. Combinational: one beat a cycle (``i.ready``
+    is ``o.ready``), so the padding lanes cost no cycles.
+    """
+
+    def __init__(self, cfg: CoreConfig):
+        self.cfg = cfg
+        self.code_bytes = 1 if cfg.mantissa_bits <= 8 else 2
+        self.lanes = cfg.out_lanes
+        th, tw = cfg.tile
+        if (th * tw) % self.lanes or cfg.cols % self.lanes:
+            raise ValueError(f"out_lanes {self.lanes} must divide cols and the tile")
+        super().__init__({
+            "i": In(stream.Signature(output_layout(cfg))),
+            "o": Out(stream.Signature(chunk_layout(result_chunk_bytes(cfg)))),
+            "out_format": In(2),
+            "n": In(range(cfg.size + 1)),
+            "start": In(1),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg, L, cb = self.cfg, self.lanes, self.code_bytes
+        th, tw = cfg.tile
+        beats_per_tile = th * tw // L
+        R = result_chunk_bytes(cfg)
+        cols_left = Signal(range(cfg.size + 1))  # columns of the row from this beat on
+        tile_beat = Signal(range(beats_per_tile))
+        bfp = self.out_format == OutFormat.BFP if cfg.bfp_output else Const(0)
+        bf16 = self.out_format == OutFormat.BF16
+        lanes = self.i.payload.lanes
+        lanes_here = Signal(range(L + 1))
+        m.d.comb += lanes_here.eq(Mux(bfp | (cols_left >= L), L, cols_left))
+        exp_first = Signal()
+        m.d.comb += exp_first.eq(bfp & (tile_beat == 0))
+        body = Signal(8 * 4 * L)
+        with m.If(bfp):
+            m.d.comb += body.eq(Cat(*(lanes[j][:8 * cb] for j in range(L))))
+        with m.Elif(bf16):
+            m.d.comb += body.eq(Cat(*(lanes[j][:BF16_WIDTH] for j in range(L))))
+        with m.Else():
+            m.d.comb += body.eq(Cat(*(lanes[j] for j in range(L))))
+        bytes_per_lane = Mux(bfp, cb, Mux(bf16, 2, 4))
+        m.d.comb += [
+            self.o.valid.eq(self.i.valid),
+            self.i.ready.eq(self.o.ready),
+            self.o.payload.data.eq(Mux(exp_first, Cat(self.i.payload.exponent, body), body)[:8 * R]),
+            self.o.payload.count.eq(exp_first + lanes_here * bytes_per_lane),
+        ]
+        with m.If(self.start):
+            m.d.sync += [cols_left.eq(self.n), tile_beat.eq(0)]
+        with m.Elif(self.o.valid & self.o.ready):
+            with m.If(cols_left <= L):
+                m.d.sync += cols_left.eq(self.n)
+            with m.Else():
+                m.d.sync += cols_left.eq(cols_left - L)
+            with m.If(tile_beat == beats_per_tile - 1):
+                m.d.sync += tile_beat.eq(0)
+            with m.Else():
+                m.d.sync += tile_beat.eq(tile_beat + 1)
+        return m
+
+
+class ReplyFramer(wiring.Component):
+    """Frames a reply: ``header`` (opcode with the reply bit already set, tag, payload length)
+    starts a frame; the magic, version, opcode, tag and length go out, then exactly ``length``
+    payload bytes taken from the window ``i``, then the CRC-32 of all of them.
+
+    Ports: ``header`` (stream in), ``i`` (``WindowSignature(N)``), ``o`` (stream out,
+    ``reply_chunk_layout(N)``: ``last`` on the chunk with the CRC's final byte).
+    Throughput: the 10 header bytes and the 4 CRC bytes go N a chunk; the payload a full
+    chunk of N bytes a cycle, taken as soon as the window holds N (or the payload's rest).
+    The next ``header`` is accepted once the previous CRC has left.
+    """
+
+    def __init__(self, stream_bytes: int):
+        self.stream_bytes = stream_bytes
+        super().__init__({
+            "header": In(stream.Signature(data.StructLayout({"opcode": 8, "tag": 16, "length": 32}))),
+            "i": In(WindowSignature(stream_bytes)),
+            "o": Out(stream.Signature(reply_chunk_layout(stream_bytes))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        N = self.stream_bytes
+        H, T = protocol.HEADER.size, protocol.CRC_SIZE
+        m.submodules.crc = crc = ParallelCRC32(N)
+        head = Signal(self.header.payload.shape())
+        index = Signal(range(H + N + 1))
+        left = Signal(32)
+        head_bytes = Cat(Const(protocol.MAGIC_WORD, 16), Const(protocol.PROTOCOL_VERSION, 8), head.opcode, head.tag,
+                         head.length)
+        fire = self.o.valid & self.o.ready
+        k = Signal(range(N + 1))  # bytes of this chunk
+        m.d.comb += [
+            crc.clear.eq(self.header.valid & self.header.ready),
+            crc.i.payload.data.eq(self.o.payload.data),
+            crc.i.payload.count.eq(k),
+            self.o.payload.count.eq(k),
+        ]
+        with m.FSM():
+            with m.State("IDLE"):
+                m.d.comb += self.header.ready.eq(1)
+                with m.If(self.header.valid):
+                    m.d.sync += [head.eq(self.header.payload), left.eq(self.header.payload.length), index.eq(0)]
+                    m.next = "HEAD"
+            with m.State("HEAD"):
+                m.d.comb += [
+                    k.eq(_min(H - index, N)),
+                    self.o.valid.eq(1),
+                    crc.i.valid.eq(fire),
+                    self.o.payload.data.eq((head_bytes >> (index * 8))[:8 * N]),
+                ]
+                with m.If(fire):
+                    m.d.sync += index.eq(index + k)
+                    with m.If(index + k == H):
+                        m.d.sync += index.eq(0)
+                        m.next = "PAYLOAD"
+                        with m.If(left == 0):
+                            m.next = "CRC"
+            with m.State("PAYLOAD"):
+                want = _min(left, N)
+                m.d.comb += [
+                    k.eq(want),
+                    self.o.valid.eq(self.i.level >= want),
+                    crc.i.valid.eq(fire),
+                    self.o.payload.data.eq(self.i.data),
+                    self.i.take.eq(Mux(fire, want, 0)),
+                ]
+                with m.If(fire):
+                    m.d.sync += left.eq(left - want)
+                    with m.If(left == want):
+                        m.next = "CRC"
+            with m.State("CRC"):
+                m.d.comb += [
+                    k.eq(_min(T - index, N)),
+                    self.o.valid.eq(1),
+                    self.o.payload.data.eq((crc.crc >> (index * 8))[:8 * N]),
+                    self.o.payload.last.eq(index + k == T),
+                ]
+                with m.If(fire):
+                    m.d.sync += index.eq(index + k)
+                    with m.If(index + k == T):
+                        m.next = "IDLE"
+        return m
+
+
+class PacketEngine(wiring.Component):
+    """The protocol engine (docs/protocol.md) on a link of ``stream_bytes`` (N) bytes a cycle.
+
+    Ports: ``i`` (``WindowSignature(N)``: the link's bytes, from a ``hw.link.ByteWindow``),
+    ``o`` (stream out, ``reply_chunk_layout(N)``: reply bytes, ``last`` on each reply's final
+    chunk); the GEMM core's ``w``, ``cmd``, ``result``, ``core_cycles``; the input quantizer's
+    ``q_i``, ``q_o``, ``q_rounding``, ``q_seed``, ``q_clear``; the activation unit's ``act_i``,
+    ``act_o``.
+
+    Receiving (``FrameReceiver``): the magic and header a byte a cycle, the payload N bytes a
+    cycle into a ``max_payload``-byte buffer of N-byte words, never stalling ``i`` inside a
+    frame; nothing is executed before the CRC has checked: a corrupted WRITE changes no
+    buffer (the reply is BAD_CRC and the host simply sends it again).
+
+    Deciding (``FrameChecker``; registered 1 cycle after the receiver hands a frame over):
+    the status and the plan. A length beyond ``max_payload`` is refused as soon as the
+    header is in, and then ``length + 4`` bytes are skipped (or until ``frame_timeout`` cycles
+    pass without a byte); a frame that stops for ``frame_timeout`` cycles after its magic gets
+    a TIMEOUT reply with tag 0xFFFF and the opcode as far as it arrived (0x80 if not).
+
+    Executing:
+
+    - WRITE replays the data from the buffer (``PayloadReader`` -> a window ->
+      ``WriteReplay``): up to a row chunk a cycle, as ``w`` beats to the core or through the
+      input quantizer; the reply goes out after the last beat.
+    - GEMM and READ run the core twice: first the command itself with its output discarded
+      (so the core never waits on the reply, and the ``cycles`` of the reply and of STATUS
+      are the core's own count for the command, independent of the host's pace), then, once
+      the reply's header (and for GEMM the ``cycles``) is out, the same epilogue again as a
+      K = 0 command whose output the ``ResultSerializer`` sends. K = 0 re-reads the
+      accumulator the first pass left, so the second pass equals the first bit for bit (BFP
+      stochastic rounding restarts at stream position 0 in both).
+    - ELEMENTWISE streams x (and g, from its own window) through ``act_i``, and ``act_o``
+      into the reply, two bytes a result.
+    - IDENTIFY, STATUS, RESET reply from registers. Every reply counts in STATUS when its
+      status is decided (so a STATUS reply counts itself); RESET then zeroes the counters,
+      the last error and the last cycles.
+
+    Replying: every payload byte passes a window of ``result_chunk_bytes`` + N bytes in
+    front of the ``ReplyFramer``, which sends N a cycle. Throughput: N bytes a cycle each way
+    in a payload (a GEMM's result as fast as the core's epilogue gives it, up to N).
+    """
+
+    def __init__(self, cfg: CoreConfig, *, stream_bytes: int = 1, clock_hz: int = 0,
+                 max_payload: int = DEFAULT_MAX_PAYLOAD, frame_timeout: int = DEFAULT_FRAME_TIMEOUT):
+        self.cfg = cfg
+        self.stream_bytes = stream_bytes
+        self.clock_hz = clock_hz
+        self.max_payload = max_payload
+        self.frame_timeout = frame_timeout
+        self.functions = cfg.built_functions
+        C, N = cfg.cols, stream_bytes
+        super().__init__({
+            "i": In(WindowSignature(N)),
+            "o": Out(stream.Signature(reply_chunk_layout(N))),
+            # GemmCore
+            "w": Out(stream.Signature(write_layout(cfg))),
+            "cmd": Out(stream.Signature(command_layout(cfg))),
+            "result": In(stream.Signature(output_layout(cfg))),
+            "core_cycles": In(32),
+            # the input Quantize
+            "q_i": Out(stream.Signature(data.ArrayLayout(FP32_WIDTH, C))),
+            "q_o": In(stream.Signature(quantize_output_layout(cfg.mantissa_bits, C))),
+            "q_rounding": Out(Rounding),
+            "q_seed": Out(32),
+            "q_clear": Out(1),
+            # the Activation unit
+            "act_i": Out(stream.Signature(ACTIVATION_INPUT)),
+            "act_o": In(stream.Signature(BF16_WIDTH)),
+        })
+
+    def identity(self) -> bytes:
+        """The 32 bytes of the IDENTIFY reply's data."""
+        return DeviceSpec(self.cfg, stream_bytes=self.stream_bytes, clock_hz=self.clock_hz,
+                          max_payload=self.max_payload, frame_timeout=self.frame_timeout).identity().encode()
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg = self.cfg
+        C, N, P = cfg.cols, self.stream_bytes, self.max_payload
+        R = max(N, result_chunk_bytes(cfg), 2)  # the widest chunk a reply's source gives
+
+        m.submodules.receiver = rx = FrameReceiver(N, P, self.frame_timeout)
+        m.submodules.checker = checker = FrameChecker(cfg, stream_bytes=N, max_payload=P)
+        m.submodules.reader = reader = PayloadReader(N, P)
+        # x (and WRITE data) and g. Their default depths keep ELEMENTWISE from deadlocking:
+        # the reader alternates words between them, so while one window is too full to take
+        # a word, the other holds at least the 2 bytes of the next element.
+        m.submodules.window_a = win_a = ByteWindow(N, 4 * C)
+        m.submodules.window_b = win_b = ByteWindow(N, 2)
+        m.submodules.replay = replay = WriteReplay(cfg)
+        m.submodules.serializer = ser = ResultSerializer(cfg)
+        m.submodules.reply_window = reply = ByteWindow(R, N)
+        m.submodules.framer = framer = ReplyFramer(N)
+        m.submodules.payload = buf = memory.Memory(shape=8 * N, depth=_words(P, N), init=[])
+        buf_wr, buf_rd = buf.write_port(), buf.read_port()
+
+        wiring.connect(m, wiring.flipped(self.i), rx.i)
+        wiring.connect(m, reply.o, framer.i)
+        wiring.connect(m, framer.o, wiring.flipped(self.o))
+        wiring.connect(m, reader.a, win_a.i)
+        wiring.connect(m, reader.b, win_b.i)
+        m.d.comb += [
+            buf_wr.en.eq(rx.store.en), buf_wr.addr.eq(rx.store.addr), buf_wr.data.eq(rx.store.data),
+            buf_rd.en.eq(reader.rd_en), buf_rd.addr.eq(reader.rd_addr), reader.rd_data.eq(buf_rd.data),
+            checker.frame.eq(rx.frame.payload),
+        ]
+
+        plan = Signal(plan_layout(cfg, N, P))
+        m.d.comb += [reader.plan.eq(plan.read), replay.plan.eq(plan.write)]
+        op = plan.opcode[:7]  # the request's opcode (the reply bit cleared)
+
+        # ---- WRITE: window a into the replay ---------------------------------------------
+        wiring.connect(m, replay.w, wiring.flipped(self.w))
+        wiring.connect(m, replay.q_i, wiring.flipped(self.q_i))
+        wiring.connect(m, wiring.flipped(self.q_o), replay.q_o)
+        m.d.comb += [
+            replay.i.data.eq(win_a.o.data), replay.i.level.eq(win_a.o.level), replay.i.arrived.eq(win_a.o.arrived),
+            self.q_rounding.eq(replay.q_rounding), self.q_seed.eq(replay.q_seed), self.q_clear.eq(replay.q_clear),
+        ]
+        elementwise = plan.action == Action.ELEMENTWISE
+
+        # ---- ELEMENTWISE: x (and g) from their windows, a result a cycle --------------------
+        if self.functions:
+            feed = self.act_i
+            ready_b = ~plan.gradient | (win_b.o.level >= 2)
+            m.d.comb += [
+                feed.valid.eq(elementwise & (win_a.o.level >= 2) & ready_b),
+                feed.payload.x.eq(Cat(win_a.o.data[0], win_a.o.data[1])),
+                feed.payload.g.eq(Cat(win_b.o.data[0], win_b.o.data[1])),
+                feed.payload.func.eq(plan.e_func),
+            ]
+            fed = feed.valid & feed.ready
+            m.d.comb += [
+                win_a.o.take.eq(Mux(elementwise, Mux(fed, 2, 0), replay.i.take)),
+                win_b.o.take.eq(Mux(fed & plan.gradient, 2, 0)),
+            ]
+        else:
+            m.d.comb += win_a.o.take.eq(replay.i.take)
+
+        # ---- GEMM and READ: the core command -----------------------------------------------
+        second_pass = Signal()
+        draining = Signal()
+        m.d.comb += [
+            self.cmd.payload.eq(plan.cmd),
+            self.cmd.payload.k.eq(Mux(second_pass, 0, plan.cmd.k)),
+            ser.out_format.eq(plan.cmd.out_format),
+            ser.n.eq(plan.cmd.n),
             ser.start.eq(self.cmd.valid & self.cmd.ready),
             ser.i.valid.eq(self.result.valid & ~draining),
             ser.i.payload.eq(self.result.payload),
             self.result.ready.eq(draining | ser.i.ready),
         ]
 
-        # ---- the state machine ---------------------------------------------------------
-        tx = framer.i
-        tx_fire = tx.valid & tx.ready
-        m.d.comb += [
-            framer.header.payload.opcode.eq(opcode | protocol.REPLY),
-            framer.header.payload.tag.eq(Mux(timed_out, protocol.FRAME_TIMEOUT_TAG, head.tag)),
-            framer.header.payload.length.eq(1 + r_fixed + r_stream),
-        ]
-
-        def mid_frame_timeout(then_reply: bool):
-            """A frame that stops arriving: after ``frame_timeout`` cycles without a byte."""
-            with m.If(got):
-                m.d.sync += idle.eq(0)
-            with m.Elif(idle == self.frame_timeout - 1):
-                m.d.sync += idle.eq(0)
-                if then_reply:
-                    m.d.sync += [timed_out.eq(1), r_status.eq(Status.TIMEOUT), r_fixed.eq(0), r_stream.eq(0)]
-                    m.d.comb += [count_status.eq(1), counted.eq(Status.TIMEOUT)]
-                    m.next = "REPLY_HEADER"
-                else:
-                    m.next = "HUNT"
+        # ---- STATUS counters (docs/protocol.md, 0x06): every reply counts once, when its
+        # status is decided; a STATUS reply thus counts itself.
+        accepted, refused, last_cycles, last_error = Signal(32), Signal(32), Signal(32), Signal(8)
+        count_status = Signal()
+        with m.If(count_status):
+            with m.If(checker.plan.status == Status.OK):
+                m.d.sync += accepted.eq(accepted + 1)
             with m.Else():
-                m.d.sync += idle.eq(idle + 1)
+                m.d.sync += [refused.eq(refused + 1), last_error.eq(checker.plan.status)]
+        identity = int.from_bytes(self.identity(), "little")
+        fixed = Mux(op == Op.IDENTIFY, Const(identity, 256),
+                    Mux(op == Op.STATUS, Cat(accepted, refused, last_cycles, last_error, Const(0, 24)),
+                        last_cycles))
+
+        # ---- the reply's payload: status, fixed bytes, then the stream, into the window ----
+        src = reply.i
+        fixed_index = Signal(range(33))
+        stream_left = Signal(32)
+        fixed_k = Signal(range(R + 1))
+        m.d.comb += fixed_k.eq(_min(plan.fixed - fixed_index, R))
+        m.d.comb += [
+            framer.header.payload.opcode.eq(plan.opcode),
+            framer.header.payload.tag.eq(plan.tag),
+            framer.header.payload.length.eq(1 + plan.fixed + plan.stream),
+        ]
+        pushed = src.valid & src.ready
 
         with m.FSM():
-            with m.State("HUNT"):
-                m.d.comb += self.i.ready.eq(1)
-                with m.If(got):
-                    m.d.sync += seen_h.eq(byte == protocol.MAGIC[0])
-                    with m.If(seen_h & (byte == protocol.MAGIC[1])):
-                        m.d.comb += rx_crc.clear.eq(1)
-                        m.d.sync += [seen_h.eq(0), head.eq(0), head_index.eq(0), idle.eq(0), timed_out.eq(0),
-                                     skip_after.eq(0), count.eq(0), crc_index.eq(0)]
-                        m.next = "HEADER"
-            with m.State("HEADER"):
-                m.d.comb += [self.i.ready.eq(1), rx_crc.i.valid.eq(got), rx_crc.i.payload.eq(byte)]
-                with m.If(got):
-                    m.d.sync += [head.as_value().word_select(head_index, 8).eq(byte), head_index.eq(head_index + 1)]
-                    with m.If(head_index == protocol.HEADER.size - len(protocol.MAGIC) - 1):
-                        m.next = "LENGTH"
-                mid_frame_timeout(True)
-            with m.State("LENGTH"):
-                # A length beyond the buffer is refused as soon as the header is in; the
-                # frame's remaining length + 4 bytes are skipped after the reply.
-                with m.If(length > P):
-                    m.d.sync += [r_status.eq(Status.BAD_LENGTH), r_fixed.eq(0), r_stream.eq(0),
-                                 skip_after.eq(1), skip_left.eq(length + protocol.CRC_SIZE)]
-                    m.d.comb += [count_status.eq(1), counted.eq(Status.BAD_LENGTH)]
-                    m.next = "REPLY_HEADER"
-                with m.Elif(length == 0):
-                    m.next = "CRC"
-                with m.Else():
-                    m.next = "PAYLOAD"
-            with m.State("PAYLOAD"):
-                m.d.comb += [
-                    self.i.ready.eq(1),
-                    rx_crc.i.valid.eq(got),
-                    rx_crc.i.payload.eq(byte),
-                    buf_wr.en.eq(got),
-                    buf_wr.addr.eq(count),
-                    buf_wr.data.eq(byte),
-                ]
-                with m.If(got):
-                    m.d.sync += count.eq(count + 1)
-                    with m.If(count < DESCRIPTOR_BYTES):
-                        m.d.sync += desc.word_select(count[:(DESCRIPTOR_BYTES - 1).bit_length()], 8).eq(byte)
-                    with m.If(count == length - 1):
-                        m.next = "CRC"
-                mid_frame_timeout(True)
-            with m.State("CRC"):
-                m.d.comb += [self.i.ready.eq(1), rx_crc.i.valid.eq(got), rx_crc.i.payload.eq(byte)]
-                with m.If(got):
-                    m.d.sync += crc_index.eq(crc_index + 1)
-                    with m.If(crc_index == protocol.CRC_SIZE - 1):
-                        m.next = "DECIDE"
-                mid_frame_timeout(True)
+            with m.State("IDLE"):
+                with m.If(rx.frame.valid):
+                    m.next = "DECIDE"
             with m.State("DECIDE"):
-                ok = status == Status.OK
-                m.d.sync += [
-                    r_status.eq(status),
-                    r_fixed.eq(Mux(~ok, 0, Mux(is_op[Op.IDENTIFY], 32, Mux(is_op[Op.STATUS], 16,
-                                                                            Mux(is_op[Op.GEMM], 4, 0))))),
-                    r_stream.eq(Mux(~ok, 0, Mux(elementwise, e_count << 1,
-                                                Mux(is_op[Op.GEMM] | is_read, result_bytes, 0)))),
-                ]
-                m.d.comb += [count_status.eq(1), counted.eq(status)]
-                # Registers of the WRITE replay (used only if it runs).
-                m.d.sync += [
-                    # Paths to units a reduced device lacks are never taken (refused above):
-                    # their logic is not built.
-                    path.eq(Mux(elementwise, PATH_ACT,
-                                Mux(is_values if cfg.value_quantizer else 0, PATH_VALUES, PATH_ROWS))),
-                    wr_target.eq(Mux(is_values, w_target - (Target.A_VALUES - Target.A_CODES), w_target)),
-                    wr_row.eq(w_row),
-                    wr_col.eq(w_col),
-                    wr_col0.eq(w_col),
-                    wr_col_end.eq(w_col_end),
-                    wr_step.eq(Mux(is_exps, 1, C)),
-                    wr_left.eq(Mux(is_exps, region, region >> (C.bit_length() - 1))),
-                    v_row.eq(w_row),
-                    v_col.eq(w_col),
-                    v_r.eq(0),
-                    v_c.eq(0),
-                    v_erow.eq(_quotient_of_multiple(w_row, th, D)),
-                    v_ecol.eq(_quotient_of_multiple(w_col, tw, D)),
-                    v_ecol0.eq(_quotient_of_multiple(w_col, tw, D)),
-                    v_row_end.eq(w_row_end),
-                    v_exp.eq(0),
-                    v_done.eq(region == 0),
-                    q_rounding.eq(w_rounding),
-                    q_seed.eq(w_seed),
-                    e_func.eq(e_function),
-                    act_high.eq(0),
-                    a_bytes.eq(Mux(elementwise, Mux(e_gradient, 4, 2), element_bytes)),
-                    a_elems.eq(Mux(elementwise | is_exps, 1, C)),
-                    a_mode.eq(Mux(is_codes & is_op[Op.WRITE], ASSEMBLE_MODES["sign_extend"],
-                                  Mux(is_values & value_bf16 & is_op[Op.WRITE], ASSEMBLE_MODES["high_half"],
-                                      ASSEMBLE_MODES["raw"]))),
-                ]
+                m.d.sync += plan.eq(checker.plan)
+                m.d.comb += count_status.eq(1)
                 m.next = "DISPATCH"
             with m.State("DISPATCH"):
-                with m.If(r_status != Status.OK):
-                    m.next = "REPLY_HEADER"
-                with m.Elif(is_op[Op.WRITE]):
-                    m.d.comb += [rd_kick.eq(1), self.q_clear.eq(is_values)]
-                    m.d.sync += writing.eq(1)
-                    m.next = "WRITE"
-                with m.Elif(is_op[Op.GEMM] | is_read):
-                    m.d.sync += second_pass.eq(0)
-                    m.next = "CORE_RUN"
-                with m.Elif(is_op[Op.ELEMENTWISE]):
-                    m.d.comb += rd_kick.eq(1)
-                    m.next = "REPLY_HEADER"
-                with m.Else():
-                    with m.If(is_op[Op.RESET]):
+                with m.Switch(plan.action):
+                    with m.Case(Action.WRITE):
+                        m.d.comb += [reader.start.eq(1), replay.start.eq(1)]
+                        m.next = "WRITE"
+                    with m.Case(Action.CORE):
+                        m.d.sync += second_pass.eq(0)
+                        m.next = "CORE_RUN"
+                    with m.Case(Action.ELEMENTWISE):
+                        m.d.comb += reader.start.eq(1)
+                        m.next = "REPLY_HEADER"
+                    with m.Case(Action.RESET):
                         m.d.sync += [accepted.eq(0), refused.eq(0), last_cycles.eq(0), last_error.eq(0)]
-                    m.next = "REPLY_HEADER"
+                        m.next = "REPLY_HEADER"
+                    with m.Default():
+                        m.next = "REPLY_HEADER"
             with m.State("WRITE"):
-                with m.If(write_done):
-                    m.d.sync += writing.eq(0)
+                with m.If(replay.done):
                     m.next = "REPLY_HEADER"
             with m.State("CORE_RUN"):
                 m.d.comb += self.cmd.valid.eq(1)
@@ -966,55 +1221,53 @@ class PacketEngine(wiring.Component):
             with m.State("REPLY_HEADER"):
                 m.d.comb += framer.header.valid.eq(1)
                 with m.If(framer.header.ready):
-                    m.d.sync += [fixed_index.eq(0), stream_left.eq(r_stream)]
+                    m.d.sync += [fixed_index.eq(0), stream_left.eq(plan.stream)]
                     m.next = "REPLY_STATUS"
             with m.State("REPLY_STATUS"):
-                m.d.comb += [tx.valid.eq(1), tx.payload.eq(r_status)]
-                with m.If(tx.ready):
-                    with m.If(r_fixed != 0):
+                m.d.comb += [src.valid.eq(1), src.payload.data[0].eq(plan.status), src.payload.count.eq(1)]
+                with m.If(src.ready):
+                    with m.If(plan.fixed != 0):
                         m.next = "REPLY_FIXED"
-                    with m.Elif(r_stream != 0):
+                    with m.Elif(plan.stream != 0):
                         m.next = "REPLY_STREAM"
-                    with m.Elif(skip_after):
-                        m.next = "SKIP"
                     with m.Else():
-                        m.next = "HUNT"
+                        m.next = "FINISH"
             with m.State("REPLY_FIXED"):
-                m.d.comb += [tx.valid.eq(1), tx.payload.eq(fixed.word_select(fixed_index, 8))]
-                with m.If(tx.ready):
-                    m.d.sync += fixed_index.eq(fixed_index + 1)
-                    with m.If(fixed_index == r_fixed - 1):
+                m.d.comb += [src.valid.eq(1), src.payload.data.eq((fixed >> (fixed_index * 8))[:8 * R]),
+                             src.payload.count.eq(fixed_k)]
+                with m.If(src.ready):
+                    m.d.sync += fixed_index.eq(fixed_index + fixed_k)
+                    with m.If(fixed_index + fixed_k == plan.fixed):
                         m.next = "REPLY_STREAM"
-                        with m.If(r_stream == 0):
-                            m.next = "HUNT"
+                        with m.If(plan.stream == 0):
+                            m.next = "FINISH"
             with m.State("REPLY_STREAM"):
-                with m.If(path == PATH_ACT):  # ELEMENTWISE
+                with m.If(elementwise):
                     m.d.comb += [
-                        tx.valid.eq(self.act_o.valid),
-                        tx.payload.eq(Mux(act_high, self.act_o.payload[8:], self.act_o.payload[:8])),
-                        self.act_o.ready.eq(tx.ready & act_high),
+                        src.valid.eq(self.act_o.valid),
+                        src.payload.data[0].eq(self.act_o.payload[:8]),
+                        src.payload.data[1].eq(self.act_o.payload[8:]),
+                        src.payload.count.eq(2),
+                        self.act_o.ready.eq(src.ready),
                     ]
-                    with m.If(tx_fire):
-                        m.d.sync += act_high.eq(~act_high)
                 with m.Else():
                     # The second pass: the same epilogue, now into the reply.
                     m.d.comb += [
                         self.cmd.valid.eq(second_pass),
-                        tx.valid.eq(ser.o.valid),
-                        tx.payload.eq(ser.o.payload),
-                        ser.o.ready.eq(tx.ready),
+                        src.valid.eq(ser.o.valid),
+                        src.payload.data.eq(ser.o.payload.data),
+                        src.payload.count.eq(ser.o.payload.count),
+                        ser.o.ready.eq(src.ready),
                     ]
                     with m.If(self.cmd.valid & self.cmd.ready):
                         m.d.sync += second_pass.eq(0)
-                with m.If(tx_fire):
-                    m.d.sync += stream_left.eq(stream_left - 1)
-                    with m.If(stream_left == 1):
-                        m.next = "HUNT"
-            with m.State("SKIP"):
-                m.d.comb += self.i.ready.eq(1)
-                with m.If(got):
-                    m.d.sync += skip_left.eq(skip_left - 1)
-                    with m.If(skip_left == 1):
-                        m.next = "HUNT"
-                mid_frame_timeout(False)
+                with m.If(pushed):
+                    m.d.sync += stream_left.eq(stream_left - src.payload.count)
+                    with m.If(stream_left == src.payload.count):
+                        m.next = "FINISH"
+            with m.State("FINISH"):
+                # The frame is done with: the receiver may take the next one while the
+                # framer still sends this reply's last bytes.
+                m.d.comb += rx.frame.ready.eq(1)
+                m.next = "IDLE"
         return m

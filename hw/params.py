@@ -12,7 +12,10 @@ from __future__ import annotations
 from amaranth.lib import data
 
 from hbfp.contract import (
+    ACC_READ_LATENCY,
     ADD_LATENCY,
+    OPERAND_READ_LATENCY,
+    PREFETCH_CYCLES,
     NORMALIZE_LATENCY,
     ConfigError,
     CoreConfig,
@@ -46,6 +49,9 @@ __all__ = [
     "product_width",
     "NORMALIZE_LATENCY",
     "ADD_LATENCY",
+    "ACC_READ_LATENCY",
+    "OPERAND_READ_LATENCY",
+    "PREFETCH_CYCLES",
     "rmw_latency",
     "ConfigError",
     "CoreConfig",

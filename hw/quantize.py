@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, signed, unsigned
+from types import SimpleNamespace
+
+from amaranth.hdl import Array, Cat, Const, Module, Mux, Shape, Signal, Value, signed, unsigned
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
@@ -16,11 +18,13 @@ __all__ = ["Quantize", "INPUT_FORMATS", "KEY_LATENCY", "LATENCY", "MIX32_MULTIPL
 
 #: Element widths of the supported input formats.
 INPUT_FORMATS = {"fp32": FP32_WIDTH, "bf16": BF16_WIDTH}
-#: Cycles from a change of the ``seed`` port until the registered key follows it.
-KEY_LATENCY = 2
+#: Cycles from a change of the ``seed`` port until the registered key follows it (the key's
+#: pipeline: two constant multiplies in five stages).
+KEY_LATENCY = 5
 #: Cycles from the cycle in which a tile's last input beat is accepted to the cycle in which
-#: its first output beat is valid (without output stalls): the bank handover, the memory read
-#: and four pipeline stages (the contract's ``QUANTIZE_LATENCY``, which ``emu`` counts).
+#: its first output beat is valid (without output stalls): the fill pipeline, the bank
+#: handover, the memory read and the drain pipeline (the contract's ``QUANTIZE_LATENCY``,
+#: which ``emu`` counts).
 LATENCY = QUANTIZE_LATENCY
 
 _FRAC_BITS = F32_FRAC_BITS  # fp32 fraction field
@@ -31,6 +35,23 @@ _PRESHIFT = RANDOM_BITS + _MAX_MANTISSA - 2 - _FRAC_BITS
 # t is clamped here: from here up sig * 2**(_PRESHIFT - t) < 1, i.e. |y| < 2**-RANDOM_BITS and the
 # code is 0 in every rounding mode.
 _SHIFT_CLAMP = _PRESHIFT + _FRAC_BITS + 1
+
+# Pipelining, for 150 MHz on an ECP5: a stage holds at most two chained 32-bit carry chains,
+# or one chain and one LUT level. The fill side registers an input beat _FILL_STAGES times
+# while a tree (one level per stage, up to 8 lanes) takes the max of its exponent fields.
+_FILL_STAGES = 3
+# The adder-tree levels (of the four in each constant multiply) after which mix32 registers:
+# [xor-shift, level 1] [levels 2, 3] [level 4, xor-shift] for the first multiply, [levels 1, 2]
+# [levels 3, 4] for the second. Five stages, in the lanes and in the key.
+_MIX_CUTS = ((1, 3), (2,))
+_MIX_STAGES = sum(len(c) + 1 for c in _MIX_CUTS)
+# The drain pipeline after the memory read: the read data registered (twice, beside the
+# generator's first stage), the mix32 stages (the element's decoding and alignment run beside
+# the last four), the rounding decision, the saturated magnitude, the signed code (the output
+# register).
+_DRAIN_STAGES = 1 + _MIX_STAGES + 3
+assert _MIX_STAGES == 5, "the element's four stages end with the generator's"
+assert LATENCY == _FILL_STAGES + 2 + _DRAIN_STAGES, "QUANTIZE_LATENCY counts the stages below"
 
 
 def _naf(c: int) -> list[tuple[int, int]]:
@@ -46,31 +67,53 @@ def _naf(c: int) -> list[tuple[int, int]]:
     return digits
 
 
-def _times_constant(x, c: int, width: int = 32):
-    """``x * c mod 2**width`` as shifts, adds and subtracts of ``x`` (the NAF of ``c``, a tree of
-    ``width``-bit adders): a multiply by a constant takes no DSP block, which the MAC array
-    needs (an ECP5 maps every ``$mul`` to one or more MULT18X18D)."""
-    plus = [(x << s)[:width] for s, d in _naf(c % 2**width) if s < width and d > 0]
-    minus = [(x << s)[:width] for s, d in _naf(c % 2**width) if s < width and d < 0]
+def _times_constant(x, c: int, width: int = 32, *, cut=None):
+    """``x * c mod 2**width`` as shifts, adds and subtracts of ``x`` (the NAF of ``c``, a
+    balanced tree of ``width``-bit adders and subtractors): a multiply by a constant takes no
+    DSP block, which the MAC array needs (an ECP5 maps every ``$mul`` to one or more
+    MULT18X18D). ``cut(level, values)``, if given, may register the values after each tree
+    level (a pipeline stage boundary) and returns what the next level reads."""
+    # Signed terms: a node (d, v) stands for d * v, so a mix of signs needs no negation.
+    terms = [(d, (x << s)[:width]) for s, d in _naf(c % 2**width) if s < width]
+    level = 0
+    while len(terms) > 1:
+        pairs = [terms[i:i + 2] for i in range(0, len(terms), 2)]
+        terms = []
+        for pair in pairs:
+            if len(pair) == 1:
+                terms.append(pair[0])
+                continue
+            (da, a), (db, b) = pair
+            if da == db:
+                terms.append((da, (a + b)[:width]))
+            else:
+                terms.append((1, (a - b)[:width] if da > 0 else (b - a)[:width]))
+        level += 1
+        if cut is not None:
+            terms = list(zip([d for d, _ in terms], cut(level, [v for _, v in terms])))
+    if not terms:
+        return Const(0, width)
+    d, v = terms[0]
+    return v if d > 0 else (-v)[:width]
 
-    def total(terms):
-        while len(terms) > 1:
-            terms = [(terms[i] + terms[i + 1])[:width] if i + 1 < len(terms) else terms[i]
-                     for i in range(0, len(terms), 2)]
-        return terms[0] if terms else 0
 
-    return (total(plus) - total(minus))[:width] if minus else total(plus)
+def _xorshift(x, k: int):
+    return x ^ (x >> k)
 
 
-def _mix32_first(x):
-    """The first half of mix32, up to and including the first multiply (one pipeline stage)."""
-    return _times_constant(x ^ (x >> 16), MIX32_MULTIPLIERS[0])
+def _mix32_stages(x, register):
+    """mix32 from its first multiply on, i.e. of an ``x`` that already had its first
+    ``x ^= x >> 16``, and without its final one, in ``_MIX_STAGES`` pipeline stages:
+    ``register(value)`` returns the value's register. The final xor-shift is left out
+    because every user can do without it: the top ``RANDOM_BITS`` bits are untouched by it,
+    and the key's cancels against the lane's first one (``x ^ (x >> 16)`` is linear and its
+    own inverse on 32 bits: ``xs(n ^ xs(k)) == xs(n) ^ k``)."""
 
+    def cutter(cuts):
+        return lambda level, values: [register(v) for v in values] if level in cuts else values
 
-def _mix32_second(x):
-    """The second multiply of mix32 (one pipeline stage); the final ``x ^= x >> 16`` leaves the
-    top 16 bits alone, so the top ``RANDOM_BITS`` of this product already are the random bits."""
-    return _times_constant(x ^ (x >> 15), MIX32_MULTIPLIERS[1])
+    p = register(_xorshift(_times_constant(x, MIX32_MULTIPLIERS[0], cut=cutter(_MIX_CUTS[0])), 15))
+    return register(_times_constant(p, MIX32_MULTIPLIERS[1], cut=cutter(_MIX_CUTS[1])))
 
 
 class Quantize(wiring.Component):
@@ -109,17 +152,30 @@ class Quantize(wiring.Component):
     tile is double-buffered in a 2T-element memory: tile t+1 fills while tile t drains.
     ``i.ready`` depends on registers only (no combinational path from ``o.ready``).
 
-    Latency: the first output beat of a tile is valid ``LATENCY`` = 6 cycles after the cycle
-    in which the tile's last input beat is accepted (without output stalls), i.e. T/L + 5
+    Latency: the first output beat of a tile is valid ``LATENCY`` = 14 cycles after the cycle
+    in which the tile's last input beat is accepted (without output stalls), i.e. T/L + 13
     cycles after its first beat on a gapless stream.
 
+    Pipeline (every stage at most two chained carry chains or one chain and a LUT level, for
+    150 MHz on an ECP5): the fill side registers each beat three times beside a tree that
+    takes the max of its exponent fields (one level per stage), then writes it into the free
+    bank; one cycle hands a completed bank over; the drain side reads the memory (stage 1)
+    and registers the block RAM's output twice (2-3); mix32 takes n's first xor-shift in
+    stage 2 and then five stages (3: the xor with the key and the first multiply's
+    first adder level; 4: its levels 2-3; 5: its level 4 and the xor-shift; 6: the second
+    multiply's levels 1-2; 7: its levels 3-4) while the element is decoded (4), its shift
+    clamped (5), aligned (6) and its sticky bit reduced (7); then come the rounding decision
+    (8), the saturated magnitude (9) and the signed code (10, the output register). The key
+    takes the same five stages from ``seed``.
+
     ``stochastic`` False builds no random generator (no key, no multiplies): the stochastic
-    code then rounds to nearest even like the unused code 3, and ``seed`` is unused. A reduced
-    device (``CoreConfig.stochastic``) refuses stochastic requests before they get here.
+    code then rounds to nearest even like the unused code 3, and ``seed`` is unused; the
+    latency stays the same. A reduced device (``CoreConfig.stochastic``) refuses stochastic
+    requests before they get here.
 
     Resources: a 2T/L x (L * input width) simple dual-port memory; per lane an 8-bit
-    max, a 55-bit right shifter, two 32-bit constant multiplies (low halves, one pipeline stage
-    each, as trees of 12-13 adders: no DSP blocks) and the rounding logic; two more constant
+    max, a 55-bit right shifter, two 32-bit constant multiplies (low halves, as pipelined
+    trees of 12-13 adders: no DSP blocks) and the rounding logic; two more constant
     multiplies for the key. Without ``stochastic``, no multiplies.
     """
 
@@ -173,228 +229,263 @@ class Quantize(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         L, B, T = self.lanes, self.beats_per_tile, self.tile_elements
-        mb = self.mantissa_bits
-        qmax = self.fmt.qmax
         ew = self.element_width
 
-        # ---- the key: mix32(seed ^ SEED_SALT), one multiply per stage -------------------------
+        # ---- the key: mix32(seed ^ SEED_SALT) but its final xor-shift (see _mix32_stages) ----
         key = Signal(32)
         if self.stochastic:
-            key_h1 = Signal(32)
-            key_h2 = Signal(32)
-            m.d.sync += key_h1.eq(_mix32_first(self.seed ^ SEED_SALT))
-            m.d.comb += key_h2.eq(_mix32_second(key_h1))
-            m.d.sync += key.eq(key_h2 ^ (key_h2 >> 16))
+            def key_register(value):
+                r = Signal(32)
+                m.d.sync += r.eq(value)
+                return r
+
+            m.d.comb += key.eq(_mix32_stages(_xorshift(self.seed ^ SEED_SALT, 16), key_register))
 
         # ---- the tile buffer: two banks of B beats -----------------------------------------------
-        m.submodules.mem = mem = Memory(shape=unsigned(ew * L), depth=2 * B, init=[])
+        # The drain reads only a full bank and the fill writes only a free one, so a read never
+        # meets a write of its address: ``no_rw_check`` spares Yosys the logic that would
+        # forward write data on such a collision (a multiplexer behind the block RAM's output).
+        m.submodules.mem = mem = Memory(shape=unsigned(ew * L), depth=2 * B, init=[], attrs={"no_rw_check": 1})
         wr = mem.write_port()
         rd = mem.read_port(domain="sync")
 
         # Per-bank state, written by the fill side while the bank is free and read by the drain
         # side while it is full, so the two sides never race on it.
         full = Signal(2)
-        bank_exp = Array(Signal(EXP_WIDTH, name=f"bank_exp{b}") for b in range(2))
-        bank_base = Array(Signal(32, name=f"bank_base{b}") for b in range(2))
-        bank_key = Array(Signal(32, name=f"bank_key{b}") for b in range(2))
-        bank_rnd = Array(Signal(len(self.rounding), name=f"bank_rnd{b}") for b in range(2))
+        bank = SimpleNamespace(
+            exp=Array(Signal(EXP_WIDTH, name=f"bank_exp{b}") for b in range(2)),
+            base=Array(Signal(32, name=f"bank_base{b}") for b in range(2)),
+            key=Array(Signal(32, name=f"bank_key{b}") for b in range(2)),
+            rnd=Array(Signal(len(self.rounding), name=f"bank_rnd{b}") for b in range(2)),
+        )
+        fill_done = self._fill(m, wr, full, bank, key)
+        drain_done = self._drain(m, rd, full, bank)
+        # A bank is never filled and drained in the same cycle (fill needs it free, drain full).
+        m.d.sync += full.eq((full | fill_done) & ~drain_done)
+        return m
 
-        # ---- fill side --------------------------------------------------------------------------
+    def _fill(self, m: Module, wr, full, bank, key):
+        """The fill side: each accepted beat passes ``_FILL_STAGES`` registers, beside a tree
+        that takes the max of its exponent fields, and the last one writes it into the free
+        bank. Returns the bank that the last beat of a tile completes in this cycle (a mask)."""
+        L, B, T = self.lanes, self.beats_per_tile, self.tile_elements
+        ew = self.element_width
+
+        # The whole fill pipeline moves unless its last beat waits for a full bank; i.ready is
+        # therefore a function of registers only.
+        go = Signal()
+        accept = self.i.valid & go
+        m.d.comb += self.i.ready.eq(go)
+
+        # What a tile takes in the cycle its first beat is accepted: rounding mode, key, and
+        # whether a ``clear`` came since the previous tile's first beat (its position restarts).
+        in_beat = Signal(range(B))
+        clear_pending = Signal()
+        in_first = in_beat == 0
+        with m.If(accept):
+            m.d.sync += in_beat.eq(Mux(in_beat == B - 1, 0, in_beat + 1))
+        with m.If(accept & in_first):
+            m.d.sync += clear_pending.eq(0)
+        with m.Elif(self.clear):
+            m.d.sync += clear_pending.eq(1)
+
+        # The exponent code is a max over the 8-bit exponent fields: 0xFF (NaN/inf) wins by
+        # itself, and field 0 (zero, subnormal: DAZ) never raises it.
+        def max_of(a, b):
+            return Mux(a > b, a, b)
+
+        levels = (L - 1).bit_length()
+        per_stage = [levels // _FILL_STAGES + (k < levels % _FILL_STAGES) for k in range(_FILL_STAGES)]
+        fields = [self.i.payload[l][ew - 1 - EXP_WIDTH:ew - 1] for l in range(L)]
+        stage = SimpleNamespace(valid=accept, data=self.i.payload.as_value(), first=in_first,
+                                clear=self.clear | clear_pending, key=key, rnd=self.rounding)
+        for k in range(_FILL_STAGES):
+            for _ in range(per_stage[k]):  # a balanced comparator tree over the lanes
+                fields = [max_of(fields[j], fields[j + 1]) if j + 1 < len(fields) else fields[j]
+                          for j in range(0, len(fields), 2)]
+            nxt = SimpleNamespace()
+            for name, value in vars(stage).items():
+                reg = Signal(Value.cast(value).shape(), name=f"f{k + 1}_{name}", reset_less=name != "valid")
+                with m.If(go):
+                    m.d.sync += reg.eq(value)
+                setattr(nxt, name, reg)
+            regs = [Signal(EXP_WIDTH, name=f"f{k + 1}_max{j}", reset_less=True) for j in range(len(fields))]
+            with m.If(go):
+                m.d.sync += [r.eq(f) for r, f in zip(regs, fields)]
+            stage, fields = nxt, regs
+        [beat_max] = fields
+
+        # The write stage.
         wr_bank = Signal()
         wr_beat = Signal(range(B))
         run_max = Signal(EXP_WIDTH)  # max exponent field of the tile so far
         next_base = Signal(32)  # stream position of the next tile's first element
-
-        m.d.comb += self.i.ready.eq(~full.bit_select(wr_bank, 1))
-
-        # The exponent code is a max over the 8-bit exponent fields: 0xFF (NaN/inf) wins by
-        # itself, and field 0 (zero, subnormal: DAZ) never raises it.
-        def max_of(a, b, name):
-            r = Signal(EXP_WIDTH, name=name)
-            m.d.comb += r.eq(Mux(a > b, a, b))
-            return r
-
-        level = [self.i.payload[l][ew - 1 - EXP_WIDTH:ew - 1] for l in range(L)]
-        depth = 0
-        while len(level) > 1:  # a balanced comparator tree over the lanes
-            level = [max_of(level[k], level[k + 1], f"field_max{depth}_{k // 2}") if k + 1 < len(level) else level[k]
-                     for k in range(0, len(level), 2)]
-            depth += 1
-        beat_max = level[0]
-        first_in = wr_beat == 0
+        m.d.comb += go.eq(~(stage.valid & full.bit_select(wr_bank, 1)))
+        write = stage.valid & go
+        first = wr_beat == 0
         tile_max = Signal(EXP_WIDTH)
-        m.d.comb += tile_max.eq(Mux(first_in, beat_max, max_of(beat_max, run_max, "field_max_run")))
-        start_base = Mux(self.clear, 0, next_base)
-
+        m.d.comb += tile_max.eq(Mux(first, beat_max, max_of(beat_max, run_max)))
+        start_base = Mux(stage.clear, 0, next_base)
         m.d.comb += [
             wr.addr.eq(wr_beat + Mux(wr_bank, B, 0)),
-            wr.data.eq(self.i.payload.as_value()),
-            wr.en.eq(self.i.valid & self.i.ready),
+            wr.data.eq(stage.data),
+            wr.en.eq(write),
         ]
-        with m.If(self.i.valid & self.i.ready):
+        fill_done = Signal(2)
+        with m.If(write):
             m.d.sync += run_max.eq(tile_max)
-            with m.If(first_in):
+            with m.If(first):
                 m.d.sync += [
-                    bank_base[wr_bank].eq(start_base),
-                    bank_key[wr_bank].eq(key),
-                    bank_rnd[wr_bank].eq(self.rounding),
+                    bank.base[wr_bank].eq(start_base),
+                    bank.key[wr_bank].eq(stage.key),
+                    bank.rnd[wr_bank].eq(stage.rnd),
                     next_base.eq(start_base + T),
                 ]
-            with m.Elif(self.clear):
-                m.d.sync += next_base.eq(0)
             with m.If(wr_beat == B - 1):
+                m.d.comb += fill_done.eq(Mux(wr_bank, 0b10, 0b01))
                 m.d.sync += [
                     wr_beat.eq(0),
                     wr_bank.eq(~wr_bank),
-                    bank_exp[wr_bank].eq(tile_max),
+                    bank.exp[wr_bank].eq(tile_max),
                 ]
             with m.Else():
                 m.d.sync += wr_beat.eq(wr_beat + 1)
-        with m.Elif(self.clear):
-            m.d.sync += next_base.eq(0)
+        return fill_done
 
-        # ---- drain side: a pipeline in which all stages advance together ------------------------
+    def _drain(self, m: Module, rd, full, bank):
+        """The drain side: a pipeline in which all stages advance together. Returns the bank
+        whose last read is issued in this cycle (a mask)."""
+        L, B = self.lanes, self.beats_per_tile
+        mb = self.mantissa_bits
+        qmax = self.fmt.qmax
+        ew = self.element_width
+
         advance = Signal()
         m.d.comb += advance.eq(~self.o.valid | self.o.ready)
 
+        def register(value, name):
+            r = Signal(Value.cast(value).shape(), name=name, reset_less=True)
+            with m.If(advance):
+                m.d.sync += r.eq(value)
+            return r
+
+        def delay(value, stages, name):
+            for k in range(stages):
+                value = register(value, f"{name}_d{k + 1}")
+            return value
+
         rd_bank = Signal()
         rd_beat = Signal(range(B))
-        rd_off = Signal(range(T + 1))  # rd_beat * L
+        rd_off = Signal(range(self.tile_elements + 1))  # rd_beat * L
         s0_valid = full.bit_select(rd_bank, 1)
         m.d.comb += [
             rd.addr.eq(rd_beat + Mux(rd_bank, B, 0)),
             # A stalled pipeline keeps the read data: the memory's output register is stage 1.
             rd.en.eq(advance),
         ]
+        drain_done = Signal(2)
+        with m.If(advance & s0_valid):
+            with m.If(rd_beat == B - 1):
+                m.d.comb += drain_done.eq(Mux(rd_bank, 0b10, 0b01))
+                m.d.sync += [rd_beat.eq(0), rd_off.eq(0), rd_bank.eq(~rd_bank)]
+            with m.Else():
+                m.d.sync += [rd_beat.eq(rd_beat + 1), rd_off.eq(rd_off + L)]
 
-        # Stage 1: memory data; the beat's stream position, exponent, key and mode.
-        s1_valid = Signal()
-        s1_n = Signal(32)
-        s1_exp = Signal(EXP_WIDTH)
-        s1_key = Signal(32)
-        s1_rnd = Signal(len(self.rounding))
-        s1_last = Signal()
-
-        fill_done = Signal(2)  # the fill side completes a bank in this cycle
-        drain_done = Signal(2)  # the drain side issues a bank's last read in this cycle
-        with m.If(self.i.valid & self.i.ready & (wr_beat == B - 1)):
-            m.d.comb += fill_done.eq(Mux(wr_bank, 0b10, 0b01))
+        # Stage 1: memory data; the beat's stream position, exponent, key and mode. The valid
+        # bits (stages 1 to _DRAIN_STAGES, then the output's) are the only registers with a reset.
+        valids = [Signal(name=f"s{k + 1}_valid") for k in range(_DRAIN_STAGES)]
         with m.If(advance):
-            m.d.sync += [
-                s1_valid.eq(s0_valid),
-                s1_n.eq(bank_base[rd_bank] + rd_off),
-                s1_exp.eq(bank_exp[rd_bank]),
-                s1_key.eq(bank_key[rd_bank]),
-                s1_rnd.eq(bank_rnd[rd_bank]),
-                s1_last.eq(rd_beat == B - 1),
-            ]
-            with m.If(s0_valid):
-                with m.If(rd_beat == B - 1):
-                    m.d.comb += drain_done.eq(Mux(rd_bank, 0b10, 0b01))
-                    m.d.sync += [rd_beat.eq(0), rd_off.eq(0), rd_bank.eq(~rd_bank)]
-                with m.Else():
-                    m.d.sync += [rd_beat.eq(rd_beat + 1), rd_off.eq(rd_off + L)]
-        # A bank is never filled and drained in the same cycle (fill needs it free, drain full).
-        m.d.sync += full.eq((full | fill_done) & ~drain_done)
+            m.d.sync += [v.eq(u) for v, u in zip(valids, [s0_valid] + valids[:-1])]
+            m.d.sync += self.o.valid.eq(valids[-1])
+        s1_n = register(bank.base[rd_bank] + rd_off, "s1_n")
+        s1_exp = register(bank.exp[rd_bank], "s1_exp")
+        s1_key = register(bank.key[rd_bank], "s1_key")
+        s1_rnd = register(bank.rnd[rd_bank], "s1_rnd")
+        s1_last = register(rd_beat == B - 1, "s1_last")
 
-        # Per-lane registers of stages 2..4.
-        def lane_sigs(name, shape):
-            return [Signal(shape, name=f"{name}{l}") for l in range(L)]
+        # Stages 2-3: the block RAM's output registered twice: its clock-to-out leaves no time
+        # for logic or a long route after it, and a register that feeds only another one can
+        # sit beside the block RAM. The tile's exponent less the alignment offset, the NaN-tile
+        # flag.
+        word = register(register(rd.data, "s2_word"), "s3_word")
+        exp_adj = delay(s1_exp + (_MAX_MANTISSA - mb), 2, "exp_adj")
+        nan_tile = delay(s1_exp == EXP_NAN, 2, "nan_tile")
+        key = register(s1_key, "s2_key")
 
-        s2_h = lane_sigs("s2_h", 32)  # n ^ key
-        s2_sig = lane_sigs("s2_sig", _FRAC_BITS + 1)  # significand with the hidden bit
-        s2_shift = lane_sigs("s2_shift", range(_SHIFT_CLAMP + 1))
-        s2_sign = lane_sigs("s2_sign", 1)
-        s2_zero = lane_sigs("s2_zero", 1)  # DAZ element or NaN tile: code 0
-        s3_h = lane_sigs("s3_h", 32)
-        a_width = mb - 1 + RANDOM_BITS  # |y| < 2**(m-1): t >= _MAX_MANTISSA - m
-        s3_a = lane_sigs("s3_a", a_width)  # |y| with RANDOM_BITS fraction bits, truncated
-        s3_sticky = lane_sigs("s3_sticky", 1)  # any bit of |y| below those
-        s3_sign = lane_sigs("s3_sign", 1)
-        s3_zero = lane_sigs("s3_zero", 1)
-        s4_r = lane_sigs("s4_r", RANDOM_BITS)
-        s4_a = lane_sigs("s4_a", a_width)
-        s4_sticky = lane_sigs("s4_sticky", 1)
-        s4_sign = lane_sigs("s4_sign", 1)
-        s4_zero = lane_sigs("s4_zero", 1)
-        s2_valid, s3_valid, s4_valid = Signal(), Signal(), Signal()
-        s2_exp, s3_exp, s4_exp = Signal(EXP_WIDTH), Signal(EXP_WIDTH), Signal(EXP_WIDTH)
-        s2_rnd, s3_rnd, s4_rnd = (Signal(len(self.rounding)) for _ in range(3))
-        s2_last, s3_last, s4_last = Signal(), Signal(), Signal()
+        # The per-beat values that travel to the output register, and the mode to the rounding
+        # stage (which reads stage 2 + _MIX_STAGES).
+        last = delay(s1_last, _DRAIN_STAGES - 1, "last")
+        exponent = delay(s1_exp, _DRAIN_STAGES - 1, "exp")
+        rnd = delay(s1_rnd, 1 + _MIX_STAGES, "rnd")
 
-        with m.If(advance):
-            m.d.sync += [
-                s2_valid.eq(s1_valid), s3_valid.eq(s2_valid), s4_valid.eq(s3_valid),
-                s2_exp.eq(s1_exp), s3_exp.eq(s2_exp), s4_exp.eq(s3_exp),
-                s2_rnd.eq(s1_rnd), s3_rnd.eq(s2_rnd), s4_rnd.eq(s3_rnd),
-                s2_last.eq(s1_last), s3_last.eq(s2_last), s4_last.eq(s3_last),
-                self.o.valid.eq(s4_valid),
-                self.o.payload.exponent.eq(s4_exp),
-                self.o.payload.last.eq(s4_last),
-            ]
-
-        word = rd.data
-        s1_nan = Signal()
-        m.d.comb += s1_nan.eq(s1_exp == EXP_NAN)
         for l in range(L):
             raw = word[l * ew:(l + 1) * ew]
             x = Cat(Const(0, FP32_WIDTH - ew), raw)  # bf16 -> fp32: append 16 zero bits
             field = x[_FRAC_BITS:_FRAC_BITS + EXP_WIDTH]
-            # y = |x| * 2**((m-2) - E); A = |y| * 2**RANDOM_BITS = sig * 2**(_PRESHIFT - t).
-            shift = Signal(range(2**EXP_WIDTH + _MAX_MANTISSA), name=f"s1_shift{l}")
-            m.d.comb += shift.eq(s1_exp - field + (_MAX_MANTISSA - mb))  # E - field >= 0: E is the tile's max
-            with m.If(advance):
-                if self.stochastic:  # stage 1 -> 2: the random generator's counter and key
-                    m.d.sync += s2_h[l].eq((s1_n + l) ^ s1_key)
-                m.d.sync += [
-                    # Stage 1 -> 2: the element decoded.
-                    s2_sig[l].eq(Cat(x[:_FRAC_BITS], 1)),
-                    s2_shift[l].eq(Mux(shift > _SHIFT_CLAMP, _SHIFT_CLAMP, shift)),
-                    s2_sign[l].eq(x[-1]),
-                    s2_zero[l].eq((field == 0) | s1_nan),
-                ]
-            # Stage 2 -> 3: align to RANDOM_BITS fraction bits. Every bit of sig << _SHIFT_CLAMP
-            # survives the shift, so the bits below A give an exact sticky bit. At the clamp
-            # A = 0 with a zero round bit, which is the code of every larger shift too.
-            aligned = Signal(_SHIFT_CLAMP + _FRAC_BITS + 1, name=f"s2_aligned{l}")
-            m.d.comb += aligned.eq(Cat(Const(0, _SHIFT_CLAMP), s2_sig[l]) >> s2_shift[l])
+
+            # The random bits: R(n) = top RANDOM_BITS of mix32(n ^ key); the first xor-shift is
+            # taken on n alone (the key register holds the key before its last one).
+            r = Const(0, RANDOM_BITS)
+            if self.stochastic:
+                nx = register(_xorshift(s1_n + l, 16), f"s2_nx{l}")
+                r = _mix32_stages(nx ^ key, lambda v: register(v, f"mix{l}"))[32 - RANDOM_BITS:]
+
+            # The element, beside the generator. Stage 4: t = E - field + (16 - m) >= 0 (E is
+            # the tile's max); the significand; a DAZ element or a NaN tile has code 0.
+            t = register(exp_adj - field, f"s4_t{l}")
+            sig = register(Cat(x[:_FRAC_BITS], 1), f"s4_sig{l}")
+            sign = register(x[-1], f"s4_sign{l}")
+            zero = register((field == 0) | nan_tile, f"s4_zero{l}")
+            # Stage 5: the clamped alignment shift.
+            shift = register(Mux(t > _SHIFT_CLAMP, _SHIFT_CLAMP, t)[:Shape.cast(range(_SHIFT_CLAMP + 1)).width],
+                             f"s5_shift{l}")
+            sig = register(sig, f"s5_sig{l}")
+            # Stage 6: align to RANDOM_BITS fraction bits. Every bit of sig << _SHIFT_CLAMP
+            # survives the shift, so the bits below A give an exact sticky bit: significand bit
+            # i falls below A when shift > _PRESHIFT + i, a table of the shift (LUTs beside the
+            # shifter). At the clamp A = 0 with a zero round bit, the code of every larger shift.
+            a_width = mb - 1 + RANDOM_BITS  # |y| < 2**(m-1): t >= _MAX_MANTISSA - m
             drop = _SHIFT_CLAMP - _PRESHIFT
-            with m.If(advance):
-                if self.stochastic:  # the two multiplies of mix32, a stage each; R is the top bits
-                    m.d.sync += [
-                        s3_h[l].eq(_mix32_first(s2_h[l])),
-                        s4_r[l].eq(_mix32_second(s3_h[l])[32 - RANDOM_BITS:]),
-                    ]
-                m.d.sync += [
-                    s3_a[l].eq(aligned[drop:drop + a_width]),
-                    s3_sticky[l].eq(aligned[:drop].any()),
-                    s3_sign[l].eq(s2_sign[l]),
-                    s3_zero[l].eq(s2_zero[l]),
-                    s4_a[l].eq(s3_a[l]),
-                    s4_sticky[l].eq(s3_sticky[l]),
-                    s4_sign[l].eq(s3_sign[l]),
-                    s4_zero[l].eq(s3_zero[l]),
-                ]
-            # Stage 4 -> output: round the magnitude, saturate, apply the sign.
-            a = s4_a[l]
+            aligned = (Cat(Const(0, _SHIFT_CLAMP), sig) >> shift)[drop:drop + a_width]
+            below = Signal(_FRAC_BITS + 1, name=f"s5_below{l}")
+            with m.Switch(shift):
+                for k in range(_SHIFT_CLAMP + 1):
+                    with m.Case(k):
+                        m.d.comb += below.eq((1 << min(max(k - _PRESHIFT, 0), _FRAC_BITS + 1)) - 1)
+            a = register(aligned, f"s6_a{l}")  # |y| with RANDOM_BITS fraction bits, truncated
+            dropped = register(sig & below, f"s6_dropped{l}")
+            # Stage 7 (with the random bits): the sticky bit, any bit of |y| below A.
+            sticky = register(dropped.any(), f"s7_sticky{l}")
+            a = register(a, f"s7_a{l}")
+            sign = delay(sign, 3, f"sign{l}")
+            zero = delay(zero, 3, f"zero{l}")
+
+            # Rounding stage: the decision to round the magnitude up.
             q_int = a[RANDOM_BITS:]
             frac = a[:RANDOM_BITS]
-            up = Signal(name=f"s4_up{l}")
-            with m.Switch(s4_rnd):
+            up = Signal(name=f"up{l}")
+            with m.Switch(rnd):
                 with m.Case(Rounding.TOWARD_ZERO):
                     m.d.comb += up.eq(0)
                 if self.stochastic:
                     with m.Case(Rounding.STOCHASTIC):
-                        m.d.comb += up.eq((frac + s4_r[l])[RANDOM_BITS])
+                        m.d.comb += up.eq((frac + r)[RANDOM_BITS])
                 with m.Default():  # nearest_even
-                    m.d.comb += up.eq(frac[-1] & (q_int[0] | frac[:-1].any() | s4_sticky[l]))
-            q = Signal(mb, name=f"s4_q{l}")  # <= 2**(m-1): q_int <= 2**(m-1) - 1
-            q_sat = Signal(mb - 1, name=f"s4_qsat{l}")
-            m.d.comb += [
-                q.eq(q_int + up),
-                q_sat.eq(Mux(q[mb - 1], qmax, q[:mb - 1])),
-            ]
+                    m.d.comb += up.eq(frac[-1] & (q_int[0] | frac[:-1].any() | sticky))
+            s_up = register(up, f"r1_up{l}")
+            s_q_int = register(q_int, f"r1_q{l}")
+            sign = register(sign, f"r1_sign{l}")
+            zero = register(zero, f"r1_zero{l}")
+            # Saturation stage: q <= 2**(m-1) since q_int <= 2**(m-1) - 1.
+            q = Signal(mb, name=f"r2_sum{l}")
+            m.d.comb += q.eq(s_q_int + s_up)
+            q_sat = register(Mux(q[mb - 1], qmax, q[:mb - 1]), f"r2_q{l}")
+            sign = register(sign, f"r2_sign{l}")
+            zero = register(zero, f"r2_zero{l}")
+            # Output stage: the sign.
             with m.If(advance):
-                m.d.sync += self.o.payload.codes[l].eq(Mux(s4_zero[l], 0, Mux(s4_sign[l], -q_sat, q_sat)))
+                m.d.sync += self.o.payload.codes[l].eq(Mux(zero, 0, Mux(sign, -q_sat, q_sat)))
 
-        return m
+        with m.If(advance):
+            m.d.sync += [self.o.payload.exponent.eq(exponent), self.o.payload.last.eq(last)]
+        return drain_done

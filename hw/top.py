@@ -2,11 +2,11 @@
 GEMM core.
 
 ```
- i (stream_bytes lanes) -> ByteUnpacker -> PacketEngine -> BytePacker -> o (stream_bytes lanes)
-                                             |   |   |  \\
-                                 w, cmd, result  |   |   ELEMENTWISE: Activation (1 lane)
-                                       GemmCore  |   WRITE of values: Quantize (cols lanes)
-                                                 payload buffer (max_payload bytes, 1 BRAM)
+ i (N lanes) -> BeatCompactor -> ByteWindow -> PacketEngine -> ChunkToBeat -> o (N lanes)
+                                                |   |   |  \\
+                                    w, cmd, result  |   |   ELEMENTWISE: Activation (1 lane)
+                                          GemmCore  |   WRITE of values: Quantize (cols lanes)
+                                                    payload buffer (max_payload bytes, N-byte words)
 ```
 """
 
@@ -20,8 +20,9 @@ from hbfp.contract import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_PAYLOAD
 
 from .activation import Activation
 from .gemm_core import GemmCore
-from .packet import BytePacker, ByteUnpacker, PacketEngine, beat_layout
-from .params import CoreConfig
+from .link import BeatCompactor, ByteWindow, ChunkToBeat, beat_layout
+from .packet import PacketEngine
+from .params import ConfigError, CoreConfig
 from .quantize import Quantize
 
 __all__ = ["AcceleratorTop", "DEFAULT_MAX_PAYLOAD", "DEFAULT_FRAME_TIMEOUT"]
@@ -46,7 +47,10 @@ class AcceleratorTop(wiring.Component):
     255, the width of ``i`` and ``o``), ``clock_hz`` (reported by IDENTIFY; 0: unknown),
     ``max_payload`` (bytes of the request buffer, 32 .. 2**24), ``frame_timeout`` (cycles).
 
-    Throughput: the engine takes and gives one byte per cycle, whatever ``stream_bytes``.
+    Throughput: ``stream_bytes`` (N) bytes a cycle each way in a frame's payload (a request's
+    data into the payload buffer; a reply's result out as fast as the core gives it, up to
+    N); headers and CRCs a byte a cycle in, N a beat out. A reply's beats are full but for
+    its header's, its CRC's and its payload's last (docs/protocol.md, "Throughput").
     """
 
     def __init__(self, cfg: CoreConfig = CoreConfig(), *, stream_bytes: int = 1, clock_hz: int = 0,
@@ -70,11 +74,16 @@ class AcceleratorTop(wiring.Component):
     def _check(cfg, stream_bytes, clock_hz, frame_timeout, max_payload):
         if not isinstance(cfg, CoreConfig):
             raise TypeError(f"cfg must be a CoreConfig, got {cfg!r}")
+        # The core takes any array shape; the packet engine does not yet (docs/architecture.md).
         if cfg.rows != cfg.cols:
-            raise ValueError(
+            raise ConfigError(
                 f"AcceleratorTop needs a square array (rows == cols), got {cfg.rows}x{cfg.cols}: the "
                 f"input quantizer's beats of {cfg.cols} values are written as row chunks of A "
                 f"({cfg.rows} lanes) and of B ({cfg.cols} lanes)")
+        if cfg.cols & (cfg.cols - 1) or cfg.tile[1] % cfg.cols:
+            raise ConfigError(
+                f"AcceleratorTop needs cols a power of two dividing the tile's columns, got cols {cfg.cols} "
+                f"and a tile of {cfg.tile[0]}x{cfg.tile[1]}: the packet engine writes row chunks of cols lanes")
         for name, value, lo, hi in (("stream_bytes", stream_bytes, 1, 255), ("clock_hz", clock_hz, 0, 2**32 - 1),
                                     ("frame_timeout", frame_timeout, 2, 2**32 - 1), ("max_payload", max_payload, 32, 2**24)):
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
@@ -83,17 +92,22 @@ class AcceleratorTop(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         cfg = self.cfg
-        m.submodules.unpacker = unpacker = ByteUnpacker(self.stream_bytes)
+        N = self.stream_bytes
+        m.submodules.compactor = compactor = BeatCompactor(N)
+        # Frames start at any byte of a beat: the window realigns them for the engine, which
+        # takes 1 byte a cycle (hunt, header, CRC) or N (payload). Wires for N = 1.
+        m.submodules.window = window = ByteWindow(N, N)
         m.submodules.engine = engine = PacketEngine(
-            cfg, stream_bytes=self.stream_bytes, clock_hz=self.clock_hz,
+            cfg, stream_bytes=N, clock_hz=self.clock_hz,
             max_payload=self.max_payload, frame_timeout=self.frame_timeout)
-        m.submodules.packer = packer = BytePacker(self.stream_bytes)
+        m.submodules.to_beat = to_beat = ChunkToBeat(N)
         m.submodules.core = core = GemmCore(cfg)
 
-        wiring.connect(m, wiring.flipped(self.i), unpacker.i)
-        wiring.connect(m, unpacker.o, engine.i)
-        wiring.connect(m, engine.o, packer.i)
-        wiring.connect(m, packer.o, wiring.flipped(self.o))
+        wiring.connect(m, wiring.flipped(self.i), compactor.i)
+        wiring.connect(m, compactor.o, window.i)
+        wiring.connect(m, window.o, engine.i)
+        wiring.connect(m, engine.o, to_beat.i)
+        wiring.connect(m, to_beat.o, wiring.flipped(self.o))
 
         wiring.connect(m, engine.w, core.w)
         wiring.connect(m, engine.cmd, core.cmd)

@@ -78,6 +78,7 @@ class _Counter(enum.IntEnum):
     IN_BEATS = 7
     OUT_BEATS = 8
     FINISHED = 9
+    WIRE_CYCLES = 10
 
 
 _N_COUNTERS = len(_Counter)
@@ -189,7 +190,8 @@ class SimDevice:
     - ``advance(cycles)``: time passes with no new byte: the clock runs ``cycles`` cycles, or
       until a complete reply frame is buffered (how a begun frame times out on the device).
     - ``run(cycles, stop=...)``: the clock, explicitly; ``run_until_idle()``; ``flush()``.
-    - ``cycles``: clock cycles since the last reset; ``reset()``; ``close()``.
+    - ``cycles``: clock cycles since the last reset; ``wire_cycles``: those an exchange
+      occupied the link; ``reset()``; ``close()``.
     - ``pending``: reply bytes buffered; ``queued``: written bytes the device has not taken.
 
     A device is used from one thread at a time; ctypes releases the GIL while the clock runs.
@@ -274,6 +276,16 @@ class SimDevice:
         """Cycles, queue levels, frames and beats seen (for tests and reports)."""
         c = self._poll()
         return {k.name.lower(): int(c[k]) for k in _Counter}
+
+    @property
+    def wire_cycles(self) -> int:
+        """Simulated cycles an exchange has occupied the link since the last reset: every
+        cycle from a request's first beat offered to its reply's last beat taken, while a
+        request byte is queued or in flight, a frame is part-way in either direction, or a
+        request awaits its reply (the device computing or making the link wait); cycles in
+        which nothing is outstanding (the host idle between exchanges) do not count
+        (docs/host.md, "Cycles on the wire")."""
+        return self._poll()[_Counter.WIRE_CYCLES]
 
     @property
     def pending(self) -> int:

@@ -18,28 +18,48 @@ async def write_then_read_both_ways(dut):
     cfg = tb_config()
     L, rows, cols, width = cfg["lanes"], cfg["rows"], cfg["cols"], cfg["code_width"]
     dut.w_en.value = 0
+    dut.w_skip.value = 0
     dut.r_en.value = 0
     await start_clock_and_reset(dut)
     rng = np.random.default_rng(cfg["seed"])
     q = 2 ** (width - 1) - 1
     for rnd in range(cfg["rounds"]):
         stored = rng.integers(-q, q + 1, (rows, cols))
-        order = [(r, c0) for r in range(rows) for c0 in range(0, cols, L)]
+        # Row chunks at any column (a lane count that does not divide the tile's columns): from
+        # round 1 on shifted by rnd, with chunks at both edges (overlapping ones agree).
+        starts = sorted({0, cols - L, *range(rnd % L, cols - L + 1, L)})
+        order = [(r, c0) for r in range(rows) for c0 in starts]
         random.Random(rnd).shuffle(order)
         for r, c0 in order:
             dut.w_en.value = 1
             dut.w_row.value, dut.w_col.value = r, c0
             dut.w_data.value = pack(stored[r, c0 : c0 + L], width)
             await RisingEdge(dut.clk)
+        # Partial chunks: lanes with their skip bit set keep what they hold.
+        for _ in range(rows):
+            r, c0 = int(rng.integers(rows)), int(rng.integers(cols - L + 1))
+            skip = int(rng.integers(1 << L))
+            chunk = rng.integers(-q, q + 1, L)
+            dut.w_en.value = 1
+            dut.w_row.value, dut.w_col.value, dut.w_skip.value = r, c0, skip
+            dut.w_data.value = pack(chunk, width)
+            await RisingEdge(dut.clk)
+            for t in range(L):
+                if not skip >> t & 1:
+                    stored[r, c0 + t] = chunk[t]
+        dut.w_skip.value = 0
         dut.w_en.value = 0
-        reads = [(READ_ROW, r, c0) for r in range(rows) for c0 in range(0, cols, L)]
+        reads = [(READ_ROW, r, c0) for r in range(rows) for c0 in range(0, cols - L + 1)]
         reads += [(READ_COLUMN, r0, c) for r0 in range(0, rows, L) for c in range(cols)]
         random.Random(rnd + 100).shuffle(reads)
         for mode, r, c in reads:
             dut.r_en.value = 1
             dut.r_mode.value, dut.r_row.value, dut.r_col.value = mode, r, c
             await RisingEdge(dut.clk)  # the banks take the address
-            await ReadOnly()  # r_data: one cycle after the request
+            dut.r_en.value = 0  # r_data holds while r_en is low
+            await RisingEdge(dut.clk)  # the banks
+            await RisingEdge(dut.clk)  # the banks' output register
+            await ReadOnly()  # r_data: LATENCY = 3 cycles after the request
             got = unpack(int(dut.r_data.value), width, L, signed=True)
             want = stored[r, c : c + L] if mode == READ_ROW else stored[r : r + L, c]
             assert got == want.tolist(), f"{'row' if mode == READ_ROW else 'column'} chunk at ({r}, {c}): got {got}, want {want.tolist()}"

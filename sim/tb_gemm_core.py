@@ -117,14 +117,14 @@ async def run_product(core: Core, rng: np.random.Generator, prod: dict, log) -> 
     await RisingEdge(core.dut.clk)
     assert not core.dut.error.value, f"command refused: {prod}"
 
-    C, th, tw = core.C, core.th, core.tw
+    E, th, tw = core.cfg["out_lanes"], core.th, core.tw  # E: the output beat's lanes
     if prod["out"] == "bfp":
         tiles_m, tiles_n = -(-m // th), -(-n // tw)
-        count = tiles_m * tiles_n * th * (tw // C)
+        count = tiles_m * tiles_n * th * (tw // E)
     else:
-        count = m * (-(-n // C))
+        count = m * (-(-n // E))
     beats = await core.o.receive(count, timeout_cycles=50_000)
-    lasts = [(bt >> (32 * C + 8)) & 1 for bt in beats]
+    lasts = [(bt >> (32 * E + 8)) & 1 for bt in beats]
     assert lasts[-1] == 1 and sum(lasts) == 1, f"'last' must mark only the final beat ({prod})"
 
     if prod["out"] == "bfp":
@@ -134,11 +134,11 @@ async def run_product(core: Core, rng: np.random.Generator, prod: dict, log) -> 
         for ti in range(tiles_m):
             for tj in range(tiles_n):
                 for r in range(th):
-                    for wd in range(tw // C):
+                    for wd in range(tw // E):
                         bt = next(it)
-                        lanes = unpack(bt, 32, C, signed=True)
-                        codes[ti * th + r, tj * tw + wd * C : tj * tw + (wd + 1) * C] = lanes
-                        exps[ti, tj] = (bt >> (32 * C)) & 0xFF
+                        lanes = unpack(bt, 32, E, signed=True)
+                        codes[ti * th + r, tj * tw + wd * E : tj * tw + (wd + 1) * E] = lanes
+                        exps[ti, tj] = (bt >> (32 * E)) & 0xFF
         ok_e = exps == want.exponents
         ok_c = codes[:m, :n] == want.codes
         if not (ok_e.all() and ok_c.all()):
@@ -149,11 +149,11 @@ async def run_product(core: Core, rng: np.random.Generator, prod: dict, log) -> 
             )
         return m * n
 
-    words_per_row = -(-n // C)
-    out = np.zeros((m, words_per_row * C), np.uint32)
+    words_per_row = -(-n // E)
+    out = np.zeros((m, words_per_row * E), np.uint32)
     for idx, bt in enumerate(beats):
         i, wd = divmod(idx, words_per_row)
-        out[i, wd * C : (wd + 1) * C] = unpack(bt, 32, C)
+        out[i, wd * E : (wd + 1) * E] = unpack(bt, 32, E)
     out = out[:, :n]
     if prod["out"] == "bf16":
         got16 = out.astype(np.uint16)

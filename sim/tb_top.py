@@ -41,7 +41,7 @@ from hbfp.sim.streams import StreamSource, start_clock_and_reset
 
 ROUNDINGS = ("nearest_even", "toward_zero", "stochastic")
 LOADS = ("codes", "fp32", "bf16")
-#: Cycles to wait for a reply (the longest: a product's run plus its reply at 1 byte/cycle).
+#: Cycles to wait for a reply (the longest: a product's run plus its reply at 1 byte a beat).
 REPLY_TIMEOUT = 200_000
 
 
@@ -436,12 +436,16 @@ async def run_product(dev: Device, rng: random.Random, nrng: np.random.Generator
         again = await dev.request(Op.GEMM, payload)
         dev.link.set_stall(stall)
         assert again.payload == reply.payload, f"GEMM {prod} repeated: another reply ({again.data[:4]!r} cycles)"
-    # The core's own count: at least one beat per MAC and output beat, and the same whatever
-    # the host's pace (the reply's bytes never hold the core up).
+    # The core's own count: at least its MAC beats and its output beats (``out_lanes`` values
+    # each; the epilogue may overlap the products), and the same whatever the host's pace
+    # (the reply's bytes never hold the core up).
     R, C = dev.R, dev.C
-    tk = dev.tile[1]
-    floor = -(-m // R) * -(-n // C) * -(-k // tk) * tk + m * -(-n // C)
-    assert floor <= cycles <= 2 * floor + 400, f"GEMM cycles {cycles} against a floor of {floor}"
+    E = dev.cfg.get("out_lanes") or C
+    th, tk = dev.tile
+    macs = -(-m // R) * -(-n // C) * -(-k // tk) * tk
+    beats = -(-m // th) * -(-n // tk) * th * tk // E if out == OutFormat.BFP else m * -(-n // E)
+    floor = max(macs, beats)
+    assert floor <= cycles <= 2 * (macs + beats) + 400, f"GEMM cycles {cycles} against a floor of {floor}"
     dev.last_cycles = cycles
     log.info(f"GEMM {m}x{n}x{k} ta={prod['ta']} tb={prod['tb']} acc={prod['acc']} bias={prod['bias']} "
              f"act={act} out={OutFormat(out).name} loads={prod['load_a']}/{prod['load_b']}: {cycles} cycles")

@@ -127,7 +127,8 @@ def test_device_defaults_are_the_gateware_tops():
 
 @pytest.mark.parametrize("kwargs, rule", [
     (dict(rows=2, cols=2, tile=(8, 8), size=16), "read-modify-write"),
-    (dict(rows=3), "power of two"),
+    (dict(rows=5), "array sides"),
+    (dict(out_lanes=3), "out_lanes must divide"),
     (dict(size=100), "multiple of the tile sides"),
     (dict(rows=32, cols=8, size=96), "K-tile"),
     (dict(value_quantizer=1), "True or False"),

@@ -66,8 +66,8 @@ def test_identify_and_config_options():
     assert parse_options("tile=4x16,size=32,mantissa_bits=6")["config"].fmt() == Format(6, (4, 16))
     with pytest.raises(ValueError, match="unknown emu option"):
         parse_options("colour=blue")
-    with pytest.raises(ValueError, match="power of two"):
-        parse_options("rows=3")
+    with pytest.raises(ValueError, match="multiple of"):
+        parse_options("rows=5")
 
 
 def test_gemm_from_buffers_with_stale_data_accumulate_and_read():
@@ -198,11 +198,27 @@ def test_non_square_tile_serves_k_along_stored_rows_only():
 
 
 def test_command_cycles_formula():
-    # docs/architecture.md's formula written out on the default 8x8 core (tk 24; every
-    # activation unit built: +4): K-tiles every 24 cycles, the last one's 24 beats, R = 8 rows
-    # to drain, 16 cycles of drain, the epilogue's beats, 7 cycles of epilogue, 4 of activation.
+    # docs/architecture.md's formula written out on the default 8x8 core (tk 24, one output
+    # lane, every activation unit built). K-tiles every 24 cycles; the last row-block (b = 11)
+    # is closed after its last K-tile (index 575) has streamed, drained its 8 rows and been
+    # accumulated; its 8 rows of 96 reads are the epilogue's last 768, after which come the
+    # epilogue's stages and the output queue.
+    from hbfp.contract import (ACC_READ_LATENCY, ACTIVATION_LATENCY, ADD_LATENCY, MAC_LATENCY,
+                               NORMALIZE_LATENCY, OPERAND_READ_LATENCY, QUANTIZE_LATENCY)
+    from hbfp.host.emu import CHUNK_SELECT, DRAIN_REGISTER, EPILOGUE_START, QUEUE_CYCLES
+
     cfg = CoreConfig()
-    assert command_cycles(cfg, 96, 96, 96, OutFormat.FP32) == (12 * 12 * 4 - 1) * 24 + 24 + 8 + 16 + 96 * 12 + 7 + 4
-    assert command_cycles(cfg, 96, 96, 0, OutFormat.FP32) == 1 + 96 * 12 + 7 + 4  # READ
-    # BFP: whole 24x24 tiles of C = 8 lanes a beat, then the quantizer (5 + one tile's 72 beats).
-    assert command_cycles(cfg, 30, 20, 50, OutFormat.BFP) == (4 * 3 * 3 - 1) * 24 + 48 + 2 * 576 // 8 + 11 + 5 + 72
+    assert cfg.out_lanes == 1
+    closed = OPERAND_READ_LATENCY + MAC_LATENCY + 8 + DRAIN_REGISTER + NORMALIZE_LATENCY + ADD_LATENCY
+    tail = ACC_READ_LATENCY + CHUNK_SELECT + ADD_LATENCY + ACTIVATION_LATENCY + QUEUE_CYCLES
+    assert command_cycles(cfg, 96, 96, 96, OutFormat.FP32) == 575 * 24 + 24 + closed + 8 * 96 - 1 + tail
+    assert command_cycles(cfg, 96, 96, 0, OutFormat.FP32) == EPILOGUE_START + 96 * 96 - 1 + tail  # READ
+    # A short K (12 K-tiles a row-block): the epilogue (768 reads a row-block) outlasts the MAC
+    # phase, so the length is row-block 0's close plus all 96 * 96 reads.
+    assert command_cycles(cfg, 96, 96, 24, OutFormat.FP32) == 11 * 24 + 24 + closed + 96 * 96 - 1 + tail
+    # BFP: 30 x 20 is two 24 x 24 tiles, one above the other: 2 * 576 reads. The second tile's
+    # rows 24..31 (row-block 3, closed after K-tile 4 * 3 * 3 - 1 = 35) come first in its 576
+    # reads (the padding rows 32..47 after them), then the quantizer and the tile's 576 beats.
+    bfp = command_cycles(cfg, 30, 20, 50, OutFormat.BFP)
+    after_last = 35 * 24 + 24 + closed + 576 - 1
+    assert bfp == after_last + tail + QUANTIZE_LATENCY + 576 - 1

@@ -52,17 +52,19 @@ def run_commands(cfg: CoreConfig, qa, qb, commands: list[dict]) -> list[dict]:
             ctx.set(dut.cmd.valid, 1)
             await ctx.tick()
             ctx.set(dut.cmd.valid, 0)
-            beats = []
-            for _ in range(2000):
+            beats, exponents = [], []
+            for _ in range(20_000):
                 if ctx.get(dut.error) or not ctx.get(dut.busy):
                     break
                 if ctx.get(dut.o.valid):
                     beats.append([int(x) for x in ctx.get(dut.o.payload.lanes)])
+                    exponents.append(ctx.get(dut.o.payload.exponent))
                     if ctx.get(dut.o.payload.last):
                         await ctx.tick()  # the last beat is taken at this edge; the core is then idle
                         break
                 await ctx.tick()
-            results.append({"beats": beats, "error": ctx.get(dut.error), "busy": ctx.get(dut.busy)})
+            results.append({"beats": beats, "exponents": exponents, "error": ctx.get(dut.error),
+                            "busy": ctx.get(dut.busy), "cycles": ctx.get(dut.cycles)})
 
     sim = Simulator(dut)
     sim.add_clock(1e-8)
@@ -90,7 +92,7 @@ def test_small_product_equals_golden(cfg):
     res = run_commands(cfg, qa, qb, [dict(m=m, n=n, k=k, out_format=OutFormat.FP32),
                                      dict(m=m, n=n, k=0, out_format=OutFormat.BF16)])
     assert [r["error"] for r in res] == [0, 0] and [r["busy"] for r in res] == [0, 0]
-    assert len(res[0]["beats"]) == m * -(-n // cfg.cols)
+    assert len(res[0]["beats"]) == m * -(-n // cfg.out_lanes)
     assert np.array_equal(as_matrix(res[0]["beats"], m, n, "fp32"), gemm(qa, qb).view(np.uint32))
     # K = 0 reads the accumulator back as bf16: the golden product rounded to bf16.
     assert np.array_equal(as_matrix(res[1]["beats"], m, n, "bf16"), bf16.from_f32(gemm(qa, qb)))
@@ -106,14 +108,53 @@ def test_reduced_core_refuses_what_it_lacks():
     stochastic = ROUNDING_CODES["stochastic"]
     res = run_commands(REDUCED, qa, qb, [dict(m=m, n=n, k=k, out_format=bfp),
                                          dict(m=m, n=n, k=k, out_format=fp32, rounding=stochastic)])
-    assert res[0] == {"beats": [], "error": 1, "busy": 0}
+    assert (res[0]["beats"], res[0]["error"], res[0]["busy"]) == ([], 1, 0)
     assert res[1]["error"] == 0 and np.array_equal(as_matrix(res[1]["beats"], m, n, "fp32"),
                                                     gemm(qa, qb).view(np.uint32))
     res = run_commands(NO_STOCHASTIC, qa, qb, [dict(m=m, n=n, k=k, out_format=bfp, rounding=stochastic),
                                                dict(m=m, n=n, k=k, out_format=bfp, rounding=0)])
-    assert res[0] == {"beats": [], "error": 1, "busy": 0}
+    assert (res[0]["beats"], res[0]["error"], res[0]["busy"]) == ([], 1, 0)
     want = gemm(qa, qb, out=qa.fmt)
     assert res[1]["error"] == 0
-    # One tile, tile-major, 2 lanes a beat; codes sign-extended in the 32-bit lanes.
+    # One tile, tile-major, out_lanes a beat; codes sign-extended in the 32-bit lanes.
     codes = np.array(res[1]["beats"], dtype=np.uint32).view(np.int32).reshape(24, 24)[:m, :n]
     assert np.array_equal(codes, want.codes)
+
+
+#: Array shapes beyond the defaults: rows and columns not powers of two, rectangular, columns
+#: that do not divide the tile, several output lanes.
+SHAPES = {
+    "6x3": CoreConfig(rows=6, cols=3, tile=(12, 12), size=24, functions=()),
+    "3x6-e3": CoreConfig(rows=3, cols=6, tile=(24, 24), size=48, functions=("relu",), out_lanes=3),
+    "4x16-e8": CoreConfig(rows=4, cols=16, tile=(24, 24), size=48, functions=()),
+}
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_any_array_shape_equals_golden_and_emus_cycle_count(name):
+    """fp32 products, a READ and a BFP output on each shape, bit for bit against the golden
+    model, and each command's ``cycles`` equal to ``emu``'s count (``command_cycles``)."""
+    from hbfp.host.emu import command_cycles
+
+    cfg = SHAPES[name]
+    m, n, k = 13, cfg.size - 1, cfg.size // 2 + 1
+    rng = np.random.default_rng(len(name))
+    qa = quantize(rng.standard_normal((m, k)).astype(np.float32), cfg.fmt())
+    qb = quantize(rng.standard_normal((k, n)).astype(np.float32), cfg.fmt())
+    commands = [dict(m=m, n=n, k=k, out_format=OutFormat.FP32), dict(m=m, n=n, k=0, out_format=OutFormat.FP32),
+                dict(m=m, n=n, k=k, out_format=OutFormat.BFP)]
+    res = run_commands(cfg, qa, qb, commands)
+    assert [r["error"] for r in res] == [0, 0, 0]
+    for c, r in zip(commands, res):
+        assert r["cycles"] == command_cycles(cfg, c["m"], c["n"], c["k"], c["out_format"]), (name, c)
+    want = gemm(qa, qb).view(np.uint32)
+    assert np.array_equal(as_matrix(res[0]["beats"], m, n, "fp32"), want)
+    assert np.array_equal(as_matrix(res[1]["beats"], m, n, "fp32"), want)
+    # BFP: tile-major, tw / out_lanes beats a tile row; every beat carries its tile's exponent.
+    th, tw = cfg.tile
+    tm, tn = -(-m // th), -(-n // tw)
+    tiles = np.array(res[2]["beats"], dtype=np.uint32).view(np.int32).reshape(tm, tn, th, tw)
+    exps = np.array(res[2]["exponents"]).reshape(tm, tn, -1)
+    want_bfp = gemm(qa, qb, out=cfg.fmt())
+    assert np.array_equal(tiles.transpose(0, 2, 1, 3).reshape(tm * th, tn * tw)[:m, :n], want_bfp.codes)
+    assert (exps == want_bfp.exponents[:, :, None]).all()

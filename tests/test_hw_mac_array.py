@@ -1,7 +1,9 @@
+# amaranth: UnusedElaboratable=no
 import os
 
 import pytest
 
+from hbfp.contract import MAC_LATENCY
 from hbfp.hw.mac_array import MacArray
 from hbfp.hw.params import psum_width
 from hbfp.sim import runner
@@ -9,18 +11,42 @@ from hbfp.sim import runner
 FULL = os.environ.get("HBFP_SIM_FULL") == "1"
 
 CONFIGS = [
-    # rows, cols, tk, ma, mb: HBFP8 K-tiles on two array shapes, MXINT8 blocks, wide codes
-    (4, 4, 24, 8, 8),
-    (8, 8, 24, 8, 8),
-    (8, 8, 32, 8, 8),
-    (4, 2, 24, 16, 8),
+    # rows, cols, tk, ma, mb, dsp_macs (None: all): HBFP8 K-tiles on two array shapes, MXINT8
+    # blocks, wide codes; DSP and LUT multipliers mixed (a row split between them, all LUT)
+    (4, 4, 24, 8, 8, None),
+    (8, 8, 24, 8, 8, 20),
+    (8, 8, 32, 8, 8, None),
+    (4, 2, 24, 16, 8, 3),
+    (4, 4, 24, 8, 8, 0),
+    (2, 4, 16, 5, 7, 3),
 ]
 
 
 @pytest.mark.parametrize("sim", runner.SIMULATORS)
-@pytest.mark.parametrize("rows, cols, tk, ma, mb", CONFIGS)
-def test_mac_array_equals_partial_sums(sim, rows, cols, tk, ma, mb):
+@pytest.mark.parametrize("rows, cols, tk, ma, mb, dsp_macs", CONFIGS)
+def test_mac_array_equals_partial_sums(sim, rows, cols, tk, ma, mb, dsp_macs):
     runner.require(sim)
-    cfg = dict(rows=rows, cols=cols, tk=tk, ma=ma, mb=mb, psum_width=psum_width(ma, mb, tk), seed=rows * 100 + tk, tiles=200 if FULL else 40)
-    tests, failed = runner.run(lambda: MacArray(rows, cols, tk, ma, mb), "mac_array", "tb_mac_array", sim, cfg)
-    assert tests == 2 and failed == 0
+    cfg = dict(rows=rows, cols=cols, tk=tk, ma=ma, mb=mb, psum_width=psum_width(ma, mb, tk), seed=rows * 100 + tk,
+               tiles=200 if FULL else 40, latency=MacArray.LATENCY, dsp_macs=dsp_macs)
+    tests, failed = runner.run(lambda: MacArray(rows, cols, tk, ma, mb, dsp_macs), "mac_array", "tb_mac_array", sim, cfg)
+    assert tests == 3 and failed == 0
+
+
+def test_latency_is_the_contracts():
+    assert MacArray.LATENCY == MAC_LATENCY == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    ((4, 4, 3), r"K-tile \(3\) must be at least as long as rows \(4\)"),
+    ((4, 4, 24, 8, 8, 17), r"dsp_macs must be 0\.\.16"),
+    ((0, 4, 24), "must be positive"),
+])
+def test_refused(args, message):
+    with pytest.raises(ValueError, match=message):
+        MacArray(*args)
+
+
+def test_dsp_macs_row_major():
+    mac = MacArray(4, 4, 24, dsp_macs=6)
+    assert [mac.uses_dsp(i, j) for i in range(2) for j in range(4)] == [True] * 6 + [False] * 2
+    assert MacArray(4, 4, 24).dsp_macs == 16

@@ -15,7 +15,8 @@ from hbfp.sim import runner
 # name: (array side, mantissa bits, tile, buffer size, stream_bytes, max_payload, simulators).
 # "bytes1": a 2x2 core with 12-bit codes (two bytes each on the wire) and 12x12 tiles;
 # "bytes4": a 4x4 HBFP8 core with 24x24 tiles; "mxint8": a 4x4 core with the non-square
-# 1x32 tile, on a 2-byte link, on Icarus only (its build is free). Each max_payload holds a
+# 1x32 tile, on a 2-byte link, on Icarus only (its build is free); "bytes16": the 4x4 HBFP8
+# core on a 16-byte link (payloads N bytes a cycle each way). Each max_payload holds a
 # tile of fp32 values and is no power of two. Reduced devices (UNITS below): "reduced", a
 # 2x2 HBFP8 core with none of the optional units; "nostoch", a 4x4 core with 6-bit codes
 # and 16x16 tiles on a 3-byte link whose quantizers round only to nearest and toward zero.
@@ -23,6 +24,7 @@ LINKS = {
     "bytes1": (2, 12, (12, 12), 24, 1, 700, runner.SIMULATORS),
     "bytes4": (4, 8, (24, 24), 48, 4, 3000, runner.SIMULATORS),
     "mxint8": (4, 8, (1, 32), 64, 2, 600, ("icarus",)),
+    "bytes16": (4, 8, (24, 24), 48, 16, 2500, ("verilator",)),
     "reduced": (2, 8, (24, 24), 24, 1, 2340, runner.SIMULATORS),
     "nostoch": (4, 6, (16, 16), 32, 3, 1100, ("icarus",)),
 }
@@ -134,79 +136,5 @@ def test_crc32_matches_zlib():
     assert crc32_state(data) ^ 0xFFFFFFFF == zlib.crc32(data)
 
 
-@pytest.mark.parametrize("stream_bytes", [2, 3, 4])  # 1: wires, in the cocotb runs
-def test_byte_unpacker_and_packer(stream_bytes):
-    """Beats with any keep pattern -> bytes in lane order; bytes with frame ends -> beats
-    whose kept lanes come first, a frame's last beat sent at once."""
-    from hbfp.hw.packet import BytePacker, ByteUnpacker
-
-    rng = random.Random(stream_bytes)
-    sb = stream_bytes
-    beats = []
-    for _ in range(60):
-        keep = rng.getrandbits(sb) if sb > 1 else 1
-        beats.append(([rng.randrange(256) for _ in range(sb)], keep))
-    want = [d[i] for d, k in beats for i in range(sb) if k >> i & 1]
-    frame_ends = {i for i in range(len(want)) if rng.random() < 0.1} | {len(want) - 1}
-
-    unpacker = ByteUnpacker(sb)
-    got = []
-
-    async def feed(ctx):
-        for data, keep in beats:
-            ctx.set(unpacker.i.payload.data, data)
-            ctx.set(unpacker.i.payload.keep, keep)
-            ctx.set(unpacker.i.valid, 1)
-            while True:
-                _, _, ready = await ctx.tick().sample(unpacker.i.ready)
-                if ready:
-                    break
-            ctx.set(unpacker.i.valid, 0)
-            while rng.random() < 0.3:
-                await ctx.tick()
-
-    async def take(ctx):
-        while len(got) < len(want):
-            ready = rng.random() < 0.7
-            ctx.set(unpacker.o.ready, ready)
-            _, _, valid, byte = await ctx.tick().sample(unpacker.o.valid, unpacker.o.payload)
-            if valid and ready:
-                got.append(byte)
-
-    _run(unpacker, feed, take)
-    assert got == want
-
-    packer = BytePacker(sb)
-    out = []
-
-    async def give(ctx):
-        for n, b in enumerate(want):
-            ctx.set(packer.i.payload.data, b)
-            ctx.set(packer.i.payload.last, n in frame_ends)
-            ctx.set(packer.i.valid, 1)
-            while True:
-                _, _, ready = await ctx.tick().sample(packer.i.ready)
-                if ready:
-                    break
-            ctx.set(packer.i.valid, 0)
-
-    async def collect(ctx):
-        while sum(len(b) for b in out) < len(want):
-            ready = rng.random() < 0.7
-            ctx.set(packer.o.ready, ready)
-            _, _, valid, data, keep = await ctx.tick().sample(packer.o.valid, packer.o.payload.data,
-                                                              packer.o.payload.keep)
-            if valid and ready:
-                n = bin(keep).count("1")
-                assert keep == (1 << n) - 1
-                out.append([data[i] for i in range(n)])
-
-    _run(packer, give, collect)
-    assert [b for beat in out for b in beat] == want
-    # A beat ends where a frame ends or where the lanes run out, and nowhere else.
-    ends, pos = [], 0
-    for beat in out:
-        pos += len(beat)
-        ends.append(pos - 1)
-    assert set(ends) == {n for n in range(len(want)) if n in frame_ends or n == len(want) - 1 or
-                         (n - max([e for e in frame_ends if e < n], default=-1)) % sb == 0}
+# The link's own components (beat compactor, byte window, parallel CRC, result serializer):
+# tests/test_hw_link.py.

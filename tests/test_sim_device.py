@@ -353,15 +353,22 @@ def test_top_gemm_bit_exact(top):
             tag += 1
             w = protocol.encode_write(target, r, 0, th, x.shape[1], tile_major(x[r : r + th]))
             assert _transact(top, protocol.Op.WRITE, tag, w).status == ok
-    start = top.cycles
+    start, wire_start = top.cycles, top.wire_cycles
     reply = _transact(top, protocol.Op.GEMM, 3, protocol.encode_gemm(m, n, k))
     assert reply.status == ok, reply.status
     (device_cycles,) = struct.unpack_from("<I", reply.data)
+    # The exchange occupies the link from its request's first beat to its reply's last: the
+    # core's run, the reply's bytes at stream_bytes a beat, and nothing while the host idles.
+    wire = top.wire_cycles - wire_start
+    reply_beats = (len(reply.data) + 1 + protocol.HEADER.size + protocol.CRC_SIZE) / top.stream_bytes
+    assert device_cycles + reply_beats <= wire <= top.cycles - start
+    top.run(1000)
+    assert top.wire_cycles - wire_start == wire
     got = np.frombuffer(reply.data[4:], np.float32).reshape(m, n)
     fmt = cfg.fmt()
     want = np.asarray(gemm(quantize(a, fmt), quantize(b, fmt)), np.float32)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    print(f"GEMM {m}x{n}x{k}: {device_cycles} device cycles, {top.cycles - start} simulated")
+    print(f"GEMM {m}x{n}x{k}: {device_cycles} device cycles, {wire} on the wire, {top.cycles - start} simulated")
 
 
 def test_host_driver_over_sim(top):

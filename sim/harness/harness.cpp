@@ -178,6 +178,11 @@ struct Sim {
 
     FrameScanner in_frames, out_frames;
     uint64_t cycles = 0;
+    // Cycles the link is occupied by an exchange: from the cycle a request's first beat is
+    // offered to the one its reply's last beat is taken, whenever a request byte is queued
+    // or in flight, a frame is part-way in either direction, or a request awaits its reply
+    // (the device computing, or making the link wait, included); not while the host idles.
+    uint64_t wire_cycles = 0;
     uint64_t in_beats = 0, out_beats = 0;
 
     // Throttling for tests: the chance (of 256) that a new input beat is offered in a cycle,
@@ -217,6 +222,7 @@ struct Sim {
         in_frames = FrameScanner{};
         out_frames = FrameScanner{};
         in_beats = out_beats = 0;
+        wire_cycles = 0;
     }
 
     // Puts the next input beat (or none) on `i`; keeps a beat already offered until taken,
@@ -283,7 +289,13 @@ struct Sim {
 
     // One clock cycle. Before the edge the model is settled with this cycle's inputs, so the
     // handshakes seen now are the transfers that the rising edge performs.
+    bool exchange_open() const {
+        return in_head < in.size() || beat_bytes != 0 || in_frames.mid_frame() || out_frames.mid_frame() ||
+               out_frames.completed < in_frames.completed;
+    }
+
     inline bool cycle() {
+        if (exchange_open()) wire_cycles++;
         bool in_fire = top->I_VALID && top->I_READY;
         bool out_fire = top->O_VALID && top->O_READY;
         if (out_fire) take_output_beat();  // the payload before the edge is the one transferred
@@ -329,7 +341,7 @@ struct Sim {
 
 }  // namespace
 
-HBFP_API uint32_t hbfp_abi(void) { return (1u << 16) | 0u; }
+HBFP_API uint32_t hbfp_abi(void) { return (1u << 16) | 1u; }  // 1.1: counter 10, wire cycles
 HBFP_API int hbfp_stream_bytes(void) { return SB; }
 
 HBFP_API void* hbfp_new(int reset_cycles) {
@@ -391,4 +403,5 @@ HBFP_API void hbfp_counters(void* p, uint64_t* c) {
     c[7] = s->in_beats;
     c[8] = s->out_beats;
     c[9] = s->ctx->gotFinish();
+    c[10] = s->wire_cycles;                       // cycles an exchange occupied the link
 }

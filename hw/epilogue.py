@@ -1,0 +1,294 @@
+"""The epilogue: the accumulator buffer out through the bias adders, the activation units and
+the output format (``hbfp.golden.gemm.epilogue`` after ``gemm``'s bias), ``out_lanes`` values a
+cycle.
+
+It runs beside the MAC phase: a row is read once the accumulate lanes have closed its
+row-block (``rows_done``), so the epilogue of one row-block overlaps the next row-block's
+products. The datapath never stalls: a read is issued only while the output queue has room
+for everything in flight (credits), so the output's ``ready`` gates nothing but the issue.
+
+Order: fp32 and bf16 row-major, ``ceil(N / out_lanes)`` beats a row (lanes beyond N zero);
+BFP tile-major (``th`` rows of ``tw / out_lanes`` beats a tile), through the BFP quantizer.
+"""
+
+from __future__ import annotations
+
+from amaranth import Array, Cat, Const, Module, Mux, Signal
+from amaranth.lib import data, fifo, memory, stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from hbfp.contract import OutFormat
+
+from . import convert
+from .accumulate import delayed
+from .activation import UNARY_FUNCTIONS, ActivationDatapath
+from .add_f32 import AddF32Datapath
+from .params import ACC_READ_LATENCY, EXP_WIDTH, FP32_WIDTH, CoreConfig
+from .quantize import Quantize
+
+__all__ = ["Epilogue", "output_layout", "plan_layout", "epilogue_latency"]
+
+
+def output_layout(cfg: CoreConfig) -> data.StructLayout:
+    """A beat of the core's output: ``out_lanes`` values (fp32 or bf16 patterns, or BFP codes
+    sign-extended), the BFP tile's exponent code, and ``last`` on the final beat."""
+    return data.StructLayout({
+        "lanes": data.ArrayLayout(FP32_WIDTH, cfg.out_lanes),
+        "exponent": EXP_WIDTH,
+        "last": 1,
+    })
+
+
+def plan_layout(cfg: CoreConfig) -> data.StructLayout:
+    """What the epilogue needs of a command beyond its descriptor: the tile grid of the output
+    and the beats of a row."""
+    D, (th, tw) = cfg.size, cfg.tile
+    return data.StructLayout({
+        "tiles_m": range(D // th + 1),
+        "tiles_n": range(D // tw + 1),
+        "chunks": range(D // cfg.out_lanes + 1),  # ceil(N / out_lanes)
+    })
+
+
+def epilogue_latency(cfg: CoreConfig) -> int:
+    """Cycles from a read's issue to its values entering the output queue: the accumulator
+    read, the chunk's register, the bias adders, the activation units (if any unary function
+    is built)."""
+    unary = any(f in UNARY_FUNCTIONS for f in cfg.built_functions)
+    return ACC_READ_LATENCY + 1 + AddF32Datapath.LATENCY + (ActivationDatapath.LATENCY if unary else 0)
+
+
+class _Column:
+    """A column position in E-chunks: the accumulator word, the chunk inside it, the column."""
+
+    def __init__(self, cfg: CoreConfig, name: str):
+        D, C, E = cfg.size, cfg.cols, cfg.out_lanes
+        self.per_word = C // E
+        self.word = Signal(range(D // C + 1), name=f"{name}_word")
+        self.sel = Signal(range(self.per_word), name=f"{name}_sel")
+        self.col = Signal(range(D + C), name=f"{name}_col")
+        self.E = E
+
+    def set(self, other: "_Column"):
+        return [self.word.eq(other.word), self.sel.eq(other.sel), self.col.eq(other.col)]
+
+    def clear(self):
+        return [self.word.eq(0), self.sel.eq(0), self.col.eq(0)]
+
+    def advanced(self, other: "_Column", chunks: int):
+        """Statements setting self to ``other`` moved on by ``chunks`` chunks (a constant)."""
+        words, sels = divmod(chunks, self.per_word)
+        carry = other.sel + sels >= self.per_word
+        return [
+            self.word.eq(other.word + words + carry),
+            self.sel.eq(Mux(carry, other.sel + sels - self.per_word, other.sel + sels)),
+            self.col.eq(other.col + chunks * self.E),
+        ]
+
+
+class Epilogue(wiring.Component):
+    """Streams ``act(acc + bias)`` in the command's output format, as rows become complete.
+
+    Ports: ``start`` (strobe: ``desc`` and ``plan`` hold the command from this cycle on; the
+    previous command's output is out), ``desc`` (``hw.gemm_core.command_layout``), ``plan``
+    (``plan_layout``), ``rows_done`` (rows 0 .. rows_done - 1 of the accumulator are final)
+    and ``all_rows`` (every row is), ``acc_read`` and ``bias_read`` (read ports of the
+    accumulator and bias buffers, data registered here), ``o`` (``output_layout``).
+
+    Throughput: one beat of ``out_lanes`` values a cycle while rows are complete and ``o`` takes
+    them. Latency: a read issued in cycle t reaches the output queue in t +
+    ``epilogue_latency(cfg)``; the queue (``SyncFIFOBuffered``) offers it two cycles later;
+    a BFP tile leaves the quantizer ``QUANTIZE_LATENCY`` cycles after its last value enters.
+    """
+
+    def __init__(self, cfg: CoreConfig, command: data.StructLayout):
+        self.cfg = cfg
+        D, C = cfg.size, cfg.cols
+        words = D * (D // C)
+        word = data.ArrayLayout(FP32_WIDTH, C)
+        self.queue_depth = epilogue_latency(cfg) + 4
+        super().__init__({
+            "start": In(1),
+            "desc": In(command),
+            "plan": In(plan_layout(cfg)),
+            "rows_done": In(range(D + 1)),
+            "all_rows": In(1),
+            "acc_read": In(memory.ReadPort.Signature(addr_width=max(1, (words - 1).bit_length()), shape=word)),
+            "bias_read": In(memory.ReadPort.Signature(addr_width=max(1, (D // C - 1).bit_length()), shape=word)),
+            "o": Out(stream.Signature(output_layout(cfg))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg = self.cfg
+        D, C, E = cfg.size, cfg.cols, cfg.out_lanes
+        th, tw = cfg.tile
+        words_per_row = D // C
+        desc, plan = self.desc, self.plan
+        bfp = (desc.out_format == OutFormat.BFP) if cfg.bfp_output else Const(0)
+        tile_chunks = tw // E
+
+        # ---- issue: the position of the next read --------------------------------------------
+        going = Signal()
+        row = Signal(range(D + th + 1))
+        row_addr = Signal(range((D + th + 1) * words_per_row))  # row * words_per_row
+        chunk = Signal(range(D // E + 1))  # fp32/bf16: chunk of the row
+        pos = _Column(cfg, "pos")
+        # BFP: tile row and column, row and chunk inside the tile, the tile's first row and column.
+        t_i = Signal(range(D // th + 1))
+        t_j = Signal(range(D // tw + 1))
+        t_r = Signal(range(th))
+        t_c = Signal(range(tile_chunks))
+        band_row = Signal(range(D + th + 1))
+        band_addr = Signal(range((D + th + 1) * words_per_row))
+        tile_pos = _Column(cfg, "tile")
+
+        held = Signal(range(self.queue_depth + 1))  # reads in flight and values queued
+        ready_row = self.all_rows | (row < self.rows_done)
+        issue = Signal()
+        m.d.comb += issue.eq(going & (held < self.queue_depth) & ready_row)
+        last = Signal()
+        m.d.comb += last.eq(Mux(
+            bfp,
+            (t_i == plan.tiles_m - 1) & (t_j == plan.tiles_n - 1) & (t_r == th - 1) & (t_c == tile_chunks - 1),
+            (row == desc.m - 1) & (chunk == plan.chunks - 1),
+        ))
+
+        with m.If(self.start):
+            m.d.sync += [going.eq(1), row.eq(0), row_addr.eq(0), chunk.eq(0), t_i.eq(0), t_j.eq(0), t_r.eq(0),
+                         t_c.eq(0), band_row.eq(0), band_addr.eq(0), *pos.clear(), *tile_pos.clear()]
+        with m.Elif(issue):
+            with m.If(last):
+                m.d.sync += going.eq(0)
+            with m.If(bfp):
+                with m.If(t_c != tile_chunks - 1):
+                    m.d.sync += [t_c.eq(t_c + 1), *pos.advanced(pos, 1)]
+                with m.Elif(t_r != th - 1):  # the tile's next row
+                    m.d.sync += [t_c.eq(0), t_r.eq(t_r + 1), row.eq(row + 1), row_addr.eq(row_addr + words_per_row),
+                                 *pos.set(tile_pos)]
+                with m.Elif(t_j != plan.tiles_n - 1):  # the band's next tile
+                    m.d.sync += [t_c.eq(0), t_r.eq(0), t_j.eq(t_j + 1), row.eq(band_row), row_addr.eq(band_addr),
+                                 *tile_pos.advanced(tile_pos, tile_chunks), *pos.advanced(tile_pos, tile_chunks)]
+                with m.Else():  # the next band of tiles
+                    m.d.sync += [t_c.eq(0), t_r.eq(0), t_j.eq(0), t_i.eq(t_i + 1), row.eq(band_row + th),
+                                 row_addr.eq(band_addr + th * words_per_row), band_row.eq(band_row + th),
+                                 band_addr.eq(band_addr + th * words_per_row), *tile_pos.clear(), *pos.clear()]
+            with m.Else():
+                with m.If(chunk != plan.chunks - 1):
+                    m.d.sync += [chunk.eq(chunk + 1), *pos.advanced(pos, 1)]
+                with m.Else():
+                    m.d.sync += [chunk.eq(0), row.eq(row + 1), row_addr.eq(row_addr + words_per_row), *pos.clear()]
+
+        m.d.comb += [
+            self.acc_read.en.eq(issue),
+            self.acc_read.addr.eq(row_addr + pos.word),
+            self.bias_read.en.eq(issue),
+            self.bias_read.addr.eq(pos.word),
+        ]
+        # What travels beside the data: the chunk in the word, which lanes are inside M x N, last.
+        inside = Signal(E)
+        m.d.comb += inside.eq(Cat(*((row < desc.m) & (pos.col + j < desc.n) for j in range(E))))
+        meta = data.StructLayout({"valid": 1, "sel": range(C // E), "inside": E, "last": 1})
+        meta0 = Signal(meta)
+        m.d.comb += [meta0.valid.eq(issue), meta0.sel.eq(pos.sel), meta0.inside.eq(inside), meta0.last.eq(last)]
+
+        # ---- the read: data registered, then the chunk selected -----------------------------
+        acc_q = Signal.like(self.acc_read.data)
+        bias_q = Signal.like(self.bias_read.data)
+        m.d.sync += [acc_q.eq(self.acc_read.data), bias_q.eq(self.bias_read.data)]
+        meta2 = delayed(m, meta0, ACC_READ_LATENCY, "read_meta")
+        acc_chunks = Array(Array(acc_q[s * E + j] for j in range(E)) for s in range(C // E))
+        bias_chunks = Array(Array(bias_q[s * E + j] for j in range(E)) for s in range(C // E))
+        # The chunk is registered after the selection (one level of multiplexers a cycle).
+        vals = [Signal(FP32_WIDTH, name=f"chunk{j}") for j in range(E)]
+        biases = [Signal(FP32_WIDTH, name=f"chunk_bias{j}") for j in range(E)]
+        m.d.sync += [v.eq(acc_chunks[meta2.sel][j]) for j, v in enumerate(vals)]
+        m.d.sync += [b.eq(bias_chunks[meta2.sel][j]) for j, b in enumerate(biases)]
+        meta2 = delayed(m, meta2, 1, "chunk_meta")
+
+        # ---- bias: E adders, or the value (flushed, the adder's DAZ) beside them ------------
+        La = AddF32Datapath.LATENCY
+        b_vals = []
+        for j in range(E):
+            ad = AddF32Datapath()
+            m.submodules[f"bias_add{j}"] = ad
+            m.d.comb += [ad.advance.eq(1), ad.in_valid.eq(meta2.valid), ad.a.eq(vals[j]), ad.b.eq(biases[j])]
+            bypass = delayed(m, convert.flush_f32(vals[j]), La, f"no_bias{j}")
+            b_vals.append(Mux(desc.bias, ad.result, bypass))
+        b_meta = delayed(m, meta2, La, "bias_meta")
+
+        # ---- activation: E units (bf16 in and out), or none if no unary function is built ----
+        unary = tuple(f for f in cfg.built_functions if f in UNARY_FUNCTIONS)
+        fp32_vals, bf16_vals = [], []
+        if not unary:
+            f_meta = b_meta
+            for j in range(E):
+                fp32_vals.append(b_vals[j])
+                bf16_vals.append(convert.from_f32(b_vals[j]))
+        else:
+            Lact = ActivationDatapath.LATENCY
+            f_meta = delayed(m, b_meta, Lact, "act_meta")
+            for j in range(E):
+                act = ActivationDatapath(leaky_shift=cfg.leaky_shift, functions=cfg.built_functions)
+                m.submodules[f"act{j}"] = act
+                m.d.comb += [
+                    act.advance.eq(1),
+                    act.i_valid.eq(b_meta.valid),
+                    act.i.x.eq(convert.from_f32(b_vals[j])),
+                    act.i.g.eq(0),
+                    act.i.func.eq(desc.act_func),
+                ]
+                acc32 = delayed(m, b_vals[j], Lact, f"no_act{j}")
+                fp32_vals.append(Mux(desc.act_en, convert.to_f32(act.o), acc32))
+                bf16_vals.append(Mux(desc.act_en, act.o, convert.from_f32(acc32)))
+
+        # ---- the output queue ------------------------------------------------------------
+        entry = data.StructLayout({"lanes": data.ArrayLayout(FP32_WIDTH, E), "last": 1})
+        m.submodules.queue = queue = fifo.SyncFIFOBuffered(width=entry.size, depth=self.queue_depth)
+        q_in = Signal(entry)
+        for j in range(E):
+            value = Mux(desc.out_format == OutFormat.BF16, bf16_vals[j], fp32_vals[j])
+            m.d.comb += q_in.lanes[j].eq(Mux(f_meta.inside[j], value, 0))
+        m.d.comb += [q_in.last.eq(f_meta.last), queue.w_en.eq(f_meta.valid), queue.w_data.eq(q_in)]
+        q_out = data.View(entry, queue.r_data)
+        pop = queue.r_en & queue.r_rdy
+        m.d.sync += held.eq(held + issue - pop)
+
+        # fp32 and bf16 leave straight from the queue.
+        direct = [
+            self.o.valid.eq(queue.r_rdy),
+            queue.r_en.eq(self.o.ready),
+            self.o.payload.lanes.eq(q_out.lanes),
+            self.o.payload.last.eq(q_out.last),
+        ]
+        if not cfg.bfp_output:  # a reduced core: fp32 and bf16 results only
+            m.d.comb += direct
+            return m
+
+        m.submodules.quantize = qz = Quantize(cfg.mantissa_bits, cfg.tile, E, "fp32", stochastic=cfg.stochastic)
+        m.d.comb += [qz.rounding.eq(desc.rounding), qz.seed.eq(desc.seed), qz.clear.eq(self.start)]
+        for j in range(E):
+            m.d.comb += qz.i.payload[j].eq(q_out.lanes[j])
+        # BFP: count the tiles out, so that the last beat of the last tile carries ``last``.
+        out_i = Signal.like(t_i)
+        out_j = Signal.like(t_j)
+        with m.If(self.start):
+            m.d.sync += [out_i.eq(0), out_j.eq(0)]
+        with m.If(bfp):
+            m.d.comb += [
+                qz.i.valid.eq(queue.r_rdy),
+                queue.r_en.eq(qz.i.ready),
+                self.o.valid.eq(qz.o.valid),
+                qz.o.ready.eq(self.o.ready),
+                self.o.payload.exponent.eq(qz.o.payload.exponent),
+                self.o.payload.last.eq(qz.o.payload.last & (out_i == plan.tiles_m - 1) & (out_j == plan.tiles_n - 1)),
+            ]
+            for j in range(E):
+                m.d.comb += self.o.payload.lanes[j].eq(qz.o.payload.codes[j].as_signed())
+            with m.If(self.o.valid & self.o.ready & qz.o.payload.last):
+                m.d.sync += out_j.eq(out_j + 1)
+                with m.If(out_j == plan.tiles_n - 1):
+                    m.d.sync += [out_j.eq(0), out_i.eq(out_i + 1)]
+        with m.Else():
+            m.d.comb += direct
+        return m

@@ -1,0 +1,162 @@
+"""The link's byte plumbing: beats of the top's ports, chunks of bytes moving together, and a
+realigning byte window that lets a consumer take as many bytes a cycle as it can use.
+
+A wide link (``stream_bytes`` N > 1) carries frames that start at any byte of a beat and
+beats whose ``keep`` masks may be sparse. ``BeatCompactor`` packs a beat's kept bytes to the
+front (a chunk); ``ByteWindow`` queues chunks and offers the oldest bytes, up to its
+``out_bytes``, lane 0 first, whatever their alignment on the wire; the consumer says each
+cycle how many it takes (``WindowSignature``'s ``take``). The packet engine's receiver takes
+1 byte a cycle in a header and N in a payload; the WRITE replay takes a row chunk's bytes;
+the reply path takes N.
+"""
+
+from __future__ import annotations
+
+from amaranth import Const, Module, Mux, Signal
+from amaranth.lib import data, stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from .crc import chunk_layout
+
+__all__ = ["beat_layout", "chunk_layout", "reply_chunk_layout", "WindowSignature", "BeatCompactor", "ByteWindow",
+           "ChunkToBeat"]
+
+
+def beat_layout(stream_bytes: int) -> data.StructLayout:
+    """One beat of the top's ``i``/``o`` ports: ``data`` lanes (lane 0 first on the wire) and
+    the ``keep`` mask (bit b: lane b holds a byte)."""
+    return data.StructLayout({"data": data.ArrayLayout(8, stream_bytes), "keep": stream_bytes})
+
+
+def reply_chunk_layout(width: int) -> data.StructLayout:
+    """A chunk of a reply on its way out: ``last`` marks the chunk holding a frame's final byte."""
+    return data.StructLayout({"data": data.ArrayLayout(8, width), "count": range(width + 1), "last": 1})
+
+
+class WindowSignature(wiring.Signature):
+    """The window a ``ByteWindow`` offers (its side): ``data``, the oldest bytes, lane 0 first;
+    ``level``, how many of them are there (0 .. width); ``take`` (from the consumer), how
+    many it takes this cycle (at most ``level``); ``arrived``, bytes entered the window this
+    cycle (the link is not idle, even if the consumer is waiting for more)."""
+
+    def __init__(self, width: int):
+        self.width = width
+        super().__init__({
+            "data": Out(data.ArrayLayout(8, width)),
+            "level": Out(range(width + 1)),
+            "take": In(range(width + 1)),
+            "arrived": Out(1),
+        })
+
+
+class BeatCompactor(wiring.Component):
+    """A beat (``beat_layout``) to a chunk (``chunk_layout``): the kept bytes in lane order at
+    the front. Combinational (a prefix count of ``keep`` and one selector a lane)."""
+
+    def __init__(self, stream_bytes: int):
+        self.stream_bytes = stream_bytes
+        super().__init__({
+            "i": In(stream.Signature(beat_layout(stream_bytes))),
+            "o": Out(stream.Signature(chunk_layout(stream_bytes))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        n = self.stream_bytes
+        keep, lanes = self.i.payload.keep, self.i.payload.data
+        m.d.comb += [self.o.valid.eq(self.i.valid), self.i.ready.eq(self.o.ready),
+                     self.o.payload.count.eq(sum(keep[b].as_unsigned() for b in range(n)))]
+        before = [Const(0, range(n + 1))]
+        for b in range(1, n):
+            before.append(before[-1] + keep[b - 1])
+        for j in range(n):
+            picked = Const(0, 8)
+            for b in range(j, n):  # lane b lands at position popcount(keep[:b]) <= b
+                picked = picked | Mux(keep[b] & (before[b] == j), lanes[b], 0)
+            m.d.comb += self.o.payload.data[j].eq(picked)
+        return m
+
+
+class ByteWindow(wiring.Component):
+    """A queue of bytes that takes chunks of up to ``in_bytes`` and offers up to ``out_bytes``.
+
+    Ports: ``i`` (stream in, ``chunk_layout(in_bytes)``): accepted while at most ``depth -
+    in_bytes`` bytes are queued (``i.ready`` is a function of registers only); ``o`` (out,
+    ``WindowSignature(out_bytes)``): the oldest ``o.level`` bytes; the consumer's ``o.take``
+    removes that many at the clock edge. ``depth`` (bytes held, default ``2 * in_bytes +
+    out_bytes``): with the default a consumer taking ``out_bytes`` whenever that many are
+    there and a producer giving ``in_bytes`` a cycle both run at full rate, whatever the
+    alignment of the two (the level stays between ``out_bytes`` and ``in_bytes + out_bytes``,
+    where the window still takes a chunk; with ``in_bytes + out_bytes`` it would alternate).
+
+    Latency: a chunk is on offer the cycle after it enters. With ``in_bytes = out_bytes = 1``
+    the window is wires (the 1-byte link: a byte is on offer as it arrives, taken as it is).
+    """
+
+    def __init__(self, in_bytes: int, out_bytes: int, depth: int | None = None):
+        self.in_bytes, self.out_bytes = in_bytes, out_bytes
+        self.depth = 2 * in_bytes + out_bytes if depth is None else depth
+        if self.depth < max(in_bytes, out_bytes):
+            raise ValueError(f"a window of {self.depth} bytes cannot take {in_bytes} or offer {out_bytes}")
+        super().__init__({
+            "i": In(stream.Signature(chunk_layout(in_bytes))),
+            "o": Out(WindowSignature(out_bytes)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        if self.in_bytes == self.out_bytes == 1:
+            # Wires: ready follows the consumer (a stream's ready may depend on its valid).
+            m.d.comb += [
+                self.o.data[0].eq(self.i.payload.data[0]),
+                self.o.level.eq(self.i.valid & (self.i.payload.count != 0)),
+                self.i.ready.eq(self.o.take | (self.i.payload.count == 0)),
+                self.o.arrived.eq(self.i.valid & (self.i.payload.count != 0)),
+            ]
+            return m
+        D, out = self.depth, self.out_bytes
+        held = Signal(8 * D)  # bytes at and beyond ``level`` are zero, so a chunk ORs in
+        level = Signal(range(D + 1))
+        take = self.o.take
+        push = self.i.valid & self.i.ready
+        count = self.i.payload.count
+        incoming = Signal(8 * self.in_bytes)
+        mask = Signal(8 * self.in_bytes)
+        m.d.comb += [
+            mask.eq((Const(1, 8 * self.in_bytes + 1) << (count * 8)) - 1),
+            incoming.eq(Mux(push, self.i.payload.data.as_value() & mask, 0)),
+            self.i.ready.eq(level <= D - self.in_bytes),
+            self.o.data.eq(held[:8 * out]),
+            self.o.level.eq(Mux(level > out, out, level)),
+            self.o.arrived.eq(push & (count != 0)),
+        ]
+        after = Signal(range(D + 1))  # bytes left once the consumer has taken its share
+        m.d.comb += after.eq(level - take)
+        m.d.sync += [
+            held.eq((held >> (take * 8)) | (incoming << (after * 8))[:8 * D]),
+            level.eq(after + Mux(push, count, 0)),
+        ]
+        return m
+
+
+class ChunkToBeat(wiring.Component):
+    """Reply chunks (``reply_chunk_layout``) to beats of the top's ``o`` (``beat_layout``): a
+    chunk is a beat whose first ``count`` lanes are kept. Wires."""
+
+    def __init__(self, stream_bytes: int):
+        self.stream_bytes = stream_bytes
+        super().__init__({
+            "i": In(stream.Signature(reply_chunk_layout(stream_bytes))),
+            "o": Out(stream.Signature(beat_layout(stream_bytes))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        n = self.stream_bytes
+        m.d.comb += [
+            self.o.valid.eq(self.i.valid),
+            self.i.ready.eq(self.o.ready),
+            self.o.payload.data.eq(self.i.payload.data),
+            self.o.payload.keep.eq(((Const(1, n + 1) << self.i.payload.count) - 1)[:n]),
+        ]
+        return m
