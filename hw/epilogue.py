@@ -24,7 +24,7 @@ from .accumulate import delayed
 from .activation import UNARY_FUNCTIONS, ActivationDatapath
 from .add_f32 import AddF32Datapath
 from .params import ACC_READ_LATENCY, EXP_WIDTH, FP32_WIDTH, CoreConfig
-from .quantize import Quantize
+from .quantize import KEY_LATENCY, Quantize
 
 __all__ = ["Epilogue", "output_layout", "plan_layout", "epilogue_latency"]
 
@@ -266,6 +266,9 @@ class Epilogue(wiring.Component):
             return m
 
         m.submodules.quantize = qz = Quantize(cfg.mantissa_bits, cfg.tile, E, "fp32", stochastic=cfg.stochastic)
+        # The key follows ``desc.seed`` (set with ``start``) KEY_LATENCY cycles late; the first
+        # value reaches the quantizer no sooner than the pipeline's latency after ``start``.
+        assert epilogue_latency(cfg) >= KEY_LATENCY
         m.d.comb += [qz.rounding.eq(desc.rounding), qz.seed.eq(desc.seed), qz.clear.eq(self.start)]
         for j in range(E):
             m.d.comb += qz.i.payload[j].eq(q_out.lanes[j])

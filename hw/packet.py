@@ -54,6 +54,7 @@ from .crc import ParallelCRC32, chunk_layout, crc32_state
 from .gemm_core import command_layout, output_layout, write_layout
 from .link import ByteWindow, WindowSignature, beat_layout, reply_chunk_layout
 from .params import BF16_WIDTH, EXP_WIDTH, FP32_WIDTH, CoreConfig, layout
+from .quantize import KEY_LATENCY
 
 __all__ = [
     "beat_layout",
@@ -799,11 +800,18 @@ class WriteReplay(wiring.Component):
                     m.d.sync += [col.eq(plan.col), row.eq(row + 1)]
         # Paths to units a reduced device lacks are never taken (refused): not built.
         if cfg.value_quantizer:
+            # The quantizer's key follows ``q_seed`` KEY_LATENCY cycles late: no value goes in
+            # before (on a wide link the first beat may be ready within a cycle or two).
+            key_wait = Signal(range(KEY_LATENCY + 1))
+            with m.If(self.start):
+                m.d.sync += key_wait.eq(KEY_LATENCY)
+            with m.Elif(key_wait != 0):
+                m.d.sync += key_wait.eq(key_wait - 1)
             with m.If(running & plan.values):
                 m.d.comb += [
-                    self.q_i.valid.eq(asm.o.valid),
+                    self.q_i.valid.eq(asm.o.valid & (key_wait == 0)),
                     self.q_i.payload.eq(asm.o.payload),
-                    asm.o.ready.eq(self.q_i.ready),
+                    asm.o.ready.eq(self.q_i.ready & (key_wait == 0)),
                 ]
                 with m.If(v_exp):
                     m.d.comb += [
