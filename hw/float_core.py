@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import numpy as np
 from amaranth import Array, Const, Module, Mux, Signal
-from amaranth.lib import data, fifo, memory, stream, wiring
-from amaranth.lib.wiring import In, Out
+from amaranth.lib import data, fifo, memory, wiring
 
 from hbfp.contract import OutFormat, Target
 
 from .accumulate import delayed
 from .add_f32 import AddF32Datapath
 from .buffers import NO_RW_CHECK, READ_COLUMN, READ_ROW, OperandBuffer, times_constant
-from .epilogue import Epilogue, output_layout, plan_layout
+from .epilogue import Epilogue, plan_layout
 from .float_mac import FloatMacArray
-from .gemm_core import _ceil_table, command_layout, write_layout
+from .gemm_core import _ceil_table, command_layout, core_signature
 from .params import ACC_READ_LATENCY, FP32_WIDTH, OPERAND_READ_LATENCY, CoreConfig
 
 __all__ = ["FloatCore", "reference"]
@@ -65,14 +64,7 @@ class FloatCore(wiring.Component):
 
     def __init__(self, cfg: CoreConfig, fmt: str):
         self.cfg, self.fmt = cfg, fmt
-        super().__init__({
-            "w": In(stream.Signature(write_layout(cfg))),
-            "cmd": In(stream.Signature(command_layout(cfg))),
-            "o": Out(stream.Signature(output_layout(cfg))),
-            "busy": Out(1),
-            "error": Out(1),
-            "cycles": Out(32),
-        })
+        super().__init__(core_signature(cfg))
 
     def elaborate(self, platform):
         m = Module()

@@ -34,7 +34,7 @@ from .epilogue import Epilogue, output_layout, plan_layout
 from .mac_array import MacArray
 from .params import EXP_WIDTH, FP32_WIDTH, OPERAND_READ_LATENCY, PREFETCH_CYCLES, CoreConfig
 
-__all__ = ["GemmCore", "write_layout", "command_layout", "output_layout"]
+__all__ = ["GemmCore", "core_signature", "write_layout", "command_layout", "output_layout"]
 
 # The write port's targets are the contract's ``Target`` codes below A_VALUES (the packet
 # engine sends values through the quantizer first); a command's output format is ``OutFormat``
@@ -73,6 +73,18 @@ def _ceil_table(size: int, divisor: int, scale: int = 1) -> Array:
     return Array(Const(-(-v // divisor) * scale, range((size // divisor + 1) * scale + 1)) for v in range(size + 1))
 
 
+def core_signature(cfg: CoreConfig) -> wiring.Signature:
+    """The ports of a GEMM core (``GemmCore``, and ``hw.float_core.FloatCore``)."""
+    return wiring.Signature({
+        "w": In(stream.Signature(write_layout(cfg))),
+        "cmd": In(stream.Signature(command_layout(cfg))),
+        "o": Out(stream.Signature(output_layout(cfg))),
+        "busy": Out(1),
+        "error": Out(1),
+        "cycles": Out(32),
+    })
+
+
 class GemmCore(wiring.Component):
     """``act(op(A) @ op(B) + C + bias)`` for operands up to ``cfg.size`` square.
 
@@ -103,14 +115,7 @@ class GemmCore(wiring.Component):
 
     def __init__(self, cfg: CoreConfig = CoreConfig()):
         self.cfg = cfg
-        super().__init__({
-            "w": In(stream.Signature(write_layout(cfg))),
-            "cmd": In(stream.Signature(command_layout(cfg))),
-            "o": Out(stream.Signature(output_layout(cfg))),
-            "busy": Out(1),
-            "error": Out(1),
-            "cycles": Out(32),
-        })
+        super().__init__(core_signature(cfg))
 
     def elaborate(self, platform):
         m = Module()
