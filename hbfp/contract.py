@@ -392,8 +392,9 @@ ACTIVATION_LATENCY = 7
 #: bank handover, the memory read and nine drain stages (the read data registered twice, the
 #: random generator's five, rounding, saturation, sign).
 QUANTIZE_LATENCY = 14
-#: The MAC array's cycles from a K-tile's last beat in to its first row of sums out (``hw.mac_array``).
-MAC_LATENCY = 3
+#: The MAC array's cycles from a K-tile's last beat in to its first row of sums out (``hw.mac_array``):
+#: the row/column operand registers, a copy in every PE, the product, the accumulator.
+MAC_LATENCY = 4
 
 
 def product_width(mantissa_bits_a: int, mantissa_bits_b: int) -> int:

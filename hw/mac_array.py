@@ -32,7 +32,7 @@ class MacArray(wiring.Component):
     Input ``i``: one K step per beat, ``{a: rows codes, b: cols codes}``; every ``tk`` beats
     close a K-tile; ``i.ready`` is always 1. Output ``o``: ``rows`` beats per K-tile, ``{sums:
     cols sums, row}``, row 0 first, on consecutive cycles. Latency: the first row of a K-tile
-    leaves ``LATENCY`` (``hbfp.contract.MAC_LATENCY`` = 3) cycles after the tile's last beat
+    leaves ``LATENCY`` (``hbfp.contract.MAC_LATENCY`` = 4) cycles after the tile's last beat
     enters. Throughput: one beat per cycle, every PE one MAC per cycle.
 
     The array never stalls, so nothing in it is enabled by a ready: ``o.ready`` is assumed to
@@ -82,10 +82,11 @@ class MacArray(wiring.Component):
         R, C, W = self.rows, self.cols, self.psum_width
         ma, mb = self.mantissa_bits_a, self.mantissa_bits_b
 
-        # Stage 1: the operands, registered once per PE row (a[i]) and column (b[j]): each
-        # register drives one row or column of multipliers (the DSP blocks' input registers).
-        # The rows with LUT PEs also register -a[i], which their Booth products share.
-        # Stage 2: the products (the DSP blocks' output registers). Stage 3: the accumulators.
+        # Stage 1: the operands, registered once per PE row (a[i]) and column (b[j]); the rows with
+        # LUT PEs also register -a[i], which their Booth products share. Stage 2: a copy of its
+        # operands in every PE (the DSP blocks' input registers, which Yosys leaves unused on ECP5:
+        # the row and column fan-out across the die then gets a cycle of its own). Stage 3: the
+        # products (the DSP blocks' output registers). Stage 4: the accumulators.
         # Data registers have no reset and no enable (nothing stalls): tools that pack
         # registers into DSP blocks can; only the valid pipeline and the drain are reset.
         k = Signal(range(self.tk))
@@ -93,6 +94,7 @@ class MacArray(wiring.Component):
         b1 = [Signal(signed(mb), name=f"b1_{j}", reset_less=True) for j in range(C)]
         v1, first1, last1 = Signal(name="v1"), Signal(name="first1"), Signal(name="last1")
         prod = [[Signal(signed(ma + mb), name=f"prod_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
+        v1b, first1b, last1b = Signal(name="v1b"), Signal(name="first1b"), Signal(name="last1b")
         v2, first2, last2 = Signal(name="v2"), Signal(name="first2"), Signal(name="last2")
         acc = [[Signal(signed(W), name=f"acc_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
         shadow = [[Signal(signed(W), name=f"shadow_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
@@ -106,9 +108,12 @@ class MacArray(wiring.Component):
             v1.eq(self.i.valid),
             first1.eq(k == 0),
             last1.eq(k == self.tk - 1),
-            v2.eq(v1),
-            first2.eq(first1),
-            last2.eq(last1),
+            v1b.eq(v1),
+            first1b.eq(first1),
+            last1b.eq(last1),
+            v2.eq(v1b),
+            first2.eq(first1b),
+            last2.eq(last1b),
         ]
         with m.If(self.i.valid):
             m.d.sync += k.eq(Mux(k == self.tk - 1, 0, k + 1))
@@ -118,11 +123,16 @@ class MacArray(wiring.Component):
                 na1 = Signal(signed(ma + 1), name=f"na1_{i}", reset_less=True)
                 m.d.sync += na1.eq(-self.i.payload.a[i])
             for j in range(C):
+                a_pe = Signal(signed(ma), name=f"a2_{i}_{j}", reset_less=True)
+                b_pe = Signal(signed(mb), name=f"b2_{i}_{j}", reset_less=True)
+                m.d.sync += [a_pe.eq(a1[i]), b_pe.eq(b1[j])]
                 if self.uses_dsp(i, j):
-                    m.d.sync += prod[i][j].eq(a1[i] * b1[j])
+                    m.d.sync += prod[i][j].eq(a_pe * b_pe)
                 else:
+                    na_pe = Signal(signed(ma + 1), name=f"na2_{i}_{j}", reset_less=True)
+                    m.d.sync += na_pe.eq(na1)
                     pe = m.submodules[f"booth_{i}_{j}"] = BoothProduct(ma, mb)
-                    m.d.comb += [pe.a.eq(a1[i]), pe.neg_a.eq(na1), pe.b.eq(b1[j])]
+                    m.d.comb += [pe.a.eq(a_pe), pe.neg_a.eq(na_pe), pe.b.eq(b_pe)]
                     m.d.sync += prod[i][j].eq(pe.p)
                 nxt = Mux(first2, prod[i][j], acc[i][j] + prod[i][j])
                 with m.If(v2):

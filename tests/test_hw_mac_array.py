@@ -33,7 +33,7 @@ def test_mac_array_equals_partial_sums(sim, rows, cols, tk, ma, mb, dsp_macs):
 
 
 def test_latency_is_the_contracts():
-    assert MacArray.LATENCY == MAC_LATENCY == 3
+    assert MacArray.LATENCY == MAC_LATENCY == 4
 
 
 @pytest.mark.parametrize("args, message", [
