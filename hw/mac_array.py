@@ -84,8 +84,9 @@ class MacArray(wiring.Component):
 
         # Stage 1: the operands, registered once per PE row (a[i]) and column (b[j]); the rows with
         # LUT PEs also register -a[i], which their Booth products share. Stage 2: a copy of its
-        # operands in every PE (the DSP blocks' input registers, which Yosys leaves unused on ECP5:
-        # the row and column fan-out across the die then gets a cycle of its own). Stage 3: the
+        # operands in every PE (the DSP blocks' input registers, which Yosys leaves unused on ECP5;
+        # meant to give the fan-out across the die a cycle of its own, but Yosys merges the equal
+        # registers unless they are kept: docs/architecture.md). Stage 3: the
         # products (the DSP blocks' output registers). Stage 4: the accumulators.
         # Data registers have no reset and no enable (nothing stalls): tools that pack
         # registers into DSP blocks can; only the valid pipeline and the drain are reset.
