@@ -29,7 +29,7 @@ from .add_f32 import AddF32Datapath
 from .buffers import NO_RW_CHECK, READ_COLUMN, READ_ROW, OperandBuffer, times_constant
 from .epilogue import Epilogue, plan_layout
 from .float_mac import FloatMacArray
-from .gemm_core import _ceil_table, command_layout, core_signature
+from .gemm_core import _ceil_table, accept_command, command_layout, core_signature
 from .params import ACC_READ_LATENCY, FP32_WIDTH, OPERAND_READ_LATENCY, CoreConfig
 
 __all__ = ["FloatCore", "reference"]
@@ -106,18 +106,7 @@ class FloatCore(wiring.Component):
         bad = bad | ((cmd.k != 0) & (cmd.transpose_a | cmd.transpose_b))
         if not cfg.bfp_output:
             bad = bad | (cmd.out_format == OutFormat.BFP)
-        m.d.comb += self.cmd.ready.eq(~busy & ~self.w.valid)
-        accept = self.cmd.valid & self.cmd.ready
-        start = Signal()
-        m.d.comb += start.eq(accept & ~bad)
-        started = Signal()
-        m.d.sync += started.eq(start)
-        with m.If(accept):
-            m.d.sync += self.error.eq(bad)
-        with m.If(start):
-            m.d.sync += [desc.eq(cmd), busy.eq(1), self.cycles.eq(0)]
-        with m.If(busy):
-            m.d.sync += self.cycles.eq(self.cycles + 1)
+        start, started = accept_command(m, self, desc, busy, bad)
         blocks_m = Signal(range(D // R + 1))
         groups_n = Signal(range(D // (C * G) + 2))  # runs of G column-blocks
         blocks_n = Signal(range(D // C + 1))

@@ -34,7 +34,7 @@ from .epilogue import Epilogue, output_layout, plan_layout
 from .mac_array import MacArray
 from .params import EXP_WIDTH, FP32_WIDTH, OPERAND_READ_LATENCY, PREFETCH_CYCLES, CoreConfig
 
-__all__ = ["GemmCore", "core_signature", "write_layout", "command_layout", "output_layout"]
+__all__ = ["GemmCore", "core_signature", "accept_command", "write_layout", "command_layout", "output_layout"]
 
 # The write port's targets are the contract's ``Target`` codes below A_VALUES (the packet
 # engine sends values through the quantizer first); a command's output format is ``OutFormat``
@@ -83,6 +83,26 @@ def core_signature(cfg: CoreConfig) -> wiring.Signature:
         "error": Out(1),
         "cycles": Out(32),
     })
+
+
+def accept_command(m: Module, core: wiring.Component, desc, busy, bad):
+    """A core's command acceptance (``GemmCore``, ``hw.float_core.FloatCore``): ``cmd`` is taken
+    while idle and no write waits; a ``bad`` command sets ``error`` and starts nothing; a good
+    one is registered in ``desc``, sets ``busy`` and restarts ``cycles``, which counts while
+    busy. Returns ``(start, started)``: the accepting cycle, and the next one (``desc`` valid)."""
+    m.d.comb += core.cmd.ready.eq(~busy & ~core.w.valid)
+    accept = core.cmd.valid & core.cmd.ready
+    start = Signal()
+    m.d.comb += start.eq(accept & ~bad)
+    started = Signal()
+    m.d.sync += started.eq(start)
+    with m.If(accept):
+        m.d.sync += core.error.eq(bad)
+    with m.If(start):
+        m.d.sync += [desc.eq(core.cmd.payload), busy.eq(1), core.cycles.eq(0)]
+    with m.If(busy):
+        m.d.sync += core.cycles.eq(core.cycles + 1)
+    return start, started
 
 
 class GemmCore(wiring.Component):
@@ -191,18 +211,7 @@ class GemmCore(wiring.Component):
             bad = bad | cmd_bfp
         elif not cfg.stochastic:
             bad = bad | (cmd_bfp & (cmd.rounding == Rounding.STOCHASTIC))
-        m.d.comb += self.cmd.ready.eq(~busy & ~self.w.valid)
-        accept = self.cmd.valid & self.cmd.ready
-        start = Signal()
-        m.d.comb += start.eq(accept & ~bad)
-        started = Signal()  # the cycle after ``start``: the descriptor is in its register
-        m.d.sync += started.eq(start)
-        with m.If(accept):
-            m.d.sync += self.error.eq(bad)
-        with m.If(start):
-            m.d.sync += [desc.eq(cmd), busy.eq(1), self.cycles.eq(0)]
-        with m.If(busy):
-            m.d.sync += self.cycles.eq(self.cycles + 1)
+        start, started = accept_command(m, self, desc, busy, bad)
 
         # Block, K-tile and tile counts of the command, registered with the descriptor.
         blocks_m = Signal(range(D // R + 1))
