@@ -80,10 +80,11 @@ class Accumulate(wiring.Component):
         # The old word: read so that its registered data arrives with the normalizers' results.
         read_addr = delayed(m, row.addr, Ln - ACC_READ_LATENCY, "read_addr")
         read_en = delayed(m, valid, Ln - ACC_READ_LATENCY, "read_en")
+        # A row that starts from +0 clears the register instead (a flip-flop's synchronous
+        # reset: no multiplexer in front of the adders).
         old = Signal.like(self.acc_read.data)
         m.d.comb += [self.acc_read.addr.eq(read_addr), self.acc_read.en.eq(read_en)]
-        m.d.sync += old.eq(self.acc_read.data)
-        zero = delayed(m, row.zero, Ln, "zero")
+        m.d.sync += old.eq(Mux(delayed(m, row.zero, Ln - 1, "zero"), 0, self.acc_read.data))
 
         for j in range(C):
             nd = NormalizeDatapath(len(row.sums[j]), mb, mb)
@@ -99,7 +100,7 @@ class Accumulate(wiring.Component):
                 ad.advance.eq(1),
                 ad.in_valid.eq(nd.o_valid),
                 ad.a.eq(nd.o_result),
-                ad.b.eq(Mux(zero, 0, old[j])),
+                ad.b.eq(old[j]),
                 self.acc_write.data[j].eq(ad.result),
             ]
         m.d.comb += [

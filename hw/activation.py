@@ -434,6 +434,17 @@ class ActivationDatapath(wiring.Component):
             ]
 
         # Stages 5-7: y times g (gradients) or times 1.0 (unary functions: exact identity).
+        if not any(name in GRADIENT_FUNCTIONS for name in self.functions):
+            # Unary functions only: every operand is 1.0 and the product is y itself, so a
+            # delay line of the multiplier's latency stands in for it (the same timing).
+            y, v = y2, v3
+            for k in range(MulBF16Datapath.LATENCY):
+                v_next = Signal(name=f"v_d{k + 1}")  # valid bits keep their reset
+                with m.If(advance):
+                    m.d.sync += v_next.eq(v)
+                y, v = reg(y, f"y_d{k + 1}"), v_next
+            m.d.comb += [self.o.eq(y), self.o_valid.eq(v)]
+            return m
         m.submodules.mul = mul = MulBF16Datapath()
         m.d.comb += [
             mul.advance.eq(advance),

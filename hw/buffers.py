@@ -15,7 +15,7 @@ after their request (registered the same way).
 
 from __future__ import annotations
 
-from amaranth import Array, Const, Module, Mux, Signal, signed
+from amaranth import Array, Cat, Const, Module, Mux, Signal, signed
 from amaranth.lib import data, memory, wiring
 from amaranth.lib.wiring import In, Out
 
@@ -43,6 +43,18 @@ def times_constant(value, constant: int):
     for t in terms[1:]:
         total = total + t
     return total
+
+
+def rotate(values: list, amount, direction: int) -> list:
+    """``[values[(t + direction * amount) % L] for t in range(L)]`` for an ``amount`` signal
+    below L = len(values), as log2(L) stages of two-way multiplexers (a rotation by 2**k each,
+    modulo L: any L)."""
+    L = len(values)
+    out = list(values)
+    for k in range(max(1, (L - 1).bit_length()) if L > 1 else 0):
+        step = direction * (1 << k)
+        out = [Mux(amount[k], out[(t + step) % L], out[t]) for t in range(L)]
+    return out
 
 
 class OperandBuffer(wiring.Component):
@@ -123,15 +135,15 @@ class OperandBuffer(wiring.Component):
         m.d.sync += [w_en.eq(self.w_en), w_rot.eq(wrap(w_rem + wc_rem)),
                      w_base.eq(times_constant(w_quot, self.cols) + self.w_col), w_data.eq(self.w_data),
                      w_skip.eq(self.w_skip)]
-        w_lanes = Array(w_data[t] for t in range(L))
-        w_skips = Array(w_skip[t] for t in range(L))
+        # Bank b takes lane (b - rot) % L: the lanes (with their skip bits) rotated by -rot.
+        w_lanes = rotate([Cat(w_data[t], w_skip[t]) for t in range(L)], w_rot, -1)
         for b, (_, wp) in enumerate(banks):
             t = Signal(lane, name=f"w_lane{b}")
             m.d.comb += [
                 t.eq(wrap(b - w_rot)),
-                wp.en.eq(w_en & ~w_skips[t]),
+                wp.en.eq(w_en & ~w_lanes[b][-1]),
                 wp.addr.eq(w_base + t),
-                wp.data.eq(w_lanes[t]),
+                wp.data.eq(w_lanes[b][:-1]),
             ]
 
         # Read: a column chunk hits every bank at one address; a row chunk hits bank b at
@@ -162,8 +174,7 @@ class OperandBuffer(wiring.Component):
         with m.If(read2):
             m.d.sync += rot3.eq(rot2)
             m.d.sync += [q.eq(rp.data) for q, (rp, _) in zip(bank_q, banks)]
-        bank_data = Array(bank_q)
-        for t in range(L):
-            lane_bank = Signal(lane, name=f"r_bank{t}")
-            m.d.comb += [lane_bank.eq(wrap(t + rot3)), self.r_data[t].eq(bank_data[lane_bank])]
+        # Lane t comes from bank (t + rot) % L: the banks' words rotated by rot.
+        for t, word in enumerate(rotate(bank_q, rot3, 1)):
+            m.d.comb += self.r_data[t].eq(word)
         return m

@@ -251,25 +251,41 @@ class GemmCore(wiring.Component):
         row_base = Signal(range(D * words_per_row))  # ib * R * words_per_row
         issuing = Signal()  # the issue loop has beats left
         prefetch_busy = Signal()
+        # Where each counter stands, as flags kept beside it (registers, so that the loop's
+        # next state and its fan-out to the counters and the buffers' requests start from
+        # flip-flops, not from compares): kk at 0 or at tk - 1, kt, jb and ib at their last value.
+        kk_first = Signal()
+        kk_last = Signal()
+        kt_last = Signal()
+        jb_last = Signal()
+        ib_last = Signal()
+        one_ktile, one_block_n, one_block_m = Signal(), Signal(), Signal()
         issue = Signal()
-        m.d.comb += issue.eq(issuing & ~((kk == 0) & (prefetch_busy | (exps.level >= 3))))
+        m.d.comb += issue.eq(issuing & ~(kk_first & (prefetch_busy | (exps.level >= 3))))
+        def single(divisor):  # ceil(v / divisor) <= 1, for v = 0 .. D
+            return Array(Const(v <= divisor, 1) for v in range(D + 1))
         with m.If(start):
             m.d.sync += [issuing.eq(cmd.k != 0), ib.eq(0), jb.eq(0), kt.eq(0), kk.eq(0), k.eq(0), row0.eq(0),
-                         col0.eq(0), block_base.eq(0), row_base.eq(0)]
-        last_kt = kt == ktiles - 1
-        last_jb = jb == blocks_n - 1
+                         col0.eq(0), block_base.eq(0), row_base.eq(0), kk_first.eq(1), kk_last.eq(tk == 1),
+                         one_ktile.eq(single(tk)[cmd.k]), one_block_n.eq(single(C)[cmd.n]),
+                         one_block_m.eq(single(R)[cmd.m]), kt_last.eq(single(tk)[cmd.k]),
+                         jb_last.eq(single(C)[cmd.n]), ib_last.eq(single(R)[cmd.m])]
         with m.If(issue):
-            m.d.sync += [kk.eq(kk + 1), k.eq(k + 1)]
-            with m.If(kk == tk - 1):
-                m.d.sync += [kk.eq(0), kt.eq(kt + 1)]
-                with m.If(last_kt):
-                    m.d.sync += [kt.eq(0), k.eq(0), jb.eq(jb + 1), col0.eq(col0 + C), block_base.eq(block_base + 1)]
-                    with m.If(last_jb):
+            m.d.sync += [kk.eq(kk + 1), k.eq(k + 1), kk_first.eq(0), kk_last.eq(kk == tk - 2)]
+            with m.If(kk_last):
+                m.d.sync += [kk.eq(0), kt.eq(kt + 1), kk_first.eq(1), kk_last.eq(tk == 1),
+                             kt_last.eq(kt + 2 == ktiles)]
+                with m.If(kt_last):
+                    m.d.sync += [kt.eq(0), k.eq(0), jb.eq(jb + 1), col0.eq(col0 + C), block_base.eq(block_base + 1),
+                                 kt_last.eq(one_ktile), jb_last.eq(jb + 2 == blocks_n)]
+                    with m.If(jb_last):
                         m.d.sync += [jb.eq(0), col0.eq(0), ib.eq(ib + 1), row0.eq(row0 + R),
                                      row_base.eq(row_base + R * words_per_row),
-                                     block_base.eq(row_base + R * words_per_row)]
-                        with m.If(ib == blocks_m - 1):
+                                     block_base.eq(row_base + R * words_per_row),
+                                     jb_last.eq(one_block_n), ib_last.eq(ib + 2 == blocks_m)]
+                        with m.If(ib_last):
                             m.d.sync += issuing.eq(0)
+        last_kt, last_jb = kt_last, jb_last
 
         # A column chunk of A (rows row0.., column k) is read as such, or as a row chunk of
         # the stored A^T; a row chunk of B (row k, columns col0..) likewise from B or B^T.
@@ -303,7 +319,7 @@ class GemmCore(wiring.Component):
         pf_col0 = Signal(range(D + pf_end + 1))
         pf_kt = Signal.like(kt)
         stage = Signal(exps_layout)
-        with m.If(issue & (kk == 0)):
+        with m.If(issue & kk_first):
             m.d.sync += [prefetch_busy.eq(1), p.eq(0), pf_row0.eq(row0), pf_col0.eq(col0), pf_kt.eq(kt),
                          stage.first.eq(kt == 0), stage.closes.eq(last_kt & last_jb), stage.base.eq(block_base)]
         with m.Elif(prefetch_busy):

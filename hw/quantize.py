@@ -14,13 +14,20 @@ from hbfp.golden.bfp import Format
 
 from .params import BF16_WIDTH, EXP_NAN, EXP_WIDTH, F32_FRAC_BITS, FP32_WIDTH, MIX32_MULTIPLIERS, RANDOM_BITS, SEED_SALT
 
-__all__ = ["Quantize", "INPUT_FORMATS", "KEY_LATENCY", "LATENCY", "MIX32_MULTIPLIERS"]
+__all__ = ["Quantize", "INPUT_FORMATS", "KEY_LATENCY", "LATENCY", "MIX32_MULTIPLIERS", "SERIAL_KEY_BEATS"]
 
 #: Element widths of the supported input formats.
 INPUT_FORMATS = {"fp32": FP32_WIDTH, "bf16": BF16_WIDTH}
-#: Cycles from a change of the ``seed`` port until the registered key follows it (the key's
-#: pipeline: two constant multiplies in five stages).
+#: Cycles from a change of the ``seed`` port until the quantizer may take it: the key's pipeline
+#: (two constant multiplies in five stages) where it has one (see ``SERIAL_KEY_BEATS``).
 KEY_LATENCY = 5
+#: Cycles of the serial key unit: two bit-serial constant multiplies of 32 steps each, and the
+#: cycle that writes the key into its bank.
+_SERIAL_KEY_CYCLES = 2 * 32 + 1
+#: Beats per tile from which the key is computed serially, once per tile, while the tile fills
+#: (about 130 LUT4s instead of the key pipeline's 800): a tile's fill then outlasts the key's
+#: computation, which therefore never delays the drain.
+SERIAL_KEY_BEATS = _SERIAL_KEY_CYCLES
 #: Cycles from the cycle in which a tile's last input beat is accepted to the cycle in which
 #: its first output beat is valid (without output stalls): the fill pipeline, the bank
 #: handover, the memory read and the drain pipeline (the contract's ``QUANTIZE_LATENCY``,
@@ -69,12 +76,24 @@ def _naf(c: int) -> list[tuple[int, int]]:
 
 def _times_constant(x, c: int, width: int = 32, *, cut=None):
     """``x * c mod 2**width`` as shifts, adds and subtracts of ``x`` (the NAF of ``c``, a
-    balanced tree of ``width``-bit adders and subtractors): a multiply by a constant takes no
-    DSP block, which the MAC array needs (an ECP5 maps every ``$mul`` to one or more
-    MULT18X18D). ``cut(level, values)``, if given, may register the values after each tree
-    level (a pipeline stage boundary) and returns what the next level reads."""
-    # Signed terms: a node (d, v) stands for d * v, so a mix of signs needs no negation.
-    terms = [(d, (x << s)[:width]) for s, d in _naf(c % 2**width) if s < width]
+    balanced tree of adders and subtractors): a multiply by a constant takes no DSP block,
+    which the MAC array needs (an ECP5 maps every ``$mul`` to one or more MULT18X18D).
+    Every term is known to end in zeros (``x << s``), so each adder's carry chain starts
+    where the first nonzero bit can be (below it the sum is the other term's bits).
+    ``cut(level, values)``, if given, may register the values after each tree level (a
+    pipeline stage boundary) and returns what the next level reads."""
+    # Signed terms: (d, v, z) stands for d * v, whose z low bits are zero, so a mix of signs
+    # needs no negation.
+    terms = [(d, (x << s)[:width], s) for s, d in _naf(c % 2**width) if s < width]
+
+    def add(a, za, b, zb):
+        z = max(za, zb)  # below z one term is zero: the other's bits, no carry
+        low = a[:z] if za < zb else b[:z]
+        return Cat(low, (a[z:] + b[z:])[:width - z]), min(za, zb)
+
+    def sub(a, za, b, zb):  # a - b; below zb, b is zero: a's bits, no borrow
+        return Cat(a[:zb], (a[zb:] - b[zb:])[:width - zb]), min(za, zb)
+
     level = 0
     while len(terms) > 1:
         pairs = [terms[i:i + 2] for i in range(0, len(terms), 2)]
@@ -83,17 +102,21 @@ def _times_constant(x, c: int, width: int = 32, *, cut=None):
             if len(pair) == 1:
                 terms.append(pair[0])
                 continue
-            (da, a), (db, b) = pair
+            (da, a, za), (db, b, zb) = pair
             if da == db:
-                terms.append((da, (a + b)[:width]))
+                v, z = add(a, za, b, zb)
+                terms.append((da, v, z))
+            elif da > 0:
+                terms.append((1, *sub(a, za, b, zb)))
             else:
-                terms.append((1, (a - b)[:width] if da > 0 else (b - a)[:width]))
+                terms.append((1, *sub(b, zb, a, za)))
         level += 1
         if cut is not None:
-            terms = list(zip([d for d, _ in terms], cut(level, [v for _, v in terms])))
+            regs = cut(level, [v for _, v, _ in terms])
+            terms = [(d, r, z) for (d, _, z), r in zip(terms, regs)]
     if not terms:
         return Const(0, width)
-    d, v = terms[0]
+    d, v, _ = terms[0]
     return v if d > 0 else (-v)[:width]
 
 
@@ -166,7 +189,10 @@ class Quantize(wiring.Component):
     multiply's levels 1-2; 7: its levels 3-4) while the element is decoded (4), its shift
     clamped (5), aligned (6) and its sticky bit reduced (7); then come the rounding decision
     (8), the saturated magnitude (9) and the signed code (10, the output register). The key
-    takes the same five stages from ``seed``.
+    takes the same five stages from ``seed``; or, for tiles of ``SERIAL_KEY_BEATS`` beats or
+    more (HBFP8's 24x24 tiles up to 8 lanes), the fill side carries the seed and a serial unit
+    computes the tile's key while the tile fills (two bit-serial multiplies, 65 cycles); the
+    drain waits for it, which it never has to on a gapless stream (a tile's fill is longer).
 
     ``stochastic`` False builds no random generator (no key, no multiplies): the stochastic
     code then rounds to nearest even like the unused code 3, and ``seed`` is unused; the
@@ -176,7 +202,8 @@ class Quantize(wiring.Component):
     Resources: a 2T/L x (L * input width) simple dual-port memory; per lane an 8-bit
     max, a 55-bit right shifter, two 32-bit constant multiplies (low halves, as pipelined
     trees of 12-13 adders: no DSP blocks) and the rounding logic; two more constant
-    multiplies for the key. Without ``stochastic``, no multiplies.
+    multiplies for the key, or the serial key unit (one 32-bit adder). Without
+    ``stochastic``, no multiplies.
     """
 
     def __init__(self, mantissa_bits: int, tile: tuple[int, int], lanes: int, input_format: str = "fp32", *,
@@ -197,6 +224,8 @@ class Quantize(wiring.Component):
         self.stochastic = bool(stochastic)
         self.tile_elements = rows * cols
         self.beats_per_tile = rows * cols // lanes
+        #: Whether the key is computed serially per tile (``SERIAL_KEY_BEATS``).
+        self.serial_key = self.stochastic and self.beats_per_tile >= SERIAL_KEY_BEATS
         self.element_width = INPUT_FORMATS[input_format]
         self.out_layout = data.StructLayout({
             "codes": data.ArrayLayout(signed(fmt.mantissa_bits), lanes),
@@ -232,8 +261,13 @@ class Quantize(wiring.Component):
         ew = self.element_width
 
         # ---- the key: mix32(seed ^ SEED_SALT) but its final xor-shift (see _mix32_stages) ----
+        # Pipelined from the ``seed`` port (KEY_LATENCY stages) for short tiles; for tiles of
+        # SERIAL_KEY_BEATS beats or more the fill side carries the seed itself and a serial unit
+        # computes each tile's key while the tile fills (``_serial_key``).
         key = Signal(32)
-        if self.stochastic:
+        if self.serial_key:
+            m.d.comb += key.eq(self.seed)
+        elif self.stochastic:
             def key_register(value):
                 r = Signal(32)
                 m.d.sync += r.eq(value)
@@ -258,8 +292,11 @@ class Quantize(wiring.Component):
             key=Array(Signal(32, name=f"bank_key{b}") for b in range(2)),
             rnd=Array(Signal(len(self.rounding), name=f"bank_rnd{b}") for b in range(2)),
         )
+        key_ready = Const(0b11, 2)  # the bank's key is there (the pipelined key: with its first beat)
         fill_done = self._fill(m, wr, full, bank, key)
-        drain_done = self._drain(m, rd, full, bank)
+        if self.serial_key:
+            key_ready = self._serial_key(m, bank)
+        drain_done = self._drain(m, rd, full & key_ready, bank)
         # A bank is never filled and drained in the same cycle (fill needs it free, drain full).
         m.d.sync += full.eq((full | fill_done) & ~drain_done)
         return m
@@ -332,15 +369,19 @@ class Quantize(wiring.Component):
             wr.en.eq(write),
         ]
         fill_done = Signal(2)
+        bank.start = write & first  # a tile's first write: the serial key unit starts on its seed
+        bank.start_bank = wr_bank
+        bank.start_seed = stage.key
         with m.If(write):
             m.d.sync += run_max.eq(tile_max)
             with m.If(first):
                 m.d.sync += [
                     bank.base[wr_bank].eq(start_base),
-                    bank.key[wr_bank].eq(stage.key),
                     bank.rnd[wr_bank].eq(stage.rnd),
                     next_base.eq(start_base + T),
                 ]
+                if not self.serial_key:  # (the serial key unit writes the key, from this seed)
+                    m.d.sync += bank.key[wr_bank].eq(stage.key)
             with m.If(wr_beat == B - 1):
                 m.d.comb += fill_done.eq(Mux(wr_bank, 0b10, 0b01))
                 m.d.sync += [
@@ -351,6 +392,35 @@ class Quantize(wiring.Component):
             with m.Else():
                 m.d.sync += wr_beat.eq(wr_beat + 1)
         return fill_done
+
+    def _serial_key(self, m: Module, bank):
+        """The key of each tile, from the seed its first beat took: mix32(seed ^ SEED_SALT)
+        without the final xor-shift (as ``_mix32_stages``), by two bit-serial multiplies by
+        the constants (32 steps each: the multiplicand shifts left a bit a step and is added
+        where the constant has a one), written into the tile's bank at the end. Returns the
+        banks whose key is there (a mask): ``_SERIAL_KEY_CYCLES`` cycles after the tile's
+        first write, no later than its last (a tile has at least SERIAL_KEY_BEATS beats)."""
+        step = Signal(range(2 * 32 + 1))  # 1 .. 64 while running, 0 when idle
+        phase1 = step > 32  # the second multiply
+        acc = Signal(32)
+        xs = Signal(32)  # the multiplicand, shifted left by the step's bit
+        target = Signal()
+        ready = Signal(2, init=0b11)
+        bit = Signal()
+        index = (step - 1)[:5]
+        m.d.comb += bit.eq(Mux(phase1, Const(MIX32_MULTIPLIERS[1], 32).bit_select(index, 1),
+                               Const(MIX32_MULTIPLIERS[0], 32).bit_select(index, 1)))
+        total = (acc + Mux(bit, xs, 0))[:32]
+        with m.If(bank.start):
+            m.d.sync += [step.eq(1), acc.eq(0), xs.eq(_xorshift(bank.start_seed ^ SEED_SALT, 16)),
+                         target.eq(bank.start_bank), ready.bit_select(bank.start_bank, 1).eq(0)]
+        with m.Elif(step == 32):  # the first product done: its xor-shift is the second's multiplicand
+            m.d.sync += [step.eq(33), acc.eq(0), xs.eq(_xorshift(total, 15))]
+        with m.Elif(step == 64):
+            m.d.sync += [step.eq(0), bank.key[target].eq(total), ready.bit_select(target, 1).eq(1)]
+        with m.Elif(step != 0):
+            m.d.sync += [step.eq(step + 1), acc.eq(total), xs.eq(xs << 1)]
+        return ready
 
     def _drain(self, m: Module, rd, full, bank):
         """The drain side: a pipeline in which all stages advance together. Returns the bank

@@ -235,7 +235,9 @@ def test_activation_all_functions_with_stalls():
     assert_equal(got, _expected(x, g, func, FUNCTIONS), "Activation", (func, x, g), _nan_class_ok(func))
 
 
-@pytest.mark.parametrize("functions", [("relu", "gelu_grad", "tanh"), ("exp",), ("leaky_relu_grad", "sigmoid")])
+# ("exp",) and ("relu", "gelu", "leaky_relu"): unary functions only, built without the multiplier.
+@pytest.mark.parametrize("functions", [("relu", "gelu_grad", "tanh"), ("exp",), ("leaky_relu_grad", "sigmoid"),
+                                       ("relu", "gelu", "leaky_relu")])
 def test_functions_not_built_give_nan(functions):
     x, g, func = _mixed(7, 600)
     got = _stream(Activation(functions=functions), x, g, func, stall=0.2, seed=8)
@@ -256,9 +258,11 @@ def test_leaky_shifts(shift):
     assert_equal(got, want, f"leaky shift {shift}", (func, x, g), _nan_class_ok(func))
 
 
-def test_full_throughput_and_latency():
-    """One beat per cycle in and out, the first result ``LATENCY`` cycles after the first beat."""
-    dut = Activation()
+@pytest.mark.parametrize("functions", [FUNCTIONS, UNARY_FUNCTIONS])
+def test_full_throughput_and_latency(functions):
+    """One beat per cycle in and out, the first result ``LATENCY`` cycles after the first beat
+    (also without the multiplier, when only unary functions are built)."""
+    dut = Activation(functions=functions)
     x, g, func = _mixed(12, 300)
     n = len(x)
     seen: list[tuple[int, int]] = []
@@ -281,7 +285,8 @@ def test_full_throughput_and_latency():
     sim.add_testbench(bench)
     sim.run()
     assert [c for c, _ in seen] == list(range(Activation.LATENCY, n + Activation.LATENCY))
-    assert_equal([v for _, v in seen], _expected(x, g, func, FUNCTIONS), "full throughput", (func, x, g), _nan_class_ok(func))
+    assert_equal([v for _, v in seen], _expected(x, g, func, functions), "full throughput", (func, x, g),
+                 _nan_class_ok(func))
 
 
 # ---------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from amaranth.back import verilog
 from amaranth.sim import Simulator
 
 from hbfp.hw.params import ROUNDING_CODES
-from hbfp.hw.quantize import KEY_LATENCY, Quantize
+from hbfp.hw.quantize import KEY_LATENCY, SERIAL_KEY_BEATS, Quantize
 from hbfp.sim import runner
 from hbfp.sim.tb_quantize import beats_of, check_segment, make_segments
 
@@ -136,6 +136,22 @@ def test_quantize_without_stochastic_rounding():
 def test_quantize_clear_mid_tile_applies_to_next_tile():
     plan = [("stochastic", 3, False), ("stochastic", 3, True), ("stochastic", 3, False), ("stochastic", 9, True)]
     errors = _amaranth_run(SMALL, plan, early_clear=True)
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_quantize_serial_key():
+    """Tiles of SERIAL_KEY_BEATS beats or more take their key from the serial unit: new seeds
+    with and without ``clear``, every rounding, stalls on both sides (the cocotb runs of the
+    HBFP8 configuration, 72 beats a tile, check its full throughput and latency)."""
+    cfg = dict(m=8, tile=(8, 9), lanes=1, input_format="fp32", reps=1, seed=11)
+    for args, kw, serial in [((8, (8, 9), 1), {}, True), ((8, (8, 9), 1), {"stochastic": False}, False),
+                             ((6, (3, 5), 5), {}, False), ((8, (24, 24), 8), {}, True), ((8, (1, 32), 1), {}, False)]:
+        q = Quantize(*args, **kw)
+        q._MustUse__used = True  # built for its attributes only
+        assert q.serial_key == serial and (q.beats_per_tile >= SERIAL_KEY_BEATS) == serial or not q.stochastic
+    plan = [("stochastic", 0, True), ("stochastic", 2**32 - 1, False), ("nearest_even", 5, True),
+            ("stochastic", 77, False), ("stochastic", 78, True)]
+    errors = _amaranth_run(cfg, plan, src_stall=0.2, snk_stall=0.5)
     assert not errors, "\n".join(errors[:20])
 
 
