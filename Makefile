@@ -75,12 +75,11 @@ $(FPGA_STAMP): $(STAMP)
 fpga: $(FPGA_STAMP)
 
 ## fpga-report: build every board (bitstreams: ECP5, iCE40; Quartus projects: Intel), measure
-## the 8x8 core on its own (three placement seeds) and run the density experiment (BFP8 vs bf16
-## vs fp16 PEs on ECP5); rewrites docs/reports/boards.md, ecp5-core-8x8-s96.md/.json,
-## summary.json and density.md (about an hour and a half on 2 cores)
+## the 8x8 core on its own (three placement seeds) and run the density experiment (whole BFP8,
+## bf16 and fp16 cores on ECP5, with DSPs and LUT-only); rewrites docs/reports/boards.md,
+## ecp5-core-8x8-s96.md/.json, density.md and summary.json (its density figures included)
 fpga-report: $(FPGA_STAMP)
 	$(PY) benchmarks/fpga_report.py --write
-	$(PY) benchmarks/density.py --write
 
 ## clean: remove build outputs (keeps the environment)
 clean:

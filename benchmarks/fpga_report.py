@@ -18,14 +18,18 @@ docs/reports/summary.json, the headline figures for a machine:
   ``core_8x8_share_outside_array_and_lanes`` (a fraction of Yosys' LUT4s);
 - ``board_<name>_macs``, ``board_<name>_fmax_mhz``, ``board_<name>_lut4`` per open-flow board
   built;
-- ``density_mac_s_per_lut4_vs_fp16_core``: MAC/s per LUT4 of the BFP8 core over an fp16 core,
-  both whole cores LUT-only. null: there is no fp16 whole core to measure (benchmarks/density.py
-  compares arrays, not cores).
+- ``density_mac_s_per_lut4_vs_fp16_core``: MAC/s per LUT4 of the BFP8 core over the fp16 core,
+  both whole cores LUT-only (the BFP8 core with its Booth LUT multipliers), from the density
+  experiment (benchmarks/density.py, run from here in its default configuration unless
+  ``--no-density``; with ``--write`` it also rewrites docs/reports/density.md); beside it
+  ``density_mac_s_per_lut4_vs_bf16_core``, ``density_lut4_per_mac_vs_fp16_core`` (LUT-only) and
+  ``density_mac_s_per_lut4_vs_fp16_core_with_dsp`` (``density.SUMMARY``), and
+  ``density_rows``, ``density_cols`` (the cores' array).
 
 A figure that was not measured in this run (a board left out, a design that does not fit) is
 null. ``--reuse`` takes an existing build of the same configuration (``build/boards/<board>``,
-``build/ecp5/core-8x8-s96``) instead of building again. The ULX3S build takes about 20 minutes
-on 2 cores, the core's three placements about 30.
+``build/ecp5/core-8x8-s96``, ``build/density/...``) instead of building again. The ULX3S build
+takes about 20 minutes on 2 cores, the core's three placements about 30.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from hbfp.hw import boards
 from hbfp.hw.mac_array import MacArray
 from hbfp.hw.openflow import RESOURCES, bin_path, run_tool, synth_ecp5
 
+import density  # benchmarks/density.py
 from ecp5_area import ROOT, figures, measure, table  # benchmarks/ecp5_area.py
 from report import REPORTS, publish  # benchmarks/report.py
 
@@ -75,8 +80,8 @@ def mac_array_logic(flow: str, cfg, work: Path) -> dict:
 SUMMARY_KEYS = (
     "core_8x8_fmax_mhz", "core_8x8_lut4", "core_8x8_array_lut4", "core_8x8_lanes_lut4",
     "core_8x8_share_outside_array_and_lanes", "board_ulx3s_macs", "board_ulx3s_fmax_mhz", "board_ulx3s_lut4",
-    # Needs an fp16 whole core, which the gateware does not have: never filled in yet.
-    "density_mac_s_per_lut4_vs_fp16_core",
+    # The whole-core density comparison (benchmarks/density.py): BFP8 core over the float cores.
+    *density.SUMMARY, "density_rows", "density_cols",
 )
 
 
@@ -98,6 +103,16 @@ def core_8x8(args) -> dict:
     return {"core_8x8_fmax_mhz": res["fmax_mhz"], "core_8x8_lut4": res["lut4"],
             "core_8x8_array_lut4": res["array_lut4"], "core_8x8_lanes_lut4": res["lanes_lut4"],
             "core_8x8_share_outside_array_and_lanes": res["share_outside_array_and_lanes"]}
+
+
+def density_summary(args) -> dict:
+    """The density experiment in its default configuration (benchmarks/density.py): its
+    summary figures; with ``--write`` also docs/reports/density.md."""
+    argv = (["--jobs", str(args.density_jobs)] + (["--write"] if args.write else [])
+            + (["--reuse"] if args.reuse else []))
+    fig = density.run(density.parser().parse_args(argv))
+    return {**{key: fig[key] for key in density.SUMMARY}, "density_rows": fig["config"]["rows"],
+            "density_cols": fig["config"]["cols"]}
 
 
 def configuration(cfg) -> str:
@@ -132,10 +147,12 @@ def main(argv=None) -> int:
     p.add_argument("--boards", nargs="+", choices=list(boards.BOARDS), default=list(boards.BOARDS))
     p.add_argument("--out", default="build/boards", help="build folder (default build/boards)")
     p.add_argument("--reuse", action="store_true", help="reuse finished builds of the same configuration")
-    p.add_argument("--write", action="store_true", help="write docs/reports/boards.md and summary.json")
+    p.add_argument("--write", action="store_true", help="write docs/reports/boards.md, density.md and summary.json")
     p.add_argument("--core-seeds", type=int, nargs="+", default=[1, 2, 3],
                    help="placement seeds of the 8x8 core's own measurement (default 1 2 3)")
     p.add_argument("--no-core", action="store_true", help="leave out the 8x8 core's own measurement")
+    p.add_argument("--no-density", action="store_true", help="leave out the whole-core density experiment")
+    p.add_argument("--density-jobs", type=int, default=2, help="the density experiment's flows at a time (default 2)")
     args = p.parse_args(argv)
 
     rows, notes = [], []
@@ -201,6 +218,8 @@ def main(argv=None) -> int:
 
     if not args.no_core:
         summary.update(core_8x8(args))
+    if not args.no_density:
+        summary.update(density_summary(args))
 
     lines = [
         "# FPGA boards: area, Fmax and throughput",
