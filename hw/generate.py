@@ -14,7 +14,7 @@ from amaranth.back import verilog
 
 from hbfp import __version__
 
-from . import accumulate, activation, add_f32, buffers, epilogue, gemm_core, mac_array, normalize, quantize, top
+from . import accumulate, activation, add_f32, buffers, epilogue, gemm_core, mac_array, normalize, packet, quantize, top
 from hbfp.contract import OutFormat, Target
 
 from .params import EXP_BIAS, EXP_NAN, RANDOM_BITS, ROUNDING_CODES, SEED_SALT, CoreConfig, psum_width
@@ -23,18 +23,17 @@ __all__ = ["components", "parameters", "generate"]
 
 
 def components(cfg: CoreConfig) -> dict:
-    """Name -> constructor of every component of the core, as configured in ``cfg``; "top"
-    (the accelerator with its protocol engine, default link parameters) needs a square array
-    whose columns (a power of two) divide the tile, and is left out otherwise."""
+    """Name -> constructor of every component of the core, as configured in ``cfg``, and
+    "top" (the accelerator with its protocol engine, default link parameters)."""
     m, tk = cfg.mantissa_bits, cfg.tk
     functions = cfg.built_functions
-    square = cfg.rows == cfg.cols and not cfg.cols & (cfg.cols - 1) and cfg.tile[1] % cfg.cols == 0
-    tops = {"top": lambda: top.AcceleratorTop(cfg)} if square else {}  # AcceleratorTop's shapes
     units = {}  # the optional units, when built
     if functions:
         units["activation"] = lambda: activation.Activation(functions=functions, leaky_shift=cfg.leaky_shift)
     if cfg.value_quantizer or cfg.bfp_output:
-        units["quantize"] = lambda: quantize.Quantize(m, cfg.tile, cfg.cols, "fp32", stochastic=cfg.stochastic)
+        # The input quantizer's shape (the output quantizer is the epilogue's).
+        units["quantize"] = lambda: quantize.Quantize(m, cfg.tile, packet.value_lanes(cfg), "fp32",
+                                                      stochastic=cfg.stochastic)
     return {
         "gemm_core": lambda: gemm_core.GemmCore(cfg),
         "mac_array": lambda: mac_array.MacArray(cfg.rows, cfg.cols, tk, m, m),
@@ -45,7 +44,7 @@ def components(cfg: CoreConfig) -> dict:
         **units,
         "operand_buffer_a": lambda: buffers.OperandBuffer(cfg.rows, m, cfg.size, cfg.size),
         "operand_buffer_b": lambda: buffers.OperandBuffer(cfg.cols, m, cfg.size, cfg.size),
-        **tops,
+        "top": lambda: top.AcceleratorTop(cfg),
     }
 
 

@@ -19,7 +19,8 @@ Components, each with named ports, in the order a frame meets them:
 - ``PayloadReader``: buffer words back out as byte chunks of one or two regions (a WRITE's
   data; ELEMENTWISE's x and g);
 - ``LaneAssembler``: a window of payload bytes to a beat of 32-bit lanes, one a cycle;
-- ``WriteReplay``: a WRITE's beats to the core, as row chunks or through the quantizer;
+- ``WriteReplay``: a WRITE's beats to the core, as row chunks (``rows`` codes of A,
+  ``cols`` elements of B, the accumulator, the bias) or through the quantizer;
 - ``ResultSerializer``: the core's output beats (``cfg.out_lanes`` values each) to the
   reply's byte layout, a beat's bytes a cycle;
 - ``ReplyFramer``: magic, header, payload (up to N bytes a cycle) and CRC of a reply;
@@ -77,6 +78,8 @@ __all__ = [
     "ASSEMBLE_MODES",
     "DESCRIPTOR_BYTES",
     "result_chunk_bytes",
+    "write_lanes",
+    "value_lanes",
 ]
 
 #: Fixed payload sizes of the commands, from the contract's descriptors: WRITE's header
@@ -124,19 +127,37 @@ def _words(max_payload: int, stream_bytes: int) -> int:
     return -(-max_payload // stream_bytes)
 
 
+def write_lanes(cfg: CoreConfig) -> int:
+    """The lanes of a WRITE beat (the core's ``w`` port): a row chunk of A has ``rows``
+    codes, one of B, the accumulator or the bias ``cols`` elements."""
+    return max(cfg.rows, cfg.cols)
+
+
+def value_lanes(cfg: CoreConfig) -> int:
+    """The input quantizer's lanes (elements a beat) for a WRITE of values: the widest run of
+    one tile row (a divisor of the tile's columns, so a beat never leaves its row) that fits
+    a row chunk of A (``rows`` lanes) and of B (``cols`` lanes). Each code beat is then one
+    row chunk write, partial (``skip``) where the buffer's chunk is wider. The stochastic
+    rounding's stream position is an element's place in the tile-major stream, whatever the
+    lanes, so any choice gives the same codes."""
+    tw = cfg.tile[1]
+    return max(d for d in range(1, min(cfg.rows, cfg.cols, tw) + 1) if tw % d == 0)
+
+
 def write_plan_layout(cfg: CoreConfig) -> data.StructLayout:
-    """A WRITE's replay: the core target of its code beats, the region in row chunks (or
-    tiles, for values), its tile grid position, the quantizer's rounding and seed, and how the
-    ``LaneAssembler`` builds a beat."""
-    D, C = cfg.size, cfg.cols
+    """A WRITE's replay: the core target of its code beats, the region (row and column
+    bounds, in elements; in tiles for exponents), the column step of a beat, its tile grid
+    position (values), the quantizer's rounding and seed, and how the ``LaneAssembler``
+    builds a beat."""
+    D, W = cfg.size, write_lanes(cfg)
     th, tw = cfg.tile
     return data.StructLayout({
         "values": 1, "target": 3,
         "row": range(D + 1), "col": range(D + 1), "col_end": range(D + 1), "row_end": range(D + 1),
-        "step": range(C + 1), "chunks": range(D * D + 1), "empty": 1,
+        "step": range(W + 1), "empty": 1,
         "erow": range(D // th + 1), "ecol": range(D // tw + 1),
         "rounding": Rounding, "seed": 32,
-        "elem_bytes": range(5), "elems": range(C + 1), "mode": 2,
+        "elem_bytes": range(5), "elems": range(W + 1), "mode": 2,
     })
 
 
@@ -395,7 +416,7 @@ class FrameChecker(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         cfg, N, P = self.cfg, self.stream_bytes, self.max_payload
-        D, C = cfg.size, cfg.cols
+        D, R, C = cfg.size, cfg.rows, cfg.cols
         th, tw = cfg.tile
         cb = 1 if cfg.mantissa_bits <= 8 else 2
         functions = cfg.built_functions
@@ -417,17 +438,23 @@ class FrameChecker(wiring.Component):
         m.d.comb += [w_row_end.eq(w_row + w_rows), w_col_end.eq(w_col + w_cols)]
         in_elements = (w_row_end <= D) & (w_col_end <= D)
         in_tiles = (w_row_end <= D // th) & (w_col_end <= D // tw)
-        chunked = _multiple_of(w_col, C, D) & _multiple_of(w_cols, C, D)
+        # Row chunks: A's codes go R to a chunk, B's codes, the accumulator's and the bias's C.
+        chunked_c = _multiple_of(w_col, C, D) & _multiple_of(w_cols, C, D)
+        chunked_r = chunked_c if R == C else _multiple_of(w_col, R, D) & _multiple_of(w_cols, R, D)
         tiled = (_multiple_of(w_row, th, D) & _multiple_of(w_rows, th, D)
                  & _multiple_of(w_col, tw, D) & _multiple_of(w_cols, tw, D))
-        is_codes = (w_target == Target.A_CODES) | (w_target == Target.B_CODES)
+        is_a_codes = w_target == Target.A_CODES
+        is_codes = is_a_codes | (w_target == Target.B_CODES)
         is_exps = (w_target == Target.A_EXPONENTS) | (w_target == Target.B_EXPONENTS)
         is_values = (w_target == Target.A_VALUES) | (w_target == Target.B_VALUES)
         address_ok = Mux(
-            is_codes | (w_target == Target.ACC), in_elements & chunked,
-            Mux(is_exps, in_tiles,
-                Mux(w_target == Target.BIAS, (w_row == 0) & (w_rows == 1) & in_elements & chunked,
-                    Mux(is_values, in_elements & tiled, 0))))
+            is_a_codes, in_elements & chunked_r,
+            Mux((w_target == Target.B_CODES) | (w_target == Target.ACC), in_elements & chunked_c,
+                Mux(is_exps, in_tiles,
+                    Mux(w_target == Target.BIAS, (w_row == 0) & (w_rows == 1) & in_elements & chunked_c,
+                        Mux(is_values, in_elements & tiled, 0)))))
+        # The elements of a replay beat: a row chunk (R or C), an exponent, or a quantizer beat.
+        chunk_lanes = Mux(is_exps, 1, Mux(is_a_codes, R, C))
         value_bf16 = w_encoding == Encoding.BF16
         stochastic = Rounding.STOCHASTIC
         write_desc_ok = ~is_values | ((w_encoding <= max(Encoding)) & (w_rounding <= max(Rounding)))
@@ -545,15 +572,14 @@ class FrameChecker(wiring.Component):
             wp.values.eq(is_values if cfg.value_quantizer else 0),
             wp.target.eq(Mux(is_values, w_target - (Target.A_VALUES - Target.A_CODES), w_target)),
             wp.row.eq(w_row), wp.col.eq(w_col), wp.col_end.eq(w_col_end), wp.row_end.eq(w_row_end),
-            wp.step.eq(Mux(is_exps, 1, C)),
-            wp.chunks.eq(Mux(is_exps, region, region >> (C.bit_length() - 1))),
+            wp.step.eq(chunk_lanes),
             wp.empty.eq(region == 0),
             wp.erow.eq(_quotient_of_multiple(w_row, th, D)),
             wp.ecol.eq(_quotient_of_multiple(w_col, tw, D)),
             wp.rounding.eq(w_rounding),
             wp.seed.eq(w_desc.seed),
             wp.elem_bytes.eq(element_bytes),
-            wp.elems.eq(Mux(is_exps, 1, C)),
+            wp.elems.eq(Mux(is_values, value_lanes(cfg), chunk_lanes)),
             wp.mode.eq(Mux(is_codes, ASSEMBLE_MODES["sign_extend"],
                            Mux(is_values & value_bf16, ASSEMBLE_MODES["high_half"], ASSEMBLE_MODES["raw"]))),
         ]
@@ -670,7 +696,8 @@ class PayloadReader(wiring.Component):
 
 class LaneAssembler(wiring.Component):
     """A window of payload bytes to beats of ``lanes`` 32-bit lanes, one beat a cycle:
-    ``elems`` elements a beat (1 or ``lanes``; the other lanes are don't-care), ``elem_bytes``
+    ``elems`` elements a beat (1 .. ``lanes``, in the first lanes; the others are don't-care:
+    a WRITE sets them per target), ``elem_bytes``
     little-endian bytes an element (1, 2 or 4), placed by ``mode`` (``ASSEMBLE_MODES``):
     ``sign_extend`` (BFP codes), ``raw`` (fp32, exponents: zero-extended), ``high_half``
     (bf16 into the high half: its exact fp32 widening).
@@ -722,29 +749,31 @@ class WriteReplay(wiring.Component):
     """A WRITE's data, from the payload window, into the core's buffers.
 
     Ports: ``start`` (strobe, with ``plan`` valid: ``write_plan_layout``), ``done`` (strobe:
-    the last beat has gone), ``i`` (``WindowSignature(4 * cols)``: the data bytes in order),
-    ``w`` (to the core), and the input quantizer's ``q_i``, ``q_o``, ``q_rounding``, ``q_seed``,
-    ``q_clear`` (a pulse at ``start``).
+    the last beat has gone), ``i`` (``WindowSignature(4 * write_lanes(cfg))``: the data bytes
+    in order), ``w`` (to the core), and the input quantizer's ``q_i``, ``q_o``,
+    ``q_rounding``, ``q_seed``, ``q_clear`` (a pulse at ``start``).
 
-    Codes, exponents, the accumulator and the bias go as ``w`` beats, row chunks of ``cols``
-    lanes (exponents one a beat), row-major over the region. Values go through the quantizer
-    (``q_i`` beats of ``cols`` fp32 elements, bf16 widened; its ``q_o`` codes back to ``w`` as
-    row chunks, then one exponent beat per tile). Throughput: one beat a cycle while the
-    window holds its bytes (``elem_bytes * cols`` of them: the link's N bytes a cycle feed a
-    beat every ``ceil(elem_bytes * cols / N)`` cycles).
+    Codes, exponents, the accumulator and the bias go as ``w`` beats, row-major over the
+    region: row chunks of ``rows`` lanes for A's codes, of ``cols`` lanes for B's codes, the
+    accumulator and the bias, one exponent a beat. Values go through the quantizer (``q_i``
+    beats of ``value_lanes(cfg)`` (L) fp32 elements, bf16 widened); its ``q_o`` codes go back
+    to ``w`` as partial row chunks of L lanes (the lanes beyond L skipped), then one exponent
+    beat per tile. Throughput: one beat a cycle while the window holds its bytes (``elem_bytes``
+    times its elements: the link's N bytes a cycle feed a beat every ``ceil(bytes / N)``
+    cycles).
     """
 
     def __init__(self, cfg: CoreConfig):
         self.cfg = cfg
-        C = cfg.cols
+        W, L = write_lanes(cfg), value_lanes(cfg)
         super().__init__({
             "start": In(1),
             "plan": In(write_plan_layout(cfg)),
             "done": Out(1),
-            "i": In(WindowSignature(4 * C)),
+            "i": In(WindowSignature(4 * W)),
             "w": Out(stream.Signature(write_layout(cfg))),
-            "q_i": Out(stream.Signature(data.ArrayLayout(FP32_WIDTH, C))),
-            "q_o": In(stream.Signature(quantize_output_layout(cfg.mantissa_bits, C))),
+            "q_i": Out(stream.Signature(data.ArrayLayout(FP32_WIDTH, L))),
+            "q_o": In(stream.Signature(quantize_output_layout(cfg.mantissa_bits, L))),
             "q_rounding": Out(Rounding),
             "q_seed": Out(32),
             "q_clear": Out(1),
@@ -753,18 +782,18 @@ class WriteReplay(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         cfg, plan = self.cfg, self.plan
-        D, C = cfg.size, cfg.cols
+        D, W, L = cfg.size, write_lanes(cfg), value_lanes(cfg)
         th, tw = cfg.tile
-        m.submodules.assembler = asm = LaneAssembler(C)
+        m.submodules.assembler = asm = LaneAssembler(W)
         wiring.connect(m, wiring.flipped(self.i), asm.i)
         m.d.comb += [asm.elem_bytes.eq(plan.elem_bytes), asm.elems.eq(plan.elems), asm.mode.eq(plan.mode),
                      self.q_rounding.eq(plan.rounding), self.q_seed.eq(plan.seed),
                      self.q_clear.eq(self.start & plan.values)]
 
         running = Signal()
+        # The next chunk's row and column; the region is done once the row passes its end.
         row = Signal(range(D + 1))
         col = Signal(range(D + 1))
-        left = Signal(range(D * D + 1))
         # Values: the tile being written (absolute row and column of its corner), the row
         # and column offset inside it, and its index in the exponent grid.
         v_row, v_col = Signal(range(D + 1)), Signal(range(D + 1))
@@ -776,26 +805,27 @@ class WriteReplay(wiring.Component):
         w_fire = self.w.valid & self.w.ready
 
         with m.If(self.start):
-            m.d.sync += [running.eq(1), row.eq(plan.row), col.eq(plan.col), left.eq(plan.chunks),
+            m.d.sync += [running.eq(1), row.eq(plan.row), col.eq(plan.col),
                          v_row.eq(plan.row), v_col.eq(plan.col), v_r.eq(0), v_c.eq(0),
                          v_erow.eq(plan.erow), v_ecol.eq(plan.ecol), v_exp.eq(0), v_done.eq(plan.empty)]
-        finished = Mux(plan.values, v_done, left == 0)
+        chunks_done = plan.empty | (row == plan.row_end)
+        finished = Mux(plan.values, v_done, chunks_done)
         with m.If(running & finished):
             m.d.comb += self.done.eq(1)
             m.d.sync += running.eq(0)
 
         with m.If(running & ~plan.values):
             m.d.comb += [
-                self.w.valid.eq(asm.o.valid & (left != 0)),
-                asm.o.ready.eq(self.w.ready & (left != 0)),
+                self.w.valid.eq(asm.o.valid & ~chunks_done),
+                asm.o.ready.eq(self.w.ready & ~chunks_done),
                 self.w.payload.target.eq(plan.target),
                 self.w.payload.row.eq(row),
                 self.w.payload.col.eq(col),
             ]
-            for j in range(C):
+            for j in range(W):
                 m.d.comb += self.w.payload.data[j].eq(asm.o.payload[j])
             with m.If(w_fire):
-                m.d.sync += [left.eq(left - 1), col.eq(col + plan.step)]
+                m.d.sync += col.eq(col + plan.step)
                 with m.If(col + plan.step == plan.col_end):
                     m.d.sync += [col.eq(plan.col), row.eq(row + 1)]
         # Paths to units a reduced device lacks are never taken (refused): not built.
@@ -810,9 +840,10 @@ class WriteReplay(wiring.Component):
             with m.If(running & plan.values):
                 m.d.comb += [
                     self.q_i.valid.eq(asm.o.valid & (key_wait == 0)),
-                    self.q_i.payload.eq(asm.o.payload),
                     asm.o.ready.eq(self.q_i.ready & (key_wait == 0)),
                 ]
+                for j in range(L):
+                    m.d.comb += self.q_i.payload[j].eq(asm.o.payload[j])
                 with m.If(v_exp):
                     m.d.comb += [
                         self.w.valid.eq(1),
@@ -837,12 +868,14 @@ class WriteReplay(wiring.Component):
                         self.w.payload.target.eq(plan.target),
                         self.w.payload.row.eq(v_row + v_r),
                         self.w.payload.col.eq(v_col + v_c),
+                        # A quantizer beat fills L lanes of the buffer's chunk (R or C lanes).
+                        self.w.payload.skip.eq(Const((1 << W) - (1 << L), W)),
                     ]
-                    for j in range(C):
+                    for j in range(L):
                         m.d.comb += self.w.payload.data[j].eq(self.q_o.payload.codes[j])
                     with m.If(w_fire):
-                        m.d.sync += v_c.eq(v_c + C)
-                        with m.If(v_c == tw - C):
+                        m.d.sync += v_c.eq(v_c + L)
+                        with m.If(v_c == tw - L):
                             m.d.sync += [v_c.eq(0), v_r.eq(v_r + 1)]
                             with m.If(v_r == th - 1):
                                 m.d.sync += [v_r.eq(0), v_exp.eq(1), v_exponent.eq(self.q_o.payload.exponent)]
@@ -1057,7 +1090,7 @@ class PacketEngine(wiring.Component):
         self.max_payload = max_payload
         self.frame_timeout = frame_timeout
         self.functions = cfg.built_functions
-        C, N = cfg.cols, stream_bytes
+        N, L = stream_bytes, value_lanes(cfg)
         super().__init__({
             "i": In(WindowSignature(N)),
             "o": Out(stream.Signature(reply_chunk_layout(N))),
@@ -1067,8 +1100,8 @@ class PacketEngine(wiring.Component):
             "result": In(stream.Signature(output_layout(cfg))),
             "core_cycles": In(32),
             # the input Quantize
-            "q_i": Out(stream.Signature(data.ArrayLayout(FP32_WIDTH, C))),
-            "q_o": In(stream.Signature(quantize_output_layout(cfg.mantissa_bits, C))),
+            "q_i": Out(stream.Signature(data.ArrayLayout(FP32_WIDTH, L))),
+            "q_o": In(stream.Signature(quantize_output_layout(cfg.mantissa_bits, L))),
             "q_rounding": Out(Rounding),
             "q_seed": Out(32),
             "q_clear": Out(1),
@@ -1085,7 +1118,7 @@ class PacketEngine(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         cfg = self.cfg
-        C, N, P = cfg.cols, self.stream_bytes, self.max_payload
+        N, P = self.stream_bytes, self.max_payload
         R = max(N, result_chunk_bytes(cfg), 2)  # the widest chunk a reply's source gives
 
         m.submodules.receiver = rx = FrameReceiver(N, P, self.frame_timeout)
@@ -1094,7 +1127,7 @@ class PacketEngine(wiring.Component):
         # x (and WRITE data) and g. Their default depths keep ELEMENTWISE from deadlocking:
         # the reader alternates words between them, so while one window is too full to take
         # a word, the other holds at least the 2 bytes of the next element.
-        m.submodules.window_a = win_a = ByteWindow(N, 4 * C)
+        m.submodules.window_a = win_a = ByteWindow(N, 4 * write_lanes(cfg))
         m.submodules.window_b = win_b = ByteWindow(N, 2)
         m.submodules.replay = replay = WriteReplay(cfg)
         m.submodules.serializer = ser = ResultSerializer(cfg)

@@ -5,7 +5,7 @@ GEMM core.
  i (N lanes) -> BeatCompactor -> ByteWindow -> PacketEngine -> ChunkToBeat -> o (N lanes)
                                                 |   |   |  \\
                                     w, cmd, result  |   |   ELEMENTWISE: Activation (1 lane)
-                                          GemmCore  |   WRITE of values: Quantize (cols lanes)
+                                          GemmCore  |   WRITE of values: Quantize (value_lanes)
                                                     payload buffer (max_payload bytes, N-byte words)
 ```
 """
@@ -21,8 +21,8 @@ from hbfp.contract import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_PAYLOAD
 from .activation import Activation
 from .gemm_core import GemmCore
 from .link import BeatCompactor, ByteWindow, ChunkToBeat, beat_layout
-from .packet import PacketEngine
-from .params import ConfigError, CoreConfig
+from .packet import PacketEngine, value_lanes
+from .params import CoreConfig
 from .quantize import Quantize
 
 __all__ = ["AcceleratorTop", "DEFAULT_MAX_PAYLOAD", "DEFAULT_FRAME_TIMEOUT"]
@@ -42,8 +42,10 @@ class AcceleratorTop(wiring.Component):
     kept lanes are always the first ones, and a reply's last beat is sent at once, partly
     filled if need be.
 
-    Parameters: ``cfg`` (the core; ``rows`` must equal ``cols``: the input quantizer's
-    beats of ``cols`` values are written as row chunks of A as of B), ``stream_bytes`` (1 ..
+    Parameters: ``cfg`` (the core: any array shape against any tile; WRITEs of A's codes go
+    in row chunks of ``rows`` codes, of B's codes, the accumulator and the bias of ``cols``
+    elements, and the input quantizer's beats of ``value_lanes(cfg)`` values, a divisor of
+    the tile's columns that fits both, as partial row chunks), ``stream_bytes`` (1 ..
     255, the width of ``i`` and ``o``), ``clock_hz`` (reported by IDENTIFY; 0: unknown),
     ``max_payload`` (bytes of the request buffer, 32 .. 2**24), ``frame_timeout`` (cycles).
 
@@ -74,16 +76,7 @@ class AcceleratorTop(wiring.Component):
     def _check(cfg, stream_bytes, clock_hz, frame_timeout, max_payload):
         if not isinstance(cfg, CoreConfig):
             raise TypeError(f"cfg must be a CoreConfig, got {cfg!r}")
-        # The core takes any array shape; the packet engine does not yet (docs/architecture.md).
-        if cfg.rows != cfg.cols:
-            raise ConfigError(
-                f"AcceleratorTop needs a square array (rows == cols), got {cfg.rows}x{cfg.cols}: the "
-                f"input quantizer's beats of {cfg.cols} values are written as row chunks of A "
-                f"({cfg.rows} lanes) and of B ({cfg.cols} lanes)")
-        if cfg.cols & (cfg.cols - 1) or cfg.tile[1] % cfg.cols:
-            raise ConfigError(
-                f"AcceleratorTop needs cols a power of two dividing the tile's columns, got cols {cfg.cols} "
-                f"and a tile of {cfg.tile[0]}x{cfg.tile[1]}: the packet engine writes row chunks of cols lanes")
+        # Every CoreConfig (its own rules checked) makes a top: any array shape, any tile.
         for name, value, lo, hi in (("stream_bytes", stream_bytes, 1, 255), ("clock_hz", clock_hz, 0, 2**32 - 1),
                                     ("frame_timeout", frame_timeout, 2, 2**32 - 1), ("max_payload", max_payload, 32, 2**24)):
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
@@ -116,7 +109,7 @@ class AcceleratorTop(wiring.Component):
 
         # Without the value quantizer the engine refuses WRITEs of values: q_i and q_o stay idle.
         if cfg.value_quantizer:
-            m.submodules.quantize = qz = Quantize(cfg.mantissa_bits, cfg.tile, cfg.cols, "fp32",
+            m.submodules.quantize = qz = Quantize(cfg.mantissa_bits, cfg.tile, value_lanes(cfg), "fp32",
                                                   stochastic=cfg.stochastic)
             wiring.connect(m, engine.q_i, qz.i)
             wiring.connect(m, qz.o, engine.q_o)

@@ -276,9 +276,11 @@ class Device:
         return max(1, (self.max_payload - 16) // row_bytes)
 
     async def write_codes(self, target: int, t: BFPTensor) -> None:
-        """The stored operand ``t`` as codes and exponents (codes padded to whole chunks)."""
+        """The stored operand ``t`` as codes and exponents (codes padded to whole chunks: R
+        codes for A, C for B)."""
         rows, cols = t.shape
-        padded = pad_to(t.codes.astype(self.code_dtype), rows, ceil_to(cols, self.C))
+        lanes = self.R if target == Target.A_CODES else self.C
+        padded = pad_to(t.codes.astype(self.code_dtype), rows, ceil_to(cols, lanes))
         step = self.rows_per_write(padded.shape[1] * self.code_dtype.itemsize)
         for r0 in range(0, rows, step):
             part = padded[r0:r0 + step]
@@ -409,7 +411,7 @@ async def run_product(dev: Device, rng: random.Random, nrng: np.random.Generator
     if prod["corrupt"]:
         # A WRITE of garbage over A whose CRC fails must leave A as it was.
         rows = min(qa.shape[0], 4)
-        cols = ceil_to(qa.shape[1], dev.C)
+        cols = ceil_to(qa.shape[1], dev.R)
         garbage = bytes(rng.randrange(256) for _ in range(rows * cols * dev.code_dtype.itemsize))
         data_at = protocol.HEADER.size + 16 + rng.randrange(len(garbage))
         await dev.request(Op.WRITE, protocol.encode_write(Target.A_CODES, 0, 0, rows, cols, garbage),

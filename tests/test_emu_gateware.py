@@ -8,8 +8,9 @@ transposes and rounding modes, on buffers full of stale data; after each product
 the whole accumulator (``size`` x ``size``, the padding beyond M and N included) and a STATUS;
 READs of K = 0 (whose cycles only STATUS shows); refused frames. A few configurations: the
 default 8 x 8 top, the small top tests/test_sim_device.py builds (its library is shared), a
-non-square MXINT8-like tile on an array too large for its K-tile to run without stalls, and a
-reduced device without activation units, output quantizer or stochastic rounding.
+non-square MXINT8-like tile on an array too large for its K-tile to run without stalls, a
+reduced device without activation units, output quantizer or stochastic rounding, and (in
+`make sim-full`) rectangular arrays.
 """
 
 from __future__ import annotations
@@ -42,10 +43,16 @@ CONFIGS = {
 }
 if os.environ.get("HBFP_SIM_FULL"):
     # In `make sim-full` only (its build takes about 4 minutes on 2 cores): a 1 x 16 tile
-    # (MXINT8-like: K along the stored rows of A and B^T) on a 16 x 16 array (the top's array
-    # is square): the exponent prefetch, max(R, C) + 3 cycles, outlasts a K-tile of 16 (as on
-    # a 32 x 32 array with 32 x 32 tiles).
+    # (MXINT8-like: K along the stored rows of A and B^T) on a 16 x 16 array: the exponent
+    # prefetch, max(R, C) + 3 cycles, outlasts a K-tile of 16 (as on a 32 x 32 array with
+    # 32 x 32 tiles).
     CONFIGS["tile1x16"] = "rows=16,cols=16,tile=1x16,size=32,functions=relu"
+    # Rectangular arrays (A's codes in chunks of R, B's of C, the input quantizer's beats as
+    # partial chunks): the 16 x 8 top of `hbfp gemm sim:rows=16,cols=8,stream_bytes=16` (its
+    # build is shared), and 6 x 8 on 12 x 12 tiles (rows no power of two, cols not dividing
+    # the tile). Amaranth's simulator checks both kinds in make test (test_hw_top_amaranth.py).
+    CONFIGS["16x8"] = "rows=16,cols=8,stream_bytes=16"
+    CONFIGS["6x8"] = "rows=6,cols=8,tile=12x12,size=24,stream_bytes=8,functions=relu,frame_timeout=4096"
 
 
 def _top_available() -> str | None:
@@ -87,9 +94,12 @@ class Pair:
 
         functions = tuple(f for i, f in enumerate(FUNCTIONS) if ident.functions_mask >> i & 1)
         units = {name: not (ident.omitted >> bit & 1) for name, bit in P.UNITS.items()}
+        # IDENTIFY does not report the epilogue's lanes (they change cycle counts only): the
+        # build's description does.
+        out_lanes = sim.info["config"]["core"]["out_lanes"]
         self.cfg = CoreConfig(rows=ident.rows, cols=ident.cols, mantissa_bits=ident.mantissa_bits,
                               tile=(ident.tile_rows, ident.tile_cols), size=ident.size,
-                              leaky_shift=ident.leaky_shift, functions=functions, **units)
+                              leaky_shift=ident.leaky_shift, functions=functions, out_lanes=out_lanes, **units)
         self.unary = [FUNCTIONS.index(f) for f in functions if f in UNARY_FUNCTIONS]
         self.emu = EmuDevice(self.cfg, max_payload=ident.max_payload, frame_timeout=ident.frame_timeout,
                              clock_hz=ident.clock_hz, stream_bytes=ident.stream_bytes)
@@ -166,6 +176,28 @@ def fill(pair: Pair, rng: np.random.Generator) -> None:
         rows = min(step, D - r)
         pair.write(Target.ACC, r, 0, rows, D, acc[r : r + rows].tobytes())
     pair.write(Target.BIAS, 0, 0, 1, D, rng.standard_normal(D).astype("<f4").tobytes())
+
+
+def write_values(pair: Pair, rng: np.random.Generator) -> None:
+    """Values into a random whole-tile region of A and of B, quantized on the device (fp32 or
+    bf16, every rounding; a reduced device refuses them as emu does)."""
+    cfg = pair.cfg
+    D = cfg.size
+    th, tw = cfg.tile
+    room = pair.ident.max_payload - P.WRITE_HEADER
+    for target in (Target.A_VALUES, Target.B_VALUES):
+        encoding = P.Encoding(int(rng.integers(0, 2)))
+        width = 4 if encoding == P.Encoding.FP32 else 2
+        tiles_c = int(rng.integers(1, min(D // tw, room // (width * th * tw)) + 1))
+        tiles_r = int(rng.integers(1, min(D // th, room // (width * th * tw * tiles_c)) + 1))
+        row = th * int(rng.integers(0, D // th - tiles_r + 1))
+        col = tw * int(rng.integers(0, D // tw - tiles_c + 1))
+        x = (rng.standard_normal(tiles_r * th * tiles_c * tw) * 4).astype(np.float32)
+        data = x.astype("<f4").tobytes() if width == 4 else (x.view(np.uint32) >> 16).astype("<u2").tobytes()
+        rounding = int(rng.integers(0, 3))
+        pair.exchange(Op.WRITE, P.encode_write(target, row, col, tiles_r * th, tiles_c * tw, data, encoding=encoding,
+                                               rounding=rounding, seed=int(rng.integers(0, 2**32))),
+                      what=f"WRITE {target.name} {encoding.name} rounding {rounding}")
 
 
 def rewrite_codes(pair: Pair, rng: np.random.Generator) -> None:
@@ -276,6 +308,7 @@ def pair(sim_device):
 def test_replies_accumulator_cycles_and_status_equal_the_gateware(pair):
     rng = np.random.default_rng(pair.cfg.rows * 1000 + pair.cfg.cols * 10 + pair.cfg.size)
     fill(pair, rng)
+    write_values(pair, rng)
     run_products(pair, rng, 9)
     other_commands(pair, rng)
 

@@ -177,8 +177,6 @@ def test_parameters_are_checked():
         UartTop(cfg, divisor=8, fifo_depth=67)
     with pytest.raises(ValueError, match="max_payload"):
         UartTop(cfg, divisor=8, max_payload=8)
-    with pytest.raises(ValueError, match="rows == cols"):
-        UartLoop(CoreConfig(4, 8, 8, (24, 24), 48), divisor=8)
     assert divisor_for(100_000_000, 115_200) == 868
     assert divisor_for(12_000_000, 3_000_000) == 4
     with pytest.raises(ValueError, match="at least"):
