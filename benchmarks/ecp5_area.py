@@ -31,7 +31,7 @@ import statistics
 from pathlib import Path
 
 from hbfp.hw.generate import generate
-from hbfp.hw.openflow import lut4_cells, pnr_ecp5, synth_ecp5, verilog_modules
+from hbfp.hw.openflow import ECP5, lut4_cells, pnr_ecp5, synth_ecp5, verilog_modules
 from hbfp.hw.params import CoreConfig
 
 from report import publish, verilog_logic  # benchmarks/report.py
@@ -54,7 +54,7 @@ def measure(cfg: CoreConfig, work: Path, seeds=(1, 2, 3), nodsp: bool = False, d
     """Synthesize the core of ``cfg`` once, place and route it once per seed in ``work``; the
     figures ``--json`` writes (also saved as ``work/result.json``). ``reuse``: return the saved
     figures when the core's Verilog (its logic) and the options are those measured."""
-    generate(cfg, work, only=["gemm_core"], log=lambda s: None)
+    generate(cfg, work, only=["gemm_core"], log=lambda s: None, platform=ECP5)
     src = work / "gemm_core.v"
     options = {"seeds": list(seeds), "nodsp": nodsp, "device": device, "package": package, "freq": freq,
                "verilog_sha256": hashlib.sha256(verilog_logic(src).encode()).hexdigest()}

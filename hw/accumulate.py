@@ -79,11 +79,12 @@ class Accumulate(wiring.Component):
 
         # The old word: read so that its registered data arrives with the normalizers' results.
         read_addr = delayed(m, row.addr, Ln - ACC_READ_LATENCY, "read_addr")
-        read_en = delayed(m, valid, Ln - ACC_READ_LATENCY, "read_en")
         # A row that starts from +0 clears the register instead (a flip-flop's synchronous
         # reset: no multiplexer in front of the adders).
         old = Signal.like(self.acc_read.data)
-        m.d.comb += [self.acc_read.addr.eq(read_addr), self.acc_read.en.eq(read_en)]
+        # Read in every cycle (the data is taken only with a valid row): no enable net to the
+        # block RAMs.
+        m.d.comb += [self.acc_read.addr.eq(read_addr), self.acc_read.en.eq(1)]
         m.d.sync += old.eq(Mux(delayed(m, row.zero, Ln - 1, "zero"), 0, self.acc_read.data))
 
         for j in range(C):

@@ -179,10 +179,12 @@ class Epilogue(wiring.Component):
                 with m.Else():
                     m.d.sync += [chunk.eq(0), row.eq(row + 1), row_addr.eq(row_addr + words_per_row), *pos.clear()]
 
+        # The block RAMs read in every cycle (their data is taken only with a read's metadata):
+        # no enable net from the read decision to the accumulator's two dozen block RAMs.
         m.d.comb += [
-            self.acc_read.en.eq(issue),
+            self.acc_read.en.eq(1),
             self.acc_read.addr.eq(row_addr + pos.word),
-            self.bias_read.en.eq(issue),
+            self.bias_read.en.eq(1),
             self.bias_read.addr.eq(pos.word),
         ]
         # What travels beside the data: the chunk in the word, which lanes are inside M x N, last.

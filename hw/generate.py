@@ -86,9 +86,12 @@ def _width(shape) -> int:
     return Shape.cast(shape).width
 
 
-def generate(cfg: CoreConfig, outdir: Path, *, only: list[str] | None = None, log=print) -> dict:
+def generate(cfg: CoreConfig, outdir: Path, *, only: list[str] | None = None, log=print, platform=None) -> dict:
     """Write ``<name>.v`` for the core and every component (or the ``only`` ones) and
-    ``params.json`` into ``outdir``; returns the parameters."""
+    ``params.json`` into ``outdir``; returns the parameters. ``platform``: what the
+    components are elaborated for (None: portable Verilog, as the simulators run it;
+    ``hbfp.hw.openflow.ECP5``: with ECP5 primitives where they help, e.g. the MAC array's
+    registered DSP blocks)."""
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     params = parameters(cfg)
@@ -97,7 +100,7 @@ def generate(cfg: CoreConfig, outdir: Path, *, only: list[str] | None = None, lo
         if only and name not in only:
             continue
         t0 = time.perf_counter()
-        text = verilog.convert(make(), name=name)
+        text = verilog.convert(make(), name=name, platform=platform)
         path = outdir / f"{name}.v"
         path.write_text(text)
         made[name] = path.name

@@ -9,12 +9,18 @@ sums per cycle while the PEs go on.
 
 Multipliers: the first ``dsp_macs`` PEs in row-major order multiply with ``*`` (which Yosys
 maps to a MULT18X18D on ECP5), the others with ``hbfp.hw.lut_mult.BoothProduct`` (LUTs and
-carry chains, never a DSP block), for arrays larger than the FPGA's DSP blocks.
+carry chains, never a DSP block), for arrays larger than the FPGA's DSP blocks. Elaborated
+for an ECP5 (a platform whose ``family`` is ``"ecp5"``, as Amaranth's Lattice platforms and
+``hbfp.hw.openflow.ECP5`` are), a DSP PE is a MULT18X18D instance with its input and output
+registers on (``ecp5_multiplier``): Yosys packs no registers into ECP5 DSP blocks, and a
+multiplier used without them (register, routing, the multiply, routing, register) is the
+slowest path of the core. The registers are the generic PE's operand copy and product
+register, so the latency and every bit are the same.
 """
 
 from __future__ import annotations
 
-from amaranth import Module, Mux, Signal, signed
+from amaranth import ClockSignal, Const, Instance, Module, Mux, Signal, signed
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
@@ -23,7 +29,30 @@ from hbfp.contract import MAC_LATENCY
 from .lut_mult import BoothProduct
 from .params import psum_width
 
-__all__ = ["MacArray"]
+__all__ = ["MacArray", "ecp5_multiplier"]
+
+
+def ecp5_multiplier(m: Module, name: str, a, b, p) -> None:
+    """Adds to ``m`` (as submodule ``name``) a signed ``p = a * b`` (``a``, ``b`` up to 18 bits, ``p`` up to 36) in an ECP5
+    MULT18X18D whose A and B input registers and output register are clocked by the sync
+    domain: ``p`` follows ``a`` and ``b`` two cycles later (Lattice TN1267, the DSP's
+    18x18 multiplier with REG_INPUTA/B and REG_OUTPUT on CLK0; no pipeline register)."""
+    a18, b18 = Signal(signed(18)), Signal(signed(18))
+    p36 = Signal(signed(36))
+    ports = {f"i_A{k}": a18[k] for k in range(18)}
+    ports |= {f"i_B{k}": b18[k] for k in range(18)}
+    ports |= {f"i_C{k}": Const(0, 1) for k in range(18)}
+    ports |= {f"o_P{k}": p36[k] for k in range(36)}
+    inst = Instance(
+        "MULT18X18D",
+        p_REG_INPUTA_CLK="CLK0", p_REG_INPUTB_CLK="CLK0", p_REG_OUTPUT_CLK="CLK0",
+        p_REG_PIPELINE_CLK="NONE", p_REG_INPUTC_CLK="NONE",
+        i_SIGNEDA=Const(1, 1), i_SIGNEDB=Const(1, 1), i_SOURCEA=Const(0, 1), i_SOURCEB=Const(0, 1),
+        i_CLK0=ClockSignal("sync"), i_CE0=Const(1, 1), i_RST0=Const(0, 1),
+        **ports,
+    )
+    m.submodules[name] = inst
+    m.d.comb += [a18.eq(a), b18.eq(b), p.eq(p36)]
 
 
 class MacArray(wiring.Component):
@@ -81,13 +110,14 @@ class MacArray(wiring.Component):
         m = Module()
         R, C, W = self.rows, self.cols, self.psum_width
         ma, mb = self.mantissa_bits_a, self.mantissa_bits_b
+        ecp5 = getattr(platform, "family", None) == "ecp5"
 
         # Stage 1: the operands, registered once per PE row (a[i]) and column (b[j]); the rows with
         # LUT PEs also register -a[i], which their Booth products share. Stage 2: a copy of its
-        # operands in every PE (the DSP blocks' input registers, which Yosys leaves unused on ECP5;
-        # meant to give the fan-out across the die a cycle of its own, but Yosys merges the equal
-        # registers unless they are kept: docs/architecture.md). Stage 3: the
-        # products (the DSP blocks' output registers). Stage 4: the accumulators.
+        # operands in every PE (meant to give the fan-out across the die a cycle of its own; Yosys
+        # merges equal registers, so in portable Verilog it does not; elaborated for an ECP5 the
+        # DSP blocks' input registers are these copies). Stage 3: the products (for an ECP5 the
+        # DSP blocks' output registers). Stage 4: the accumulators.
         # Data registers have no reset and no enable (nothing stalls): tools that pack
         # registers into DSP blocks can; only the valid pipeline and the drain are reset.
         k = Signal(range(self.tk))
@@ -124,17 +154,22 @@ class MacArray(wiring.Component):
                 na1 = Signal(signed(ma + 1), name=f"na1_{i}", reset_less=True)
                 m.d.sync += na1.eq(-self.i.payload.a[i])
             for j in range(C):
-                a_pe = Signal(signed(ma), name=f"a2_{i}_{j}", reset_less=True)
-                b_pe = Signal(signed(mb), name=f"b2_{i}_{j}", reset_less=True)
-                m.d.sync += [a_pe.eq(a1[i]), b_pe.eq(b1[j])]
-                if self.uses_dsp(i, j):
-                    m.d.sync += prod[i][j].eq(a_pe * b_pe)
+                if self.uses_dsp(i, j) and ecp5:
+                    # The DSP block's input registers are the operand copy, its output register
+                    # the product's (``ecp5_multiplier``).
+                    ecp5_multiplier(m, f"dsp_{i}_{j}", a1[i], b1[j], prod[i][j])
                 else:
-                    na_pe = Signal(signed(ma + 1), name=f"na2_{i}_{j}", reset_less=True)
-                    m.d.sync += na_pe.eq(na1)
-                    pe = m.submodules[f"booth_{i}_{j}"] = BoothProduct(ma, mb)
-                    m.d.comb += [pe.a.eq(a_pe), pe.neg_a.eq(na_pe), pe.b.eq(b_pe)]
-                    m.d.sync += prod[i][j].eq(pe.p)
+                    a_pe = Signal(signed(ma), name=f"a2_{i}_{j}", reset_less=True)
+                    b_pe = Signal(signed(mb), name=f"b2_{i}_{j}", reset_less=True)
+                    m.d.sync += [a_pe.eq(a1[i]), b_pe.eq(b1[j])]
+                    if self.uses_dsp(i, j):
+                        m.d.sync += prod[i][j].eq(a_pe * b_pe)
+                    else:
+                        na_pe = Signal(signed(ma + 1), name=f"na2_{i}_{j}", reset_less=True)
+                        m.d.sync += na_pe.eq(na1)
+                        pe = m.submodules[f"booth_{i}_{j}"] = BoothProduct(ma, mb)
+                        m.d.comb += [pe.a.eq(a_pe), pe.neg_a.eq(na_pe), pe.b.eq(b_pe)]
+                        m.d.sync += prod[i][j].eq(pe.p)
                 nxt = Mux(first2, prod[i][j], acc[i][j] + prod[i][j])
                 with m.If(v2):
                     m.d.sync += acc[i][j].eq(nxt)

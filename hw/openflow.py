@@ -27,8 +27,22 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["RESOURCES", "bin_path", "run_tool", "verilog_modules", "synth_ecp5", "lut4_cells", "pnr_ecp5",
+__all__ = ["ECP5", "RESOURCES", "bin_path", "run_tool", "verilog_modules", "synth_ecp5", "lut4_cells", "pnr_ecp5",
            "read_nextpnr_report"]
+
+
+class _ECP5Target:
+    """What the core is elaborated for in this module's ECP5 flow (no board: out of context).
+    Components read only ``family``, as they would from Amaranth's Lattice platforms."""
+
+    family = "ecp5"
+
+    def __repr__(self):
+        return "ECP5"
+
+
+#: The ``platform`` of ``hbfp.hw.generate.generate`` for the ECP5 flow.
+ECP5 = _ECP5Target()
 
 #: The resources a report lists, in nextpnr's names: logic cells (a LUT4 each, carry
 #: chains included), flip-flops, 18x18 multiplier blocks, 16 kbit block RAMs, and the

@@ -113,11 +113,16 @@ def icarus_compat(text: str) -> str:
     return "".join(out)
 
 
-def write_verilog(component, name: str, path: Path, *, icarus: bool = False) -> Path:
+#: Behavioural models of the vendor primitives that a component elaborated for a platform
+#: instantiates, by the platform's family (``run(..., platform=...)``).
+PRIMITIVE_MODELS = {"ecp5": [Path(__file__).with_name("mult18x18d_model.v")]}
+
+
+def write_verilog(component, name: str, path: Path, *, icarus: bool = False, platform=None) -> Path:
     from amaranth.back import verilog
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = verilog.convert(component, name=name)
+    text = verilog.convert(component, name=name, platform=platform)
     if icarus:
         text = icarus_compat(text)
     if not path.exists() or path.read_text() != text:
@@ -135,17 +140,23 @@ def run(
     testcase: str | None = None,
     seed: int = 1,
     waves: bool = False,
+    platform=None,
 ) -> tuple[int, int]:
     """Generate ``toplevel``'s Verilog, build it for ``sim`` and run ``test_module`` (a module
-    of ``hbfp.sim``) against it. Returns (tests, failures); raises if the run did not finish."""
+    of ``hbfp.sim``) against it. Returns (tests, failures); raises if the run did not finish.
+    ``platform``: elaborate for it (e.g. ``hbfp.hw.openflow.ECP5``); the models of the
+    primitives it then instantiates (``PRIMITIVE_MODELS``) are built in."""
     from cocotb_tools.runner import get_results, get_runner
 
     why = simulator_available(sim)
     if why:
         raise RuntimeError(why)
     _environment()
-    build_dir = BUILD_ROOT / f"{toplevel}-{config_key(config)}" / sim
-    src = write_verilog(make_component(), toplevel, build_dir / f"{toplevel}.v", icarus=(sim == "icarus"))
+    family = getattr(platform, "family", None)
+    build_dir = BUILD_ROOT / f"{toplevel}-{config_key(config)}{'-' + family if family else ''}" / sim
+    src = write_verilog(make_component(), toplevel, build_dir / f"{toplevel}.v", icarus=(sim == "icarus"),
+                        platform=platform)
+    models = PRIMITIVE_MODELS.get(family, [])
     runner = get_runner(sim)
     build_kw: dict = {}
     if sim == "icarus":
@@ -154,7 +165,7 @@ def run(
         # Amaranth's output trips Verilator's WIDTH lint warnings; they are not errors here.
         build_kw["build_args"] = ["-Wno-fatal", "-O2", "--x-assign", "fast", "--x-initial", "fast"]
     # Icarus compiles in a moment: always rebuild. Verilator's own make tracks its sources.
-    runner.build(sources=[src], hdl_toplevel=toplevel, build_dir=build_dir, waves=waves, always=(sim == "icarus"), **build_kw)
+    runner.build(sources=[src, *models], hdl_toplevel=toplevel, build_dir=build_dir, waves=waves, always=(sim == "icarus"), **build_kw)
     env = {CONFIG_ENV: json.dumps(config, default=str)}
     try:
         results = runner.test(

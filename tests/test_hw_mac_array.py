@@ -5,6 +5,7 @@ import pytest
 
 from hbfp.contract import MAC_LATENCY
 from hbfp.hw.mac_array import MacArray
+from hbfp.hw.openflow import ECP5
 from hbfp.hw.params import psum_width
 from hbfp.sim import runner
 
@@ -30,6 +31,30 @@ def test_mac_array_equals_partial_sums(sim, rows, cols, tk, ma, mb, dsp_macs):
                tiles=200 if FULL else 40, latency=MacArray.LATENCY, dsp_macs=dsp_macs)
     tests, failed = runner.run(lambda: MacArray(rows, cols, tk, ma, mb, dsp_macs), "mac_array", "tb_mac_array", sim, cfg)
     assert tests == 3 and failed == 0
+
+
+@pytest.mark.parametrize("sim", runner.SIMULATORS)
+@pytest.mark.parametrize("rows, cols, tk, ma, mb, dsp_macs", [(4, 4, 24, 8, 8, 10), (2, 4, 16, 5, 7, None)])
+def test_mac_array_for_ecp5_equals_partial_sums(sim, rows, cols, tk, ma, mb, dsp_macs):
+    """Elaborated for an ECP5, the DSP PEs are MULT18X18D instances with their registers
+    (``ecp5_multiplier``), simulated with a behavioural model of that primitive
+    (sim/mult18x18d_model.v): the same sums and latency, beside LUT PEs too."""
+    runner.require(sim)
+    cfg = dict(rows=rows, cols=cols, tk=tk, ma=ma, mb=mb, psum_width=psum_width(ma, mb, tk), seed=rows * 10 + tk,
+               tiles=40, latency=MacArray.LATENCY, dsp_macs=dsp_macs)
+    tests, failed = runner.run(lambda: MacArray(rows, cols, tk, ma, mb, dsp_macs), "mac_array", "tb_mac_array", sim,
+                               cfg, platform=ECP5)
+    assert tests == 3 and failed == 0
+
+
+def test_ecp5_elaboration_instantiates_registered_dsps():
+    from amaranth.back import verilog
+
+    text = verilog.convert(MacArray(4, 4, 24, 8, 8, dsp_macs=10), name="m", platform=ECP5)
+    assert text.count("MULT18X18D ") == 10
+    for reg in ("REG_INPUTA_CLK", "REG_INPUTB_CLK", "REG_OUTPUT_CLK"):
+        assert text.count(f'.{reg}("CLK0")') == 10
+    assert "MULT18X18D" not in verilog.convert(MacArray(4, 4, 24, 8, 8), name="m")  # portable otherwise
 
 
 def test_latency_is_the_contracts():
