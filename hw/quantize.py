@@ -400,26 +400,29 @@ class Quantize(wiring.Component):
         where the constant has a one), written into the tile's bank at the end. Returns the
         banks whose key is there (a mask): ``_SERIAL_KEY_CYCLES`` cycles after the tile's
         first write, no later than its last (a tile has at least SERIAL_KEY_BEATS beats)."""
-        step = Signal(range(2 * 32 + 1))  # 1 .. 64 while running, 0 when idle
-        phase1 = step > 32  # the second multiply
+        running = Signal()
+        second = Signal()  # the second multiply
+        end = Signal()  # this step is its multiply's last (a flag, so that no compare precedes the adder)
+        count = Signal(range(32))
         acc = Signal(32)
-        xs = Signal(32)  # the multiplicand, shifted left by the step's bit
+        xs = Signal(32)  # the multiplicand, shifted left a bit a step
+        bits = Signal(32)  # the constant's bits not yet taken, lowest first
         target = Signal()
         ready = Signal(2, init=0b11)
-        bit = Signal()
-        index = (step - 1)[:5]
-        m.d.comb += bit.eq(Mux(phase1, Const(MIX32_MULTIPLIERS[1], 32).bit_select(index, 1),
-                               Const(MIX32_MULTIPLIERS[0], 32).bit_select(index, 1)))
-        total = (acc + Mux(bit, xs, 0))[:32]
+        total = (acc + Mux(bits[0], xs, 0))[:32]
         with m.If(bank.start):
-            m.d.sync += [step.eq(1), acc.eq(0), xs.eq(_xorshift(bank.start_seed ^ SEED_SALT, 16)),
+            m.d.sync += [running.eq(1), second.eq(0), end.eq(0), count.eq(0), acc.eq(0),
+                         xs.eq(_xorshift(bank.start_seed ^ SEED_SALT, 16)), bits.eq(MIX32_MULTIPLIERS[0]),
                          target.eq(bank.start_bank), ready.bit_select(bank.start_bank, 1).eq(0)]
-        with m.Elif(step == 32):  # the first product done: its xor-shift is the second's multiplicand
-            m.d.sync += [step.eq(33), acc.eq(0), xs.eq(_xorshift(total, 15))]
-        with m.Elif(step == 64):
-            m.d.sync += [step.eq(0), bank.key[target].eq(total), ready.bit_select(target, 1).eq(1)]
-        with m.Elif(step != 0):
-            m.d.sync += [step.eq(step + 1), acc.eq(total), xs.eq(xs << 1)]
+        with m.Elif(running):
+            with m.If(end & ~second):  # the first product done: its xor-shift is the second's multiplicand
+                m.d.sync += [second.eq(1), end.eq(0), count.eq(0), acc.eq(0), xs.eq(_xorshift(total, 15)),
+                             bits.eq(MIX32_MULTIPLIERS[1])]
+            with m.Elif(end):
+                m.d.sync += [running.eq(0), bank.key[target].eq(total), ready.bit_select(target, 1).eq(1)]
+            with m.Else():
+                m.d.sync += [count.eq(count + 1), end.eq(count == 30), acc.eq(total), xs.eq(xs << 1),
+                             bits.eq(bits >> 1)]
         return ready
 
     def _drain(self, m: Module, rd, full, bank):
