@@ -85,12 +85,14 @@ _ROUNDINGS = {code: name for name, code in P.ROUNDING_CODES.items()}
 #: cycle after the command is accepted; a drained row passes one register before the
 #: accumulate lanes; the epilogue's first read is issued two cycles after acceptance (the
 #: descriptor's register, then its start); a read's chunk of ``out_lanes`` values is registered
-#: once selected from the word; the output queue (``SyncFIFOBuffered``) offers a value
+#: once selected from the word; the activation units' bf16 input is registered once rounded
+#: from the bias stage's fp32 value; the output queue (``SyncFIFOBuffered``) offers a value
 #: ``QUEUE_CYCLES`` after it is written.
 ISSUE_START = 1
 DRAIN_REGISTER = 1
 EPILOGUE_START = 2
 CHUNK_SELECT = 1
+ACTIVATION_INPUT = 1
 QUEUE_CYCLES = 2
 
 
@@ -145,7 +147,8 @@ def command_cycles(cfg: CoreConfig, m: int, n: int, k: int, out_format: int) -> 
             else:
                 first = row * row_reads
             last_read = max(last_read, ready + reads - 1 - first)
-    epilogue = ACC_READ_LATENCY + CHUNK_SELECT + ADD_LATENCY + (ACTIVATION_LATENCY if _activation_stage(cfg) else 0)
+    epilogue = (ACC_READ_LATENCY + CHUNK_SELECT + ADD_LATENCY
+                + (ACTIVATION_INPUT + ACTIVATION_LATENCY if _activation_stage(cfg) else 0))
     cycles = last_read + epilogue + QUEUE_CYCLES
     if bfp:
         cycles += QUANTIZE_LATENCY + th * tile_reads - 1

@@ -55,7 +55,7 @@ def epilogue_latency(cfg: CoreConfig) -> int:
     read, the chunk's register, the bias adders, the activation units (if any unary function
     is built)."""
     unary = any(f in UNARY_FUNCTIONS for f in cfg.built_functions)
-    return ACC_READ_LATENCY + 1 + AddF32Datapath.LATENCY + (ActivationDatapath.LATENCY if unary else 0)
+    return ACC_READ_LATENCY + 1 + AddF32Datapath.LATENCY + (1 + ActivationDatapath.LATENCY if unary else 0)
 
 
 class _Column:
@@ -228,15 +228,18 @@ class Epilogue(wiring.Component):
                 fp32_vals.append(b_vals[j])
                 bf16_vals.append(convert.from_f32(b_vals[j]))
         else:
-            Lact = ActivationDatapath.LATENCY
+            # The units' bf16 input is registered once converted (the bias stage's multiplexer
+            # and the rounding to bf16 would otherwise share a cycle with the ROM address).
+            Lact = 1 + ActivationDatapath.LATENCY
             f_meta = delayed(m, b_meta, Lact, "act_meta")
             for j in range(E):
                 act = ActivationDatapath(leaky_shift=cfg.leaky_shift, functions=cfg.built_functions)
                 m.submodules[f"act{j}"] = act
+                x_bf16 = delayed(m, convert.from_f32(b_vals[j]), 1, f"act_in{j}")
                 m.d.comb += [
                     act.advance.eq(1),
-                    act.i_valid.eq(b_meta.valid),
-                    act.i.x.eq(convert.from_f32(b_vals[j])),
+                    act.i_valid.eq(delayed(m, b_meta.valid, 1, f"act_in_valid{j}")),
+                    act.i.x.eq(x_bf16),
                     act.i.g.eq(0),
                     act.i.func.eq(desc.act_func),
                 ]
