@@ -84,6 +84,8 @@ __all__ = [
     "NORMALIZE_LATENCY",
     "ADD_LATENCY",
     "ACTIVATION_LATENCY",
+    "CHUNK_SELECT",
+    "ACTIVATION_INPUT_REGISTER",
     "QUANTIZE_LATENCY",
     "MAC_LATENCY",
     "OPTIONS",
@@ -387,6 +389,11 @@ ADD_LATENCY = 7
 #: ROM address, the ROM read, its output register, the function select and the three-stage
 #: multiplier.
 ACTIVATION_LATENCY = 7
+#: The epilogue's registers between its stages (``hw.epilogue``): a read's chunk of
+#: ``out_lanes`` values, once selected from the accumulator word; the activation units' bf16
+#: input, once rounded from the bias stage's fp32 value.
+CHUNK_SELECT = 1
+ACTIVATION_INPUT_REGISTER = 1
 #: The BFP quantizer's cycles from the cycle a tile's last input beat is accepted to the cycle
 #: its first output beat is valid (``hw.quantize``): three fill stages (the exponent max), the
 #: bank handover, the memory read and nine drain stages (the read data registered twice, the

@@ -41,7 +41,9 @@ from hbfp.golden.bfp import BFPTensor, quantize
 from hbfp.golden.gemm import epilogue, gemm
 from hbfp.contract import (
     ACC_READ_LATENCY,
+    ACTIVATION_INPUT_REGISTER,
     ACTIVATION_LATENCY,
+    CHUNK_SELECT,
     ADD_LATENCY,
     MAC_LATENCY,
     OPERAND_READ_LATENCY,
@@ -85,14 +87,12 @@ _ROUNDINGS = {code: name for name, code in P.ROUNDING_CODES.items()}
 #: cycle after the command is accepted; a drained row passes one register before the
 #: accumulate lanes; the epilogue's first read is issued two cycles after acceptance (the
 #: descriptor's register, then its start); a read's chunk of ``out_lanes`` values is registered
-#: once selected from the word; the activation units' bf16 input is registered once rounded
-#: from the bias stage's fp32 value; the output queue (``SyncFIFOBuffered``) offers a value
-#: ``QUEUE_CYCLES`` after it is written.
+#: once selected from the word (the contract's ``CHUNK_SELECT``); the activation units' bf16
+#: input is registered (``ACTIVATION_INPUT_REGISTER``); the output queue
+#: (``SyncFIFOBuffered``) offers a value ``QUEUE_CYCLES`` after it is written.
 ISSUE_START = 1
 DRAIN_REGISTER = 1
 EPILOGUE_START = 2
-CHUNK_SELECT = 1
-ACTIVATION_INPUT = 1
 QUEUE_CYCLES = 2
 
 
@@ -148,7 +148,7 @@ def command_cycles(cfg: CoreConfig, m: int, n: int, k: int, out_format: int) -> 
                 first = row * row_reads
             last_read = max(last_read, ready + reads - 1 - first)
     epilogue = (ACC_READ_LATENCY + CHUNK_SELECT + ADD_LATENCY
-                + (ACTIVATION_INPUT + ACTIVATION_LATENCY if _activation_stage(cfg) else 0))
+                + (ACTIVATION_INPUT_REGISTER + ACTIVATION_LATENCY if _activation_stage(cfg) else 0))
     cycles = last_read + epilogue + QUEUE_CYCLES
     if bfp:
         cycles += QUANTIZE_LATENCY + th * tile_reads - 1

@@ -17,7 +17,7 @@ from amaranth import Array, Cat, Const, Module, Mux, Signal
 from amaranth.lib import data, fifo, memory, stream, wiring
 from amaranth.lib.wiring import In, Out
 
-from hbfp.contract import OutFormat
+from hbfp.contract import ACTIVATION_INPUT_REGISTER, CHUNK_SELECT, OutFormat
 
 from . import convert
 from .accumulate import delayed
@@ -55,7 +55,8 @@ def epilogue_latency(cfg: CoreConfig) -> int:
     read, the chunk's register, the bias adders, the activation units (if any unary function
     is built)."""
     unary = any(f in UNARY_FUNCTIONS for f in cfg.built_functions)
-    return ACC_READ_LATENCY + 1 + AddF32Datapath.LATENCY + (1 + ActivationDatapath.LATENCY if unary else 0)
+    return (ACC_READ_LATENCY + CHUNK_SELECT + AddF32Datapath.LATENCY
+            + (ACTIVATION_INPUT_REGISTER + ActivationDatapath.LATENCY if unary else 0))
 
 
 class _Column:
@@ -206,7 +207,7 @@ class Epilogue(wiring.Component):
         biases = [Signal(FP32_WIDTH, name=f"chunk_bias{j}") for j in range(E)]
         m.d.sync += [v.eq(acc_chunks[meta2.sel][j]) for j, v in enumerate(vals)]
         m.d.sync += [b.eq(bias_chunks[meta2.sel][j]) for j, b in enumerate(biases)]
-        meta2 = delayed(m, meta2, 1, "chunk_meta")
+        meta2 = delayed(m, meta2, CHUNK_SELECT, "chunk_meta")
 
         # ---- bias: E adders, or the value (flushed, the adder's DAZ) beside them ------------
         La = AddF32Datapath.LATENCY
@@ -230,15 +231,15 @@ class Epilogue(wiring.Component):
         else:
             # The units' bf16 input is registered once converted (the bias stage's multiplexer
             # and the rounding to bf16 would otherwise share a cycle with the ROM address).
-            Lact = 1 + ActivationDatapath.LATENCY
+            Lact = ACTIVATION_INPUT_REGISTER + ActivationDatapath.LATENCY
             f_meta = delayed(m, b_meta, Lact, "act_meta")
             for j in range(E):
                 act = ActivationDatapath(leaky_shift=cfg.leaky_shift, functions=cfg.built_functions)
                 m.submodules[f"act{j}"] = act
-                x_bf16 = delayed(m, convert.from_f32(b_vals[j]), 1, f"act_in{j}")
+                x_bf16 = delayed(m, convert.from_f32(b_vals[j]), ACTIVATION_INPUT_REGISTER, f"act_in{j}")
                 m.d.comb += [
                     act.advance.eq(1),
-                    act.i_valid.eq(delayed(m, b_meta.valid, 1, f"act_in_valid{j}")),
+                    act.i_valid.eq(delayed(m, b_meta.valid, ACTIVATION_INPUT_REGISTER, f"act_in_valid{j}")),
                     act.i.x.eq(x_bf16),
                     act.i.g.eq(0),
                     act.i.func.eq(desc.act_func),

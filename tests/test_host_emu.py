@@ -205,12 +205,13 @@ def test_command_cycles_formula():
     # epilogue's stages and the output queue.
     from hbfp.contract import (ACC_READ_LATENCY, ACTIVATION_LATENCY, ADD_LATENCY, MAC_LATENCY,
                                NORMALIZE_LATENCY, OPERAND_READ_LATENCY, QUANTIZE_LATENCY)
-    from hbfp.host.emu import ACTIVATION_INPUT, CHUNK_SELECT, DRAIN_REGISTER, EPILOGUE_START, QUEUE_CYCLES
+    from hbfp.contract import ACTIVATION_INPUT_REGISTER, CHUNK_SELECT
+    from hbfp.host.emu import DRAIN_REGISTER, EPILOGUE_START, QUEUE_CYCLES
 
     cfg = CoreConfig()
     assert cfg.out_lanes == 1
     closed = OPERAND_READ_LATENCY + MAC_LATENCY + 8 + DRAIN_REGISTER + NORMALIZE_LATENCY + ADD_LATENCY
-    tail = ACC_READ_LATENCY + CHUNK_SELECT + ADD_LATENCY + ACTIVATION_INPUT + ACTIVATION_LATENCY + QUEUE_CYCLES
+    tail = ACC_READ_LATENCY + CHUNK_SELECT + ADD_LATENCY + ACTIVATION_INPUT_REGISTER + ACTIVATION_LATENCY + QUEUE_CYCLES
     assert command_cycles(cfg, 96, 96, 96, OutFormat.FP32) == 575 * 24 + 24 + closed + 8 * 96 - 1 + tail
     assert command_cycles(cfg, 96, 96, 0, OutFormat.FP32) == EPILOGUE_START + 96 * 96 - 1 + tail  # READ
     # A short K (12 K-tiles a row-block): the epilogue (768 reads a row-block) outlasts the MAC
