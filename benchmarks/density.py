@@ -47,7 +47,7 @@ from amaranth import Module, Signal, signed
 from amaranth.back import verilog
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
-from hbfp.contract import ConfigError
+from hbfp.contract import ConfigError, fewest_acc_lanes
 from hbfp.hw.boards import _nextpnr_utilisation
 from hbfp.hw.float_core import FloatCore
 from hbfp.hw.gemm_core import GemmCore
@@ -219,7 +219,7 @@ def figures(results: dict, cfg: CoreConfig) -> dict:
         **{key: ratio(pm, q, fmt, mode) for key, (q, fmt, mode) in SUMMARY.items()},
         "config": {"rows": cfg.rows, "cols": cfg.cols, "size": cfg.size, "tile": list(cfg.tile),
                    "functions": list(cfg.built_functions), "bfp_output": cfg.bfp_output,
-                   "stochastic": cfg.stochastic, "macs": macs},
+                   "stochastic": cfg.stochastic, "acc_lanes": cfg.acc_lanes, "macs": macs},
         "dsp_equivalent_lut4": dsp_eq,
         "designs": {f"{f}-{m}": {**{k: v for k, v in results[(f, m)].items() if k != "options"}, **pm[(f, m)]}
                     for f, m in pm},
@@ -305,8 +305,9 @@ def report(fig: dict, args, seconds: float) -> str:
         "",
         "LUT4: nextpnr's TRELLIS_COMB cells (a LUT4 each, two per CCU2C carry cell, distributed RAM's LUTs "
         "included). The last three columns are Yosys' counts of the same synthesis (LUT4 + 2 x CCU2C): the MAC "
-        "array (`mac`), the lanes (BFP8: a normalizer and an fp32 adder per column; float: an fp32 adder per "
-        "column into the accumulator) and the whole core. **DSP-equivalent**: one MULT18X18D counted as the "
+        "array (`mac`), the lanes (BFP8: a normalizer and an fp32 adder per accumulate lane, "
+        f"`acc_lanes` = {fig['config']['acc_lanes']} of them for {fig['config']['cols']} columns; float: an fp32 "
+        "adder per column into the accumulator) and the whole core. **DSP-equivalent**: one MULT18X18D counted as the "
         f"{fig['dsp_equivalent_lut4']:,} LUT4s that the same flow needs for a registered 18x18 signed "
         "multiplier without DSPs (its replacement cost in logic, not its silicon area)."
         + (" Synthesized flattened (no breakdown), because Yosys' ABC9 step failed on the kept modules: "
@@ -426,6 +427,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--functions", nargs="*", default=["relu", "gelu"],
                    help="activation units built (default relu gelu; none: give the option no names)")
     p.add_argument("--reduced", action="store_true", help="cores without BFP output and stochastic rounding")
+    p.add_argument("--acc-lanes", type=int, default=None,
+                   help="the BFP8 core's normalizer/adder lanes (default: the fewest that keep up, "
+                        "hbfp.contract.fewest_acc_lanes)")
     p.add_argument("--device", default="85k", help="nextpnr-ecp5 device option (default 85k)")
     p.add_argument("--package", default="CABGA381")
     p.add_argument("--freq", type=float, default=100.0, help="target clock in MHz")
@@ -441,8 +445,9 @@ def parser() -> argparse.ArgumentParser:
 
 def config(args) -> CoreConfig:
     units = dict(bfp_output=False, stochastic=False) if args.reduced else {}
+    lanes = args.acc_lanes or fewest_acc_lanes(args.rows, args.cols, args.tile[1])
     return CoreConfig(rows=args.rows, cols=args.cols, size=args.size, tile=tuple(args.tile),
-                      functions=tuple(args.functions), **units)
+                      functions=tuple(args.functions), acc_lanes=lanes, **units)
 
 
 def run(args) -> dict:
@@ -451,7 +456,7 @@ def run(args) -> dict:
     cfg = config(args)
     t0 = time.perf_counter()
     functions = "-".join(cfg.built_functions) or "none"
-    work = ROOT / args.out / (f"core-{cfg.rows}x{cfg.cols}-s{cfg.size}-t{cfg.tile[0]}x{cfg.tile[1]}-{functions}"
+    work = ROOT / args.out / (f"core-{cfg.rows}x{cfg.cols}-s{cfg.size}-t{cfg.tile[0]}x{cfg.tile[1]}-{functions}-l{cfg.acc_lanes}"
                               + ("-reduced" if args.reduced else ""))
 
     def log(s: str) -> None:

@@ -9,7 +9,7 @@ in the same flow, against the whole board design). A design that does not fit is
 with what it needs. Intel boards get their Quartus project (``hbfp build``); Quartus is not
 a PyPI package, so their area and Fmax come from compiling that project where Quartus is.
 
-It also measures the ULX3S's 8x8 core on its own (``benchmarks/ecp5_area.py``: out of context,
+It also measures the 8x8 core on its own (``benchmarks/ecp5_area.py``: out of context,
 the median Fmax over ``--core-seeds``, the LUT4s of the MAC array and of the normalizer and
 adder lanes within it), and with ``--write`` saves docs/reports/ecp5-core-8x8-s96.md and
 docs/reports/summary.json, the headline figures for a machine:
@@ -44,6 +44,7 @@ from amaranth.back import verilog
 from hbfp.host.protocol import UNITS
 from hbfp.hw import boards
 from hbfp.hw.mac_array import MacArray
+from hbfp.hw.params import CoreConfig
 from hbfp.hw.openflow import RESOURCES, bin_path, run_tool, synth_ecp5
 
 import density  # benchmarks/density.py
@@ -86,11 +87,10 @@ SUMMARY_KEYS = (
 
 
 def core_8x8(args) -> dict:
-    """The ULX3S's 8x8 core measured on its own (``ecp5_area.measure``): its summary figures;
-    with ``--write`` also docs/reports/ecp5-core-8x8-s96.md and .json."""
-    _, cfg, _ = boards.board_config("ulx3s")
-    if (cfg.rows, cfg.cols) != (8, 8):
-        return {}
+    """The 8x8 core (``benchmarks/ecp5_area.py``'s default: 96x96 buffers, relu and gelu units)
+    measured on its own (``ecp5_area.measure``): its summary figures; with ``--write`` also
+    docs/reports/ecp5-core-8x8-s96.md and .json."""
+    cfg = CoreConfig(rows=8, cols=8, size=96, functions=("relu", "gelu"))
     name = f"core-{cfg.rows}x{cfg.cols}-s{cfg.size}"
     res = measure(cfg, ROOT / "build" / "ecp5" / name, args.core_seeds, reuse=args.reuse,
                   log=lambda s: print(f"{name}: {s}", flush=True))

@@ -79,6 +79,8 @@ __all__ = [
     "DeviceStatus",
     "Identity",
     "rmw_latency",
+    "ACC_GROUP_SELECT",
+    "fewest_acc_lanes",
     "product_width",
     "psum_width",
     "NORMALIZE_LATENCY",
@@ -426,12 +428,20 @@ ACC_READ_LATENCY = 2
 PREFETCH_CYCLES = 4
 
 
-def rmw_latency() -> int:
+#: The accumulate lanes' group select (``hw.accumulate``), in a core with fewer accumulate lanes
+#: than columns (``CoreConfig.acc_lanes``): the old accumulator word, registered whole as it
+#: leaves the block RAMs, is narrowed to the drained group's columns in a register of its own.
+ACC_GROUP_SELECT = 1
+
+
+def rmw_latency(cfg: "CoreConfig | None" = None) -> int:
     """Cycles the accumulator's read-modify-write loop takes: the read (issued so that the old
-    value arrives with the normalizer's result), the adder and the write (docs/architecture.md).
-    The loop must close within one K-tile, since the next K-tile's sum of the same output
-    arrives ``tk`` cycles later."""
-    return ACC_READ_LATENCY + ADD_LATENCY + 1
+    value arrives with the normalizer's result), the group select of a core that shares its
+    lanes (``cfg.acc_groups > 1``), the adder and the write (docs/architecture.md). The loop
+    must close within one K-tile, since the next K-tile's sum of the same output arrives
+    ``tk`` cycles later."""
+    select = ACC_GROUP_SELECT if cfg is not None and cfg.acc_groups > 1 else 0
+    return ACC_READ_LATENCY + select + ADD_LATENCY + 1
 
 
 #: Processing elements of the MAC array per epilogue lane (bias adder, activation unit,
@@ -451,6 +461,13 @@ def default_out_lanes(rows: int, cols: int, tile: tuple[int, int], stream_bytes:
     return next((d for d in range(1, unit + 1) if unit % d == 0 and d >= want), unit)
 
 
+def fewest_acc_lanes(rows: int, cols: int, tk: int) -> int:
+    """The fewest accumulate lanes (``CoreConfig.acc_lanes``) a core can have: the smallest
+    divisor of ``cols`` whose lanes drain a K-tile's ``rows x cols`` sums within the K-tile
+    (``rows * cols / acc_lanes <= tk``); each lane then works in most cycles."""
+    return next(d for d in range(1, cols + 1) if cols % d == 0 and rows * (cols // d) <= tk)
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -466,8 +483,12 @@ class CoreConfig:
     tile sides and of the array sides). ``functions``: the activation units built (None: every
     function of ``FUNCTIONS``). ``value_quantizer``, ``bfp_output``, ``stochastic``: the optional
     units (``Unit``); a device without them is a *reduced* device. ``out_lanes``: the epilogue's
-    results a cycle (None: ``default_out_lanes``). ``dsp_macs``: the processing elements that
-    multiply in DSP blocks, the rest in LUTs (None: all); neither changes a result.
+    results a cycle (None: ``default_out_lanes``). ``acc_lanes``: the normalizer and fp32 adder
+    lanes that take the MAC array's K-tile sums into the accumulator (a divisor of ``cols``;
+    None: ``cols``, one per column): each serves ``acc_groups = cols / acc_lanes`` columns,
+    and a K-tile's sums drain in ``rows * acc_groups`` beats, which must fit in the K-tile.
+    ``dsp_macs``: the processing elements that multiply in DSP blocks, the rest in LUTs (None:
+    all). None of the three changes a result.
     Every rule is checked here, as ``ConfigError``, for the gateware and ``emu`` alike."""
 
     rows: int = 8
@@ -481,6 +502,7 @@ class CoreConfig:
     bfp_output: bool = True
     stochastic: bool = True
     out_lanes: int | None = None
+    acc_lanes: int | None = None
     dsp_macs: int | None = None
 
     def __post_init__(self):
@@ -525,13 +547,27 @@ class CoreConfig:
         if not _is_int(self.out_lanes) or self.out_lanes < 1 or lanes_unit % self.out_lanes:
             raise ConfigError(f"out_lanes must divide cols ({self.cols}) and the tile's columns ({tw}), "
                               f"got {self.out_lanes!r}")
+        if self.acc_lanes is None:
+            object.__setattr__(self, "acc_lanes", self.cols)
+        if not _is_int(self.acc_lanes) or self.acc_lanes < 1 or self.cols % self.acc_lanes:
+            raise ConfigError(f"acc_lanes must divide cols ({self.cols}), got {self.acc_lanes!r}")
+        if self.rows * self.acc_groups > self.tk:
+            raise ConfigError(f"{self.acc_lanes} accumulate lanes drain a K-tile's {self.rows} x {self.cols} sums in "
+                              f"{self.rows * self.acc_groups} beats, more than the K-tile's {self.tk}: "
+                              f"acc_lanes must be a divisor of cols of at least {-(-self.rows * self.cols // self.tk)}")
         if self.dsp_macs is not None and (not _is_int(self.dsp_macs) or not 0 <= self.dsp_macs <= self.rows * self.cols):
             raise ConfigError(f"dsp_macs must be 0 .. rows * cols ({self.rows * self.cols}) or None (all), "
                               f"got {self.dsp_macs!r}")
-        if rmw_latency() > self.tk:
-            raise ConfigError(f"the accumulator's read-modify-write ({rmw_latency()} cycles: read "
-                              f"{ACC_READ_LATENCY}, adder {ADD_LATENCY}, write 1) must finish within a "
+        if rmw_latency(self) > self.tk:
+            select = f", group select {ACC_GROUP_SELECT}" if self.acc_groups > 1 else ""
+            raise ConfigError(f"the accumulator's read-modify-write ({rmw_latency(self)} cycles: read "
+                              f"{ACC_READ_LATENCY}{select}, adder {ADD_LATENCY}, write 1) must finish within a "
                               f"K-tile of {self.tk} cycles")
+
+    @property
+    def acc_groups(self) -> int:
+        """The columns each accumulate lane serves: a K-tile's row drains in this many beats."""
+        return self.cols // self.acc_lanes
 
     @property
     def tk(self) -> int:
@@ -793,6 +829,7 @@ OPTIONS: dict[str, Option] = {
     "functions": Option(parse_functions, "core", "activation units built: relu+gelu, none, all"),
     "leaky_shift": Option(parse_int, "core", "leaky_relu's slope 2^-SHIFT"),
     "out_lanes": Option(parse_int, "core", "epilogue lanes: results a cycle (divides cols and the tile's columns)"),
+    "acc_lanes": Option(parse_int, "core", "normalizer/adder lanes into the accumulator (divides cols; default cols)"),
     "dsp_macs": Option(parse_int, "core", "processing elements that multiply in DSP blocks (the rest in LUTs)"),
     **{u.label: Option(parse_bool, "core", f"build the {u.label} unit (0/1)") for u in Unit},
     "stream_bytes": Option(parse_int, "device", "bytes per beat of the link"),

@@ -110,8 +110,10 @@ def command_cycles(cfg: CoreConfig, m: int, n: int, k: int, out_format: int) -> 
     The MAC phase issues K-tiles every ``period = max(tk, max(R, C) + PREFETCH_CYCLES)``
     cycles and never waits; row-block b is closed (its rows readable) at::
 
-        ready(b) = j_b * period + tk + OPERAND_READ_LATENCY + MAC_LATENCY + R + DRAIN_REGISTER
+        ready(b) = j_b * period + tk + OPERAND_READ_LATENCY + MAC_LATENCY + R * G + DRAIN_REGISTER
                    + NORMALIZE_LATENCY + ADD_LATENCY,   j_b = its last K-tile's index
+
+    (``G`` = ``acc_groups``: a K-tile's sums drain in ``R * G`` beats).
 
     The epilogue issues its U reads (``out_lanes`` values each: ``M * ceil(N / E)`` row-major,
     or ``tiles * th * tw / E`` tile-major for BFP) one a cycle from ``EPILOGUE_START``, each
@@ -138,7 +140,7 @@ def command_cycles(cfg: CoreConfig, m: int, n: int, k: int, out_format: int) -> 
         period = max(tk, max(R, C) + PREFETCH_CYCLES)
         for b in range(-(-m // R)):
             j = (b + 1) * blocks_n * ktiles - 1
-            ready = (j * period + tk + OPERAND_READ_LATENCY + MAC_LATENCY + R + DRAIN_REGISTER
+            ready = (j * period + tk + OPERAND_READ_LATENCY + MAC_LATENCY + R * cfg.acc_groups + DRAIN_REGISTER
                      + NORMALIZE_LATENCY + ADD_LATENCY)
             row = b * R
             if bfp:

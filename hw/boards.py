@@ -3,7 +3,7 @@
 
 | board | FPGA | flow | host link | clock | default configuration |
 |---|---|---|---|---|---|
-| ``ulx3s`` | ECP5 LFE5U-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | UART (FTDI) | 25 MHz | 8x8, HBFP8, 96x96 buffers, relu + gelu |
+| ``ulx3s`` | ECP5 LFE5U-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | UART (FTDI) | 25 MHz | 16x16 (136 PEs on DSP blocks, 120 on LUT multipliers), HBFP8, 96x96 buffers, relu + gelu |
 | ``icebreaker`` | iCE40 UP5K | yosys + nextpnr-ice40 (YoWASP) to a bitstream | UART (FTDI) | 12 MHz | 1x1, HBFP8, 24x24 buffers, a reduced device (below) |
 | ``de10_nano`` | Cyclone V 5CSEBA6U23I7 | Quartus project | UART (GPIO header pins) | 50 MHz | 8x8, HBFP8, 96x96, all functions |
 | ``stratix5`` | Stratix V GX 5SGXEA7K2F40C2 | Quartus project | Avalon-ST, 16 bytes wide (PCIe) | 100 MHz | 32x32, 8-bit mantissas, 32x32 tiles, 256x256 buffers |
@@ -208,7 +208,10 @@ _TOP_OPTIONS = ("baud", "fifo_depth", "max_payload")
 
 BOARDS: dict[str, Board] = {b.name: b for b in (
     Board("ulx3s", "Radiona ULX3S 85F (ECP5 LFE5U-85F)", _ulx3s, "ecp5", "uart",
-          f"rows=8,cols=8,size=96,functions=relu+gelu,baud={DEFAULT_BAUD},fifo_depth={DEFAULT_FIFO_DEPTH}",
+          # 256 MACs: the 85F has 156 MULT18X18D, the rest of the core takes a few (the
+          # activation units' multiplier), so 120 PEs multiply in LUTs (hw.lut_mult).
+          f"rows=16,cols=16,size=96,dsp_macs=136,functions=relu+gelu,baud={DEFAULT_BAUD},"
+          f"fifo_depth={DEFAULT_FIFO_DEPTH}",
           "UART over the board's FTDI FT231X USB port (up to 3 Mbaud)."),
     Board("icebreaker", "1BitSquared iCEBreaker (iCE40 UP5K)", _icebreaker, "ice40", "uart",
           # one 4 kbit block RAM each for the FIFO and the payload buffer
@@ -243,7 +246,11 @@ def board_config(name: str, **overrides) -> tuple[Board, CoreConfig, dict]:
     # From the board's options again (not ``replace``), so that the fields the contract derives
     # (``out_lanes``) follow the overrides unless given.
     board_core = {k: v for k, v in board.options.items() if k in CoreConfig.__dataclass_fields__}
-    cfg = CoreConfig(**{**board_core, **core_fields})
+    core = {**board_core, **core_fields}
+    if "dsp_macs" in board_core and "dsp_macs" not in core_fields:  # the board's DSP budget, at most
+        pes = core.get("rows", CoreConfig.rows) * core.get("cols", CoreConfig.cols)
+        core["dsp_macs"] = None if board_core["dsp_macs"] >= pes else board_core["dsp_macs"]  # None: all
+    cfg = CoreConfig(**core)
     top_kw = {**board.top_kw, **top_fields}
     if board.link == "uart":
         divisor_for(int(board.platform().default_clk_frequency), top_kw["baud"])  # a clear error if too fast

@@ -76,12 +76,17 @@ class _Column:
     def clear(self):
         return [self.word.eq(0), self.sel.eq(0), self.col.eq(0)]
 
+    def word_after(self, other: "_Column", chunks: int):
+        """The word of ``other`` moved on by ``chunks`` chunks (a constant)."""
+        words, sels = divmod(chunks, self.per_word)
+        return other.word + words + (other.sel + sels >= self.per_word)
+
     def advanced(self, other: "_Column", chunks: int):
         """Statements setting self to ``other`` moved on by ``chunks`` chunks (a constant)."""
         words, sels = divmod(chunks, self.per_word)
         carry = other.sel + sels >= self.per_word
         return [
-            self.word.eq(other.word + words + carry),
+            self.word.eq(self.word_after(other, chunks)),
             self.sel.eq(Mux(carry, other.sel + sels - self.per_word, other.sel + sels)),
             self.col.eq(other.col + chunks * self.E),
         ]
@@ -155,36 +160,46 @@ class Epilogue(wiring.Component):
             (row == desc.m - 1) & (chunk == plan.chunks - 1),
         ))
 
+        # The accumulator's read address (row_addr + pos.word) is a register of its own, set with
+        # the two: the adder stays before a flip-flop, and the flip-flop alone drives the address
+        # pins of the accumulator's block RAMs across the die.
+        read_addr = Signal.like(self.acc_read.addr)
         with m.If(self.start):
             m.d.sync += [going.eq(1), row.eq(0), row_addr.eq(0), chunk.eq(0), t_i.eq(0), t_j.eq(0), t_r.eq(0),
-                         t_c.eq(0), band_row.eq(0), band_addr.eq(0), *pos.clear(), *tile_pos.clear()]
+                         t_c.eq(0), band_row.eq(0), band_addr.eq(0), *pos.clear(), *tile_pos.clear(),
+                         read_addr.eq(0)]
         with m.Elif(issue):
             with m.If(last):
                 m.d.sync += going.eq(0)
             with m.If(bfp):
                 with m.If(t_c != tile_chunks - 1):
-                    m.d.sync += [t_c.eq(t_c + 1), *pos.advanced(pos, 1)]
+                    m.d.sync += [t_c.eq(t_c + 1), *pos.advanced(pos, 1),
+                                 read_addr.eq(row_addr + pos.word_after(pos, 1))]
                 with m.Elif(t_r != th - 1):  # the tile's next row
                     m.d.sync += [t_c.eq(0), t_r.eq(t_r + 1), row.eq(row + 1), row_addr.eq(row_addr + words_per_row),
-                                 *pos.set(tile_pos)]
+                                 *pos.set(tile_pos), read_addr.eq(row_addr + words_per_row + tile_pos.word)]
                 with m.Elif(t_j != plan.tiles_n - 1):  # the band's next tile
                     m.d.sync += [t_c.eq(0), t_r.eq(0), t_j.eq(t_j + 1), row.eq(band_row), row_addr.eq(band_addr),
-                                 *tile_pos.advanced(tile_pos, tile_chunks), *pos.advanced(tile_pos, tile_chunks)]
+                                 *tile_pos.advanced(tile_pos, tile_chunks), *pos.advanced(tile_pos, tile_chunks),
+                                 read_addr.eq(band_addr + pos.word_after(tile_pos, tile_chunks))]
                 with m.Else():  # the next band of tiles
                     m.d.sync += [t_c.eq(0), t_r.eq(0), t_j.eq(0), t_i.eq(t_i + 1), row.eq(band_row + th),
                                  row_addr.eq(band_addr + th * words_per_row), band_row.eq(band_row + th),
-                                 band_addr.eq(band_addr + th * words_per_row), *tile_pos.clear(), *pos.clear()]
+                                 band_addr.eq(band_addr + th * words_per_row), *tile_pos.clear(), *pos.clear(),
+                                 read_addr.eq(band_addr + th * words_per_row)]
             with m.Else():
                 with m.If(chunk != plan.chunks - 1):
-                    m.d.sync += [chunk.eq(chunk + 1), *pos.advanced(pos, 1)]
+                    m.d.sync += [chunk.eq(chunk + 1), *pos.advanced(pos, 1),
+                                 read_addr.eq(row_addr + pos.word_after(pos, 1))]
                 with m.Else():
-                    m.d.sync += [chunk.eq(0), row.eq(row + 1), row_addr.eq(row_addr + words_per_row), *pos.clear()]
+                    m.d.sync += [chunk.eq(0), row.eq(row + 1), row_addr.eq(row_addr + words_per_row), *pos.clear(),
+                                 read_addr.eq(row_addr + words_per_row)]
 
         # The block RAMs read in every cycle (their data is taken only with a read's metadata):
         # no enable net from the read decision to the accumulator's two dozen block RAMs.
         m.d.comb += [
             self.acc_read.en.eq(1),
-            self.acc_read.addr.eq(row_addr + pos.word),
+            self.acc_read.addr.eq(read_addr),
             self.bias_read.en.eq(1),
             self.bias_read.addr.eq(pos.word),
         ]

@@ -26,6 +26,7 @@ from hbfp.contract import OutFormat, Target
 
 from .accumulate import delayed
 from .add_f32 import AddF32Datapath
+from .block_ram import BlockRam
 from .buffers import NO_RW_CHECK, READ_COLUMN, READ_ROW, OperandBuffer, times_constant
 from .epilogue import Epilogue, plan_layout
 from .float_mac import FloatMacArray
@@ -77,10 +78,9 @@ class FloatCore(wiring.Component):
         m.submodules.buf_a = buf_a = OperandBuffer(R, 16, D, D)
         m.submodules.buf_b = buf_b = OperandBuffer(C, 16, D, D)
         acc_word = data.ArrayLayout(FP32_WIDTH, C)
-        m.submodules.acc_mem = acc_mem = memory.Memory(shape=acc_word, depth=D * words_per_row, init=[],
-                                                       attrs=NO_RW_CHECK)
+        m.submodules.acc_mem = acc_mem = BlockRam(acc_word, D * words_per_row, read_ports=2)
         m.submodules.bias_mem = bias_mem = memory.Memory(shape=acc_word, depth=words_per_row, init=[], attrs=NO_RW_CHECK)
-        acc_wr, bias_wr = acc_mem.write_port(), bias_mem.write_port()
+        acc_wr, bias_wr = acc_mem.write, bias_mem.write_port()
         busy = Signal()
         m.d.comb += self.busy.eq(busy)
         w = self.w.payload
@@ -222,7 +222,7 @@ class FloatCore(wiring.Component):
         addr = Signal(range(D * words_per_row + G + R * words_per_row))
         m.d.comb += addr.eq(head.base + group + row_addr)
 
-        acc_rd = acc_mem.read_port()
+        acc_rd = acc_mem.read0
         old = Signal(acc_word)
         m.d.comb += [acc_rd.addr.eq(addr), acc_rd.en.eq(live)]
         m.d.sync += old.eq(acc_rd.data)
@@ -259,7 +259,7 @@ class FloatCore(wiring.Component):
         m.submodules.epilogue = epi = Epilogue(cfg, command_layout(cfg))
         m.d.comb += [epi.start.eq(started), epi.desc.eq(desc), epi.plan.eq(plan), epi.rows_done.eq(rows_done),
                      epi.all_rows.eq(all_rows)]
-        wiring.connect(m, epi.acc_read, acc_mem.read_port())
+        wiring.connect(m, epi.acc_read, acc_mem.read1)
         wiring.connect(m, epi.bias_read, bias_mem.read_port())
         wiring.connect(m, epi.o, wiring.flipped(self.o))
         with m.If(self.o.valid & self.o.ready & self.o.payload.last):

@@ -21,7 +21,7 @@ accumulator, the bias and the operand banks all have registered outputs.
 
 from __future__ import annotations
 
-from amaranth import Array, Const, Module, Mux, Signal
+from amaranth import Array, Cat, Const, Module, Mux, Signal
 from amaranth.lib import data, fifo, memory, stream, wiring
 from amaranth.lib.wiring import In, Out
 
@@ -29,6 +29,7 @@ from hbfp.contract import OutFormat, Rounding, Target
 
 from .accumulate import Accumulate, delayed, drain_layout
 from .activation import FUNC_WIDTH
+from .block_ram import BlockRam
 from .buffers import NO_RW_CHECK, READ_COLUMN, READ_ROW, OperandBuffer, times_constant
 from .epilogue import Epilogue, output_layout, plan_layout
 from .mac_array import MacArray
@@ -156,12 +157,11 @@ class GemmCore(wiring.Component):
         m.submodules.exp_a = exp_a = memory.Memory(shape=EXP_WIDTH, depth=exp_depth, init=[], attrs=NO_RW_CHECK)
         m.submodules.exp_b = exp_b = memory.Memory(shape=EXP_WIDTH, depth=exp_depth, init=[], attrs=NO_RW_CHECK)
         acc_word = data.ArrayLayout(FP32_WIDTH, C)
-        m.submodules.acc_mem = acc_mem = memory.Memory(shape=acc_word, depth=D * words_per_row, init=[],
-                                                       attrs=NO_RW_CHECK)
+        m.submodules.acc_mem = acc_mem = BlockRam(acc_word, D * words_per_row, read_ports=2, granularity=1)
         m.submodules.bias_mem = bias_mem = memory.Memory(shape=acc_word, depth=words_per_row, init=[], attrs=NO_RW_CHECK)
         exp_a_rd, exp_b_rd = exp_a.read_port(), exp_b.read_port()
         exp_a_wr, exp_b_wr = exp_a.write_port(), exp_b.write_port()
-        acc_wr = acc_mem.write_port()
+        acc_wr = acc_mem.write
         bias_wr = bias_mem.write_port()
 
         # ---- command registers ---------------------------------------------------------
@@ -230,7 +230,7 @@ class GemmCore(wiring.Component):
             ]
 
         # ---- MAC phase: operand beats ------------------------------------------------------
-        m.submodules.mac = mac = MacArray(R, C, tk, mb, mb, dsp_macs=cfg.dsp_macs)
+        m.submodules.mac = mac = MacArray(R, C, tk, mb, mb, dsp_macs=cfg.dsp_macs, groups=cfg.acc_groups)
         exps_layout = data.StructLayout({
             "ea": data.ArrayLayout(EXP_WIDTH, R),
             "eb": data.ArrayLayout(EXP_WIDTH, C),
@@ -355,28 +355,35 @@ class GemmCore(wiring.Component):
         head = Signal(exps_layout)
         m.d.comb += [head.eq(exps.r_data), mac.o.ready.eq(1)]
         drain = mac.o.valid
-        drain_row = mac.o.payload.row
-        m.d.comb += exps.r_en.eq(drain & (drain_row == R - 1))
+        drain_row, drain_group = mac.o.payload.row, mac.o.payload.group
+        L, G = cfg.acc_lanes, cfg.acc_groups
+        last_beat = (drain_row == R - 1) & (drain_group == G - 1)
+        m.d.comb += exps.r_en.eq(drain & last_beat)
         ea_lanes = Array(head.ea[t] for t in range(R))
-        # One register between the array's row multiplexer and the lanes; rows of a K-tile drain
-        # in consecutive cycles, so each row's address is the previous one's plus a row.
+        eb_groups = Array(head.eb.as_value()[g * L * EXP_WIDTH:(g + 1) * L * EXP_WIDTH] for g in range(G))
+        # One register between the array's drain multiplexer and the lanes; the beats of a
+        # K-tile drain in consecutive cycles, row-major, so each row's address is the previous
+        # one's plus a row.
         drained = Signal(drain_layout(cfg))
         drained_valid = Signal()
         m.d.sync += [
             drained_valid.eq(drain),
             drained.sums.eq(mac.o.payload.sums),
             drained.exp_a.eq(ea_lanes[drain_row]),
-            drained.exp_b.eq(head.eb),
-            drained.addr.eq(Mux(drain_row == 0, head.base, drained.addr + words_per_row)),
+            drained.exp_b.eq(eb_groups[drain_group]),
+            drained.group.eq(drain_group),
+            drained.addr.eq(Mux((drain_row == 0) & (drain_group == 0), head.base,
+                                Mux(drain_group == 0, drained.addr + words_per_row, drained.addr))),
             drained.zero.eq(head.first & ~desc.accumulate),
-            drained.closes.eq(head.closes & (drain_row == R - 1)),
+            drained.closes.eq(head.closes & last_beat),
         ]
         m.submodules.accumulate = acc_lanes = Accumulate(cfg)
         m.d.comb += [acc_lanes.i.valid.eq(drained_valid), acc_lanes.i.payload.eq(drained)]
-        wiring.connect(m, acc_lanes.acc_read, acc_mem.read_port())
+        wiring.connect(m, acc_lanes.acc_read, acc_mem.read0)
         acc_w = acc_lanes.acc_write
+        host_acc = w_fire & (w.target == Target.ACC)
         m.d.comb += [
-            acc_wr.en.eq(Mux(busy, acc_w.en, w_fire & (w.target == Target.ACC))),
+            acc_wr.en.eq(Mux(busy, acc_w.en, Cat(host_acc for _ in range(C)))),
             acc_wr.addr.eq(Mux(busy, acc_w.addr, times_constant(w.row, words_per_row) + col_word)),
         ]
         for j in range(C):
@@ -402,7 +409,7 @@ class GemmCore(wiring.Component):
             epi.rows_done.eq(rows_done),
             epi.all_rows.eq(all_rows),
         ]
-        wiring.connect(m, epi.acc_read, acc_mem.read_port())
+        wiring.connect(m, epi.acc_read, acc_mem.read1)
         wiring.connect(m, epi.bias_read, bias_mem.read_port())
         wiring.connect(m, epi.o, wiring.flipped(self.o))
         with m.If(self.o.valid & self.o.ready & self.o.payload.last):

@@ -4,8 +4,10 @@ Dataflow (docs/architecture.md): output-stationary with broadcast operands. Ever
 beat brings a column of A (``rows`` codes, ``A[i0:i0+R, k]``) and a row of B (``cols`` codes,
 ``B[k, j0:j0+C]``); PE (i, j) adds ``a[i] * b[j]`` to its own accumulator. After ``tk`` beats
 (one K-tile) every accumulator holds ``hbfp.golden.gemm.partial_sums`` for its output; the
-sums move to a shadow bank in the same cycle the next K-tile starts, and drain one row of C
-sums per cycle while the PEs go on.
+sums move to a shadow bank in the same cycle the next K-tile starts, and drain while the PEs
+go on: ``groups`` beats a row (row 0 first), each of ``cols / groups`` sums (group 0 first), one
+beat per cycle (``groups`` = ``CoreConfig.acc_groups``: the accumulate lanes serve that many
+columns each).
 
 Multipliers: the first ``dsp_macs`` PEs in row-major order multiply with ``*`` (which Yosys
 maps to a MULT18X18D on ECP5), the others with ``hbfp.hw.lut_mult.BoothProduct`` (LUTs and
@@ -59,15 +61,16 @@ class MacArray(wiring.Component):
     """``rows`` x ``cols`` int MACs; equals ``hbfp.golden.gemm.partial_sums`` per K-tile.
 
     Input ``i``: one K step per beat, ``{a: rows codes, b: cols codes}``; every ``tk`` beats
-    close a K-tile; ``i.ready`` is always 1. Output ``o``: ``rows`` beats per K-tile, ``{sums:
-    cols sums, row}``, row 0 first, on consecutive cycles. Latency: the first row of a K-tile
+    close a K-tile; ``i.ready`` is always 1. Output ``o``: ``rows * groups`` beats per K-tile,
+    ``{sums: cols / groups sums, row, group}`` (the sums of columns ``group * cols / groups``
+    on), row-major, on consecutive cycles. Latency: the first beat of a K-tile
     leaves ``LATENCY`` (``hbfp.contract.MAC_LATENCY`` = 4) cycles after the tile's last beat
     enters. Throughput: one beat per cycle, every PE one MAC per cycle.
 
     The array never stalls, so nothing in it is enabled by a ready: ``o.ready`` is assumed to
     be 1 (the stream signatures stay for the connection; a beat not taken is lost). That
-    holds because a K-tile's ``rows`` sums drain one row a cycle, within the ``tk >= rows``
-    beats that the next K-tile takes to close (the constructor refuses ``tk < rows``).
+    holds because a K-tile's ``rows * groups`` beats drain one a cycle, within the ``tk >=
+    rows * groups`` beats that the next K-tile takes to close (the constructor refuses fewer).
 
     ``dsp_macs``: how many PEs (row-major) use a DSP multiplier; the rest use LUT multipliers.
     Default: all of them.
@@ -76,19 +79,21 @@ class MacArray(wiring.Component):
     LATENCY = MAC_LATENCY
 
     def __init__(self, rows: int, cols: int, tk: int, mantissa_bits_a: int = 8, mantissa_bits_b: int = 8,
-                 dsp_macs: int | None = None):
+                 dsp_macs: int | None = None, groups: int = 1):
         try:
-            if rows < 1 or cols < 1 or tk < 1:
-                raise ValueError("rows, cols and tk must be positive")
-            if tk < rows:
-                raise ValueError(f"the K-tile ({tk}) must be at least as long as rows ({rows}): a K-tile's "
-                                 "sums drain one row a cycle before the next K-tile closes")
+            if rows < 1 or cols < 1 or tk < 1 or groups < 1:
+                raise ValueError("rows, cols, tk and groups must be positive")
+            if cols % groups:
+                raise ValueError(f"groups ({groups}) must divide cols ({cols})")
+            if tk < rows * groups:
+                raise ValueError(f"the K-tile ({tk}) must be at least as long as rows x groups ({rows} x {groups}): "
+                                 "a K-tile's sums drain one beat a cycle before the next K-tile closes")
             if dsp_macs is not None and not 0 <= dsp_macs <= rows * cols:
                 raise ValueError(f"dsp_macs must be 0..{rows * cols} (rows x cols), got {dsp_macs}")
         except ValueError:
             self._MustUse__used = True  # never to be elaborated: no "unused" warning
             raise
-        self.rows, self.cols, self.tk = rows, cols, tk
+        self.rows, self.cols, self.tk, self.groups = rows, cols, tk, groups
         self.mantissa_bits_a, self.mantissa_bits_b = mantissa_bits_a, mantissa_bits_b
         self.dsp_macs = rows * cols if dsp_macs is None else dsp_macs
         self.psum_width = psum_width(mantissa_bits_a, mantissa_bits_b, tk)
@@ -97,8 +102,9 @@ class MacArray(wiring.Component):
             "b": data.ArrayLayout(signed(mantissa_bits_b), cols),
         })
         out_layout = data.StructLayout({
-            "sums": data.ArrayLayout(signed(self.psum_width), cols),
+            "sums": data.ArrayLayout(signed(self.psum_width), cols // groups),
             "row": range(rows),
+            "group": range(groups),
         })
         super().__init__({"i": In(stream.Signature(in_layout)), "o": Out(stream.Signature(out_layout))})
 
@@ -130,7 +136,10 @@ class MacArray(wiring.Component):
         acc = [[Signal(signed(W), name=f"acc_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
         shadow = [[Signal(signed(W), name=f"shadow_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
         full = Signal()  # the shadow bank holds sums not yet drained
+        G = self.groups
+        L = C // G
         row = Signal(range(R))
+        group = Signal(range(G))
 
         m.d.comb += self.i.ready.eq(1)
         m.d.sync += [
@@ -176,17 +185,20 @@ class MacArray(wiring.Component):
                     with m.If(last2):
                         m.d.sync += shadow[i][j].eq(nxt)
 
-        # A K-tile's sums drain on the R cycles after they reach the shadow bank.
+        # A K-tile's sums drain on the R * G cycles after they reach the shadow bank.
         with m.If(v2 & last2):
-            m.d.sync += [full.eq(1), row.eq(0)]
+            m.d.sync += [full.eq(1), row.eq(0), group.eq(0)]
         with m.Elif(full):
-            m.d.sync += row.eq(row + 1)
-            with m.If(row == R - 1):
-                m.d.sync += full.eq(0)
+            m.d.sync += group.eq(group + 1)
+            with m.If(group == G - 1):
+                m.d.sync += [group.eq(0), row.eq(row + 1)]
+                with m.If(row == R - 1):
+                    m.d.sync += full.eq(0)
 
-        m.d.comb += [self.o.valid.eq(full), self.o.payload.row.eq(row)]
+        m.d.comb += [self.o.valid.eq(full), self.o.payload.row.eq(row), self.o.payload.group.eq(group)]
         for i in range(R):
-            with m.If(row == i):
-                for j in range(C):
-                    m.d.comb += self.o.payload.sums[j].eq(shadow[i][j])
+            for g in range(G):
+                with m.If((row == i) & (group == g)):
+                    for j in range(L):
+                        m.d.comb += self.o.payload.sums[j].eq(shadow[i][g * L + j])
         return m

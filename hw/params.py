@@ -12,6 +12,7 @@ from __future__ import annotations
 from amaranth.lib import data
 
 from hbfp.contract import (
+    ACC_GROUP_SELECT,
     ACC_READ_LATENCY,
     ADD_LATENCY,
     OPERAND_READ_LATENCY,
@@ -50,6 +51,7 @@ __all__ = [
     "NORMALIZE_LATENCY",
     "ADD_LATENCY",
     "ACC_READ_LATENCY",
+    "ACC_GROUP_SELECT",
     "OPERAND_READ_LATENCY",
     "PREFETCH_CYCLES",
     "rmw_latency",

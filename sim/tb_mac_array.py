@@ -34,19 +34,25 @@ def beats(a, b, cfg):
 
 
 def expected_rows(a, b, cfg):
+    """The drained beats, in order: (K-tile, row, group, that group's sums)."""
     sums = partial_sums(a, b, cfg["tk"])  # (KT, R, C)
-    return [(kt, i, sums[kt, i].tolist()) for kt in range(sums.shape[0]) for i in range(cfg["rows"])]
+    G = cfg.get("groups", 1)
+    L = cfg["cols"] // G
+    return [(kt, i, g, sums[kt, i, g * L:(g + 1) * L].tolist())
+            for kt in range(sums.shape[0]) for i in range(cfg["rows"]) for g in range(G)]
 
 
 def check(got, want, cfg, width):
-    R, C = cfg["rows"], cfg["cols"]
-    row_bits = (R - 1).bit_length()
+    R, G = cfg["rows"], cfg.get("groups", 1)
+    L = cfg["cols"] // G
+    row_bits, group_bits = (R - 1).bit_length(), (G - 1).bit_length()
     assert len(got) == len(want)
-    for word, (kt, i, sums) in zip(got, want):
-        g = unpack(word, width, C, signed=True)
-        row = (word >> (C * width)) & ((1 << row_bits) - 1) if row_bits else 0
-        assert row == i, f"K-tile {kt}: row {row}, want {i}"
-        assert g == sums, f"K-tile {kt} row {i}: got {g}, want {sums}"
+    for word, (kt, i, grp, sums) in zip(got, want):
+        g = unpack(word, width, L, signed=True)
+        row = (word >> (L * width)) & ((1 << row_bits) - 1)
+        group = (word >> (L * width + row_bits)) & ((1 << group_bits) - 1)
+        assert (row, group) == (i, grp), f"K-tile {kt}: row {row} group {group}, want {i} {grp}"
+        assert g == sums, f"K-tile {kt} row {i} group {grp}: got {g}, want {sums}"
 
 
 async def always_ready(dut, cycles: int) -> None:
@@ -95,8 +101,8 @@ async def full_throughput(dut):
 
 @cocotb.test()
 async def latency(dut):
-    """The first row of a K-tile is valid ``LATENCY`` cycles after the tile's last beat enters,
-    the ``rows`` rows on consecutive cycles."""
+    """The first beat of a K-tile is valid ``LATENCY`` cycles after the tile's last beat
+    enters, its ``rows * groups`` beats on consecutive cycles."""
     cfg = tb_config()
     await start_clock_and_reset(dut, sources=["i"], sinks=["o"])
     dut.o__ready.value = 1
@@ -104,10 +110,11 @@ async def latency(dut):
     src = StreamSource(dut, "i")
     await src.send(beats(a, b, cfg))  # returns on the edge that takes the last beat
     valid = []
-    for _ in range(cfg["latency"] + cfg["rows"] + 2):
+    drain = cfg["rows"] * cfg.get("groups", 1)
+    for _ in range(cfg["latency"] + drain + 2):
         await ReadOnly()
         valid.append(int(dut.o__valid.value))
         await RisingEdge(dut.clk)
     # valid[0] is the cycle after the last beat's edge: latency 1 would be valid there.
-    want = [0] * (cfg["latency"] - 1) + [1] * cfg["rows"] + [0] * 3
+    want = [0] * (cfg["latency"] - 1) + [1] * drain + [0] * 3
     assert valid == want, f"o.valid after the last beat: {valid}, want {want}"

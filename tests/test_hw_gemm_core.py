@@ -19,6 +19,8 @@ CONFIGS = {
     "8x8-hbfp8": CoreConfig(rows=8, cols=8, tile=(24, 24), size=96),
     "4x4-mxint8": CoreConfig(rows=4, cols=4, tile=(1, 32), size=64, functions=SOME),
     "8x8-mxint8": CoreConfig(rows=8, cols=8, tile=(1, 32), size=96, functions=SOME),
+    # One accumulate lane for the four columns (each lane serves acc_groups = 4 columns).
+    "4x4-hbfp8-l1": CoreConfig(rows=4, cols=4, tile=(24, 24), size=48, functions=("relu",), acc_lanes=1),
 }
 if FULL:
     # Array shapes (make test checks them under Amaranth's simulator, in
@@ -29,6 +31,7 @@ if FULL:
     CONFIGS["4x16-hbfp8-e8"] = CoreConfig(rows=4, cols=16, tile=(24, 24), size=48, functions=SOME, out_lanes=8)
     CONFIGS["16x16-hbfp8"] = CoreConfig(rows=16, cols=16, tile=(24, 24), size=48, functions=SOME)
     CONFIGS["6x12-hbfp8"] = CoreConfig(rows=6, cols=12, tile=(24, 24), size=48, functions=SOME)
+    CONFIGS["8x8-hbfp8-l4"] = CoreConfig(rows=8, cols=8, tile=(24, 24), size=96, functions=SOME, acc_lanes=4)
 # Output elements compared per configuration. Icarus runs about a hundred times slower than
 # Verilator on this design, so it checks a sample of the same random products.
 ELEMENTS = {"verilator": 100_000, "icarus": 4_000}

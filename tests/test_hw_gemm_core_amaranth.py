@@ -122,11 +122,13 @@ def test_reduced_core_refuses_what_it_lacks():
 
 
 #: Array shapes beyond the defaults: rows and columns not powers of two, rectangular, columns
-#: that do not divide the tile, several output lanes.
+#: that do not divide the tile, several output lanes, accumulate lanes shared by columns.
 SHAPES = {
     "6x3": CoreConfig(rows=6, cols=3, tile=(12, 12), size=24, functions=()),
     "3x6-e3": CoreConfig(rows=3, cols=6, tile=(24, 24), size=48, functions=("relu",), out_lanes=3),
     "4x16-e8": CoreConfig(rows=4, cols=16, tile=(24, 24), size=48, functions=()),
+    "4x4-l1": CoreConfig(rows=4, cols=4, tile=(24, 24), size=48, functions=("relu",), acc_lanes=1),
+    "3x6-l2-e3": CoreConfig(rows=3, cols=6, tile=(24, 24), size=48, functions=(), acc_lanes=2, out_lanes=3),
 }
 
 

@@ -12,24 +12,29 @@ from hbfp.sim import runner
 FULL = os.environ.get("HBFP_SIM_FULL") == "1"
 
 CONFIGS = [
-    # rows, cols, tk, ma, mb, dsp_macs (None: all): HBFP8 K-tiles on two array shapes, MXINT8
-    # blocks, wide codes; DSP and LUT multipliers mixed (a row split between them, all LUT)
-    (4, 4, 24, 8, 8, None),
-    (8, 8, 24, 8, 8, 20),
-    (8, 8, 32, 8, 8, None),
-    (4, 2, 24, 16, 8, 3),
-    (4, 4, 24, 8, 8, 0),
-    (2, 4, 16, 5, 7, 3),
+    # rows, cols, tk, ma, mb, dsp_macs (None: all), groups: HBFP8 K-tiles on two array shapes,
+    # MXINT8 blocks, wide codes; DSP and LUT multipliers mixed (a row split between them, all
+    # LUT); sums drained in groups of columns (accumulate lanes shared: 4 of 8, 1 of 4, 2 of 6)
+    (4, 4, 24, 8, 8, None, 1),
+    (8, 8, 24, 8, 8, 20, 1),
+    (8, 8, 32, 8, 8, None, 1),
+    (4, 2, 24, 16, 8, 3, 1),
+    (4, 4, 24, 8, 8, 0, 1),
+    (2, 4, 16, 5, 7, 3, 1),
+    (8, 8, 24, 8, 8, None, 2),
+    (4, 4, 24, 8, 8, 0, 4),
+    (3, 6, 12, 8, 8, None, 3),
 ]
 
 
 @pytest.mark.parametrize("sim", runner.SIMULATORS)
-@pytest.mark.parametrize("rows, cols, tk, ma, mb, dsp_macs", CONFIGS)
-def test_mac_array_equals_partial_sums(sim, rows, cols, tk, ma, mb, dsp_macs):
+@pytest.mark.parametrize("rows, cols, tk, ma, mb, dsp_macs, groups", CONFIGS)
+def test_mac_array_equals_partial_sums(sim, rows, cols, tk, ma, mb, dsp_macs, groups):
     runner.require(sim)
     cfg = dict(rows=rows, cols=cols, tk=tk, ma=ma, mb=mb, psum_width=psum_width(ma, mb, tk), seed=rows * 100 + tk,
-               tiles=200 if FULL else 40, latency=MacArray.LATENCY, dsp_macs=dsp_macs)
-    tests, failed = runner.run(lambda: MacArray(rows, cols, tk, ma, mb, dsp_macs), "mac_array", "tb_mac_array", sim, cfg)
+               tiles=200 if FULL else 40, latency=MacArray.LATENCY, dsp_macs=dsp_macs, groups=groups)
+    tests, failed = runner.run(lambda: MacArray(rows, cols, tk, ma, mb, dsp_macs, groups), "mac_array",
+                               "tb_mac_array", sim, cfg)
     assert tests == 3 and failed == 0
 
 
@@ -62,7 +67,9 @@ def test_latency_is_the_contracts():
 
 
 @pytest.mark.parametrize("args, message", [
-    ((4, 4, 3), r"K-tile \(3\) must be at least as long as rows \(4\)"),
+    ((4, 4, 3), r"K-tile \(3\) must be at least as long as rows x groups \(4 x 1\)"),
+    ((4, 4, 24, 8, 8, None, 8), r"groups \(8\) must divide cols \(4\)"),
+    ((4, 4, 15, 8, 8, None, 4), r"K-tile \(15\) must be at least as long as rows x groups \(4 x 4\)"),
     ((4, 4, 24, 8, 8, 17), r"dsp_macs must be 0\.\.16"),
     ((0, 4, 24), "must be positive"),
 ])
