@@ -420,11 +420,12 @@ def psum_width(mantissa_bits_a: int, mantissa_bits_b: int, tk: int) -> int:
 #: The GEMM core's own stages (``hw.gemm_core`` is built to them; ``emu``'s cycle count reads
 #: them): an operand buffer read (the request registered, the banks' outputs registered before
 #: the lane rotation), an
-#: accumulator or bias read (the block RAM's output registered), and the cycles of a K-tile's
+#: accumulator or bias read (the block RAM's address register, its data registered beside it
+#: (``hw.block_ram``), then in the reader), and the cycles of a K-tile's
 #: exponent prefetch beyond ``max(rows, cols)`` (address register, read, queue, release): K-tiles
 #: start every ``max(tk, max(rows, cols) + PREFETCH_CYCLES)`` cycles.
 OPERAND_READ_LATENCY = 3
-ACC_READ_LATENCY = 2
+ACC_READ_LATENCY = 3
 PREFETCH_CYCLES = 4
 
 

@@ -9,10 +9,18 @@ Block RAMs trade width for depth (ECP5's DP16KD and Intel's M20K: 36 or 40 bits 
 from one block RAM per slice, with no multiplexer: the same bits, the same latency, a few more
 blocks.
 
+Each slice's read data is registered once more beside its block RAM (``LATENCY`` = 2: the
+block RAM's own address register, then this one), so that the slow clock-to-output of a
+block RAM without its output register (5.8 ns on ECP5) and the routing to wherever the data
+goes (the block RAMs of a wide memory spread over the die) fall in two cycles. Yosys maps no
+register into an ECP5 block RAM's output register; this one is a flip-flop that the placer
+puts next to its block RAM.
+
 ``BlockRam(shape, depth, read_ports, granularity)`` offers a write port ``write`` and read
 ports ``read0``, ``read1``, ... with the signatures of ``amaranth.lib.memory``'s ports (reads
-synchronous, not transparent; the caller guarantees no read meets a write of its address in
-the same cycle, as ``NO_RW_CHECK`` says of the memories built here). With ``granularity``
+synchronous, data ``LATENCY`` cycles after the address, not transparent; the caller
+guarantees no read meets a write of its address in the same cycle, as ``NO_RW_CHECK`` says
+of the memories built here). With ``granularity``
 (elements of an ``ArrayLayout`` shape, as in ``amaranth.lib.memory``) the write port has an
 enable per that many elements. The elements of an ``ArrayLayout`` are sliced each on its own
 (no slice spans two).
@@ -20,7 +28,7 @@ enable per that many elements. The elements of an ``ArrayLayout`` are sliced eac
 
 from __future__ import annotations
 
-from amaranth import Module, Shape
+from amaranth import Module, Shape, Signal
 from amaranth.lib import data, memory, wiring
 from amaranth.lib.wiring import Out
 
@@ -43,6 +51,8 @@ def slice_bits(depth: int) -> int:
 
 
 class BlockRam(wiring.Component):
+    LATENCY = 2
+
     def __init__(self, shape, depth: int, read_ports: int = 1, granularity: int | None = None):
         self.shape, self.depth, self.read_ports, self.granularity = shape, depth, read_ports, granularity
         self.width = Shape.cast(shape).width
@@ -75,5 +85,7 @@ class BlockRam(wiring.Component):
                 port = self.read(i)
                 rp = mem.read_port()
                 rdata = port.data.as_value() if hasattr(port.data, "as_value") else port.data
-                m.d.comb += [rp.en.eq(port.en), rp.addr.eq(port.addr), rdata[lo:hi].eq(rp.data)]
+                out = Signal(hi - lo, name=f"slice{s}_read{i}", reset_less=True)
+                m.d.comb += [rp.en.eq(port.en), rp.addr.eq(port.addr), rdata[lo:hi].eq(out)]
+                m.d.sync += out.eq(rp.data)  # no enable: a read holds in the block RAM only
         return m

@@ -3,7 +3,7 @@
 
 | board | FPGA | flow | host link | clock | default configuration |
 |---|---|---|---|---|---|
-| ``ulx3s`` | ECP5 LFE5U-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | UART (FTDI) | 25 MHz | 16x16 (136 PEs on DSP blocks, 120 on LUT multipliers), HBFP8, 96x96 buffers, relu + gelu |
+| ``ulx3s`` | ECP5 LFE5U-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | UART (FTDI) | 25 MHz | 16x16 (144 PEs on DSP blocks, 112 on LUT multipliers), 1 output lane, HBFP8, 96x96 buffers, relu + gelu |
 | ``icebreaker`` | iCE40 UP5K | yosys + nextpnr-ice40 (YoWASP) to a bitstream | UART (FTDI) | 12 MHz | 1x1, HBFP8, 24x24 buffers, a reduced device (below) |
 | ``de10_nano`` | Cyclone V 5CSEBA6U23I7 | Quartus project | UART (GPIO header pins) | 50 MHz | 8x8, HBFP8, 96x96, all functions |
 | ``stratix5`` | Stratix V GX 5SGXEA7K2F40C2 | Quartus project | Avalon-ST, 16 bytes wide (PCIe) | 100 MHz | 32x32, 8-bit mantissas, 32x32 tiles, 256x256 buffers |
@@ -208,9 +208,10 @@ _TOP_OPTIONS = ("baud", "fifo_depth", "max_payload")
 
 BOARDS: dict[str, Board] = {b.name: b for b in (
     Board("ulx3s", "Radiona ULX3S 85F (ECP5 LFE5U-85F)", _ulx3s, "ecp5", "uart",
-          # 256 MACs: the 85F has 156 MULT18X18D, the rest of the core takes a few (the
-          # activation units' multiplier), so 120 PEs multiply in LUTs (hw.lut_mult).
-          f"rows=16,cols=16,size=96,dsp_macs=136,functions=relu+gelu,baud={DEFAULT_BAUD},"
+          # 256 MACs: the 85F has 156 MULT18X18D, the rest of the core takes 8 (the activation
+          # unit's multiplier, the quantizers'), so 112 PEs multiply in LUTs (hw.lut_mult). One
+          # output lane: the UART takes a byte a cycle at most.
+          f"rows=16,cols=16,size=96,dsp_macs=144,out_lanes=1,functions=relu+gelu,baud={DEFAULT_BAUD},"
           f"fifo_depth={DEFAULT_FIFO_DEPTH}",
           "UART over the board's FTDI FT231X USB port (up to 3 Mbaud)."),
     Board("icebreaker", "1BitSquared iCEBreaker (iCE40 UP5K)", _icebreaker, "ice40", "uart",

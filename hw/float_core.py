@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import numpy as np
 from amaranth import Array, Const, Module, Mux, Signal
-from amaranth.lib import data, fifo, memory, wiring
+from amaranth.lib import data, fifo, wiring
 
 from hbfp.contract import OutFormat, Target
 
 from .accumulate import delayed
 from .add_f32 import AddF32Datapath
 from .block_ram import BlockRam
-from .buffers import NO_RW_CHECK, READ_COLUMN, READ_ROW, OperandBuffer, times_constant
+from .buffers import READ_COLUMN, READ_ROW, OperandBuffer, times_constant
 from .epilogue import Epilogue, plan_layout
 from .float_mac import FloatMacArray
 from .gemm_core import _ceil_table, accept_command, command_layout, core_signature
@@ -79,8 +79,8 @@ class FloatCore(wiring.Component):
         m.submodules.buf_b = buf_b = OperandBuffer(C, 16, D, D)
         acc_word = data.ArrayLayout(FP32_WIDTH, C)
         m.submodules.acc_mem = acc_mem = BlockRam(acc_word, D * words_per_row, read_ports=2)
-        m.submodules.bias_mem = bias_mem = memory.Memory(shape=acc_word, depth=words_per_row, init=[], attrs=NO_RW_CHECK)
-        acc_wr, bias_wr = acc_mem.write, bias_mem.write_port()
+        m.submodules.bias_mem = bias_mem = BlockRam(acc_word, words_per_row)
+        acc_wr, bias_wr = acc_mem.write, bias_mem.write
         busy = Signal()
         m.d.comb += self.busy.eq(busy)
         w = self.w.payload
@@ -260,7 +260,7 @@ class FloatCore(wiring.Component):
         m.d.comb += [epi.start.eq(started), epi.desc.eq(desc), epi.plan.eq(plan), epi.rows_done.eq(rows_done),
                      epi.all_rows.eq(all_rows)]
         wiring.connect(m, epi.acc_read, acc_mem.read1)
-        wiring.connect(m, epi.bias_read, bias_mem.read_port())
+        wiring.connect(m, epi.bias_read, bias_mem.read0)
         wiring.connect(m, epi.o, wiring.flipped(self.o))
         with m.If(self.o.valid & self.o.ready & self.o.payload.last):
             m.d.sync += busy.eq(0)

@@ -158,11 +158,11 @@ class GemmCore(wiring.Component):
         m.submodules.exp_b = exp_b = memory.Memory(shape=EXP_WIDTH, depth=exp_depth, init=[], attrs=NO_RW_CHECK)
         acc_word = data.ArrayLayout(FP32_WIDTH, C)
         m.submodules.acc_mem = acc_mem = BlockRam(acc_word, D * words_per_row, read_ports=2, granularity=1)
-        m.submodules.bias_mem = bias_mem = memory.Memory(shape=acc_word, depth=words_per_row, init=[], attrs=NO_RW_CHECK)
+        m.submodules.bias_mem = bias_mem = BlockRam(acc_word, words_per_row)
         exp_a_rd, exp_b_rd = exp_a.read_port(), exp_b.read_port()
         exp_a_wr, exp_b_wr = exp_a.write_port(), exp_b.write_port()
         acc_wr = acc_mem.write
-        bias_wr = bias_mem.write_port()
+        bias_wr = bias_mem.write
 
         # ---- command registers ---------------------------------------------------------
         desc = Signal(command_layout(cfg))
@@ -410,7 +410,7 @@ class GemmCore(wiring.Component):
             epi.all_rows.eq(all_rows),
         ]
         wiring.connect(m, epi.acc_read, acc_mem.read1)
-        wiring.connect(m, epi.bias_read, bias_mem.read_port())
+        wiring.connect(m, epi.bias_read, bias_mem.read0)
         wiring.connect(m, epi.o, wiring.flipped(self.o))
         with m.If(self.o.valid & self.o.ready & self.o.payload.last):
             m.d.sync += busy.eq(0)

@@ -133,15 +133,17 @@ def write_lanes(cfg: CoreConfig) -> int:
     return max(cfg.rows, cfg.cols)
 
 
-def value_lanes(cfg: CoreConfig) -> int:
-    """The input quantizer's lanes (elements a beat) for a WRITE of values: the widest run of
-    one tile row (a divisor of the tile's columns, so a beat never leaves its row) that fits
-    a row chunk of A (``rows`` lanes) and of B (``cols`` lanes). Each code beat is then one
-    row chunk write, partial (``skip``) where the buffer's chunk is wider. The stochastic
-    rounding's stream position is an element's place in the tile-major stream, whatever the
-    lanes, so any choice gives the same codes."""
+def value_lanes(cfg: CoreConfig, stream_bytes: int = 1) -> int:
+    """The input quantizer's lanes (elements a beat) for a WRITE of values: a run of one tile
+    row (a divisor of the tile's columns, so a beat never leaves its row) that fits a row
+    chunk of A (``rows`` lanes) and of B (``cols`` lanes), sized to the link: the fewest that
+    take the ``stream_bytes`` of a cycle as bf16 values (2 bytes each), or the widest that fits
+    if none does. Each code beat is then one row chunk write, partial (``skip``) where the
+    buffer's chunk is wider. The stochastic rounding's stream position is an element's place
+    in the tile-major stream, whatever the lanes, so any choice gives the same codes."""
     tw = cfg.tile[1]
-    return max(d for d in range(1, min(cfg.rows, cfg.cols, tw) + 1) if tw % d == 0)
+    fits = [d for d in range(1, min(cfg.rows, cfg.cols, tw) + 1) if tw % d == 0]
+    return next((d for d in fits if 2 * d >= stream_bytes), fits[-1])
 
 
 def write_plan_layout(cfg: CoreConfig) -> data.StructLayout:
@@ -579,7 +581,7 @@ class FrameChecker(wiring.Component):
             wp.rounding.eq(w_rounding),
             wp.seed.eq(w_desc.seed),
             wp.elem_bytes.eq(element_bytes),
-            wp.elems.eq(Mux(is_values, value_lanes(cfg), chunk_lanes)),
+            wp.elems.eq(Mux(is_values, value_lanes(cfg, self.stream_bytes), chunk_lanes)),
             wp.mode.eq(Mux(is_codes, ASSEMBLE_MODES["sign_extend"],
                            Mux(is_values & value_bf16, ASSEMBLE_MODES["high_half"], ASSEMBLE_MODES["raw"]))),
         ]
@@ -756,16 +758,16 @@ class WriteReplay(wiring.Component):
     Codes, exponents, the accumulator and the bias go as ``w`` beats, row-major over the
     region: row chunks of ``rows`` lanes for A's codes, of ``cols`` lanes for B's codes, the
     accumulator and the bias, one exponent a beat. Values go through the quantizer (``q_i``
-    beats of ``value_lanes(cfg)`` (L) fp32 elements, bf16 widened); its ``q_o`` codes go back
+    beats of ``lanes`` (L, ``value_lanes``) fp32 elements, bf16 widened); its ``q_o`` codes go back
     to ``w`` as partial row chunks of L lanes (the lanes beyond L skipped), then one exponent
     beat per tile. Throughput: one beat a cycle while the window holds its bytes (``elem_bytes``
     times its elements: the link's N bytes a cycle feed a beat every ``ceil(bytes / N)``
     cycles).
     """
 
-    def __init__(self, cfg: CoreConfig):
-        self.cfg = cfg
-        W, L = write_lanes(cfg), value_lanes(cfg)
+    def __init__(self, cfg: CoreConfig, lanes: int):
+        self.cfg, self.lanes = cfg, lanes
+        W, L = write_lanes(cfg), lanes
         super().__init__({
             "start": In(1),
             "plan": In(write_plan_layout(cfg)),
@@ -782,7 +784,7 @@ class WriteReplay(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         cfg, plan = self.cfg, self.plan
-        D, W, L = cfg.size, write_lanes(cfg), value_lanes(cfg)
+        D, W, L = cfg.size, write_lanes(cfg), self.lanes
         th, tw = cfg.tile
         m.submodules.assembler = asm = LaneAssembler(W)
         wiring.connect(m, wiring.flipped(self.i), asm.i)
@@ -1090,7 +1092,7 @@ class PacketEngine(wiring.Component):
         self.max_payload = max_payload
         self.frame_timeout = frame_timeout
         self.functions = cfg.built_functions
-        N, L = stream_bytes, value_lanes(cfg)
+        N, L = stream_bytes, value_lanes(cfg, stream_bytes)
         super().__init__({
             "i": In(WindowSignature(N)),
             "o": Out(stream.Signature(reply_chunk_layout(N))),
@@ -1129,7 +1131,7 @@ class PacketEngine(wiring.Component):
         # a word, the other holds at least the 2 bytes of the next element.
         m.submodules.window_a = win_a = ByteWindow(N, 4 * write_lanes(cfg))
         m.submodules.window_b = win_b = ByteWindow(N, 2)
-        m.submodules.replay = replay = WriteReplay(cfg)
+        m.submodules.replay = replay = WriteReplay(cfg, value_lanes(cfg, N))
         m.submodules.serializer = ser = ResultSerializer(cfg)
         m.submodules.reply_window = reply = ByteWindow(R, N)
         m.submodules.framer = framer = ReplyFramer(N)

@@ -44,8 +44,9 @@ class AcceleratorTop(wiring.Component):
 
     Parameters: ``cfg`` (the core: any array shape against any tile; WRITEs of A's codes go
     in row chunks of ``rows`` codes, of B's codes, the accumulator and the bias of ``cols``
-    elements, and the input quantizer's beats of ``value_lanes(cfg)`` values, a divisor of
-    the tile's columns that fits both, as partial row chunks), ``stream_bytes`` (1 ..
+    elements, and the input quantizer's beats of ``value_lanes(cfg, stream_bytes)`` values, a
+    divisor of the tile's columns that fits both and takes the link's bytes of a cycle, as
+    partial row chunks), ``stream_bytes`` (1 ..
     255, the width of ``i`` and ``o``), ``clock_hz`` (reported by IDENTIFY; 0: unknown),
     ``max_payload`` (bytes of the request buffer, 32 .. 2**24), ``frame_timeout`` (cycles).
 
@@ -109,7 +110,7 @@ class AcceleratorTop(wiring.Component):
 
         # Without the value quantizer the engine refuses WRITEs of values: q_i and q_o stay idle.
         if cfg.value_quantizer:
-            m.submodules.quantize = qz = Quantize(cfg.mantissa_bits, cfg.tile, value_lanes(cfg), "fp32",
+            m.submodules.quantize = qz = Quantize(cfg.mantissa_bits, cfg.tile, value_lanes(cfg, N), "fp32",
                                                   stochastic=cfg.stochastic)
             wiring.connect(m, engine.q_i, qz.i)
             wiring.connect(m, qz.o, engine.q_o)

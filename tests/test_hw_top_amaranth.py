@@ -175,7 +175,7 @@ def gateware_replies(top: AcceleratorTop, frames: list[bytes], seed: int) -> lis
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_rectangular_top_equals_emu(name):
     cfg, stream_bytes, max_payload = CONFIGS[name]
-    assert value_lanes(cfg) < max(cfg.rows, cfg.cols)  # partial chunk writes on the way in
+    assert value_lanes(cfg, stream_bytes) < max(cfg.rows, cfg.cols)  # partial chunk writes on the way in
     rng = np.random.default_rng(cfg.rows * 100 + cfg.cols)
     table = requests(cfg, rng)
     spec = dict(stream_bytes=stream_bytes, clock_hz=CLOCK_HZ, max_payload=max_payload, frame_timeout=FRAME_TIMEOUT)
