@@ -153,11 +153,15 @@ class Epilogue(wiring.Component):
         ready_row = self.all_rows | (row < self.rows_done)
         issue = Signal()
         m.d.comb += issue.eq(going & (held < self.queue_depth) & ready_row)
+        # Where the counters that end at a command's sides stand, as flags kept beside them
+        # (registers, so that the next read's decision starts from flip-flops, not from
+        # compares against the plan): chunk, row, t_j and t_i at their last value.
+        chunk_last, row_last, tj_last, ti_last = Signal(), Signal(), Signal(), Signal()
         last = Signal()
         m.d.comb += last.eq(Mux(
             bfp,
-            (t_i == plan.tiles_m - 1) & (t_j == plan.tiles_n - 1) & (t_r == th - 1) & (t_c == tile_chunks - 1),
-            (row == desc.m - 1) & (chunk == plan.chunks - 1),
+            ti_last & tj_last & (t_r == th - 1) & (t_c == tile_chunks - 1),
+            row_last & chunk_last,
         ))
 
         # The accumulator's read address (row_addr + pos.word) is a register of its own, set with
@@ -167,7 +171,8 @@ class Epilogue(wiring.Component):
         with m.If(self.start):
             m.d.sync += [going.eq(1), row.eq(0), row_addr.eq(0), chunk.eq(0), t_i.eq(0), t_j.eq(0), t_r.eq(0),
                          t_c.eq(0), band_row.eq(0), band_addr.eq(0), *pos.clear(), *tile_pos.clear(),
-                         read_addr.eq(0)]
+                         read_addr.eq(0), chunk_last.eq(plan.chunks == 1), row_last.eq(desc.m == 1),
+                         tj_last.eq(plan.tiles_n == 1), ti_last.eq(plan.tiles_m == 1)]
         with m.Elif(issue):
             with m.If(last):
                 m.d.sync += going.eq(0)
@@ -178,22 +183,26 @@ class Epilogue(wiring.Component):
                 with m.Elif(t_r != th - 1):  # the tile's next row
                     m.d.sync += [t_c.eq(0), t_r.eq(t_r + 1), row.eq(row + 1), row_addr.eq(row_addr + words_per_row),
                                  *pos.set(tile_pos), read_addr.eq(row_addr + words_per_row + tile_pos.word)]
-                with m.Elif(t_j != plan.tiles_n - 1):  # the band's next tile
+                with m.Elif(~tj_last):  # the band's next tile
                     m.d.sync += [t_c.eq(0), t_r.eq(0), t_j.eq(t_j + 1), row.eq(band_row), row_addr.eq(band_addr),
                                  *tile_pos.advanced(tile_pos, tile_chunks), *pos.advanced(tile_pos, tile_chunks),
-                                 read_addr.eq(band_addr + pos.word_after(tile_pos, tile_chunks))]
+                                 read_addr.eq(band_addr + pos.word_after(tile_pos, tile_chunks)),
+                                 tj_last.eq(t_j + 2 == plan.tiles_n)]
                 with m.Else():  # the next band of tiles
                     m.d.sync += [t_c.eq(0), t_r.eq(0), t_j.eq(0), t_i.eq(t_i + 1), row.eq(band_row + th),
                                  row_addr.eq(band_addr + th * words_per_row), band_row.eq(band_row + th),
                                  band_addr.eq(band_addr + th * words_per_row), *tile_pos.clear(), *pos.clear(),
-                                 read_addr.eq(band_addr + th * words_per_row)]
+                                 read_addr.eq(band_addr + th * words_per_row), tj_last.eq(plan.tiles_n == 1),
+                                 ti_last.eq(t_i + 2 == plan.tiles_m)]
             with m.Else():
-                with m.If(chunk != plan.chunks - 1):
+                with m.If(~chunk_last):
                     m.d.sync += [chunk.eq(chunk + 1), *pos.advanced(pos, 1),
-                                 read_addr.eq(row_addr + pos.word_after(pos, 1))]
+                                 read_addr.eq(row_addr + pos.word_after(pos, 1)),
+                                 chunk_last.eq(chunk + 2 == plan.chunks)]
                 with m.Else():
                     m.d.sync += [chunk.eq(0), row.eq(row + 1), row_addr.eq(row_addr + words_per_row), *pos.clear(),
-                                 read_addr.eq(row_addr + words_per_row)]
+                                 read_addr.eq(row_addr + words_per_row), chunk_last.eq(plan.chunks == 1),
+                                 row_last.eq(row + 2 == desc.m)]
 
         # The block RAMs read in every cycle (their data is taken only with a read's metadata):
         # no enable net from the read decision to the accumulator's two dozen block RAMs.
