@@ -131,13 +131,21 @@ def gmacs(mmacs: float) -> str:
 
 
 def reusable(directory: Path, board, cfg, top_kw) -> dict | None:
+    """The nextpnr report of a finished build in ``directory`` of the same configuration and
+    the same design (the elaborated RTLIL, ``hbfp_<board>.il``, equal to the tree's: a build
+    of older gateware is not reused), else None."""
+    project = f"hbfp_{board.name}"
     cfg_file = directory / "config.json"
-    report = directory / f"hbfp_{board.name}.report.json"
-    bitstream = directory / f"hbfp_{board.name}{boards.BITSTREAM_SUFFIX[board.flow]}"
-    if not (cfg_file.exists() and report.exists() and bitstream.exists()):
+    report = directory / f"{project}.report.json"
+    bitstream = directory / f"{project}{boards.BITSTREAM_SUFFIX[board.flow]}"
+    rtlil = directory / f"{project}.il"
+    if not (cfg_file.exists() and report.exists() and bitstream.exists() and rtlil.exists()):
         return None
     saved = json.loads(cfg_file.read_text())
     if saved.get("core") != json.loads(json.dumps(cfg.to_dict())) or any(saved.get(k) != v for k, v in top_kw.items()):
+        return None
+    plan = board.platform().build(boards.make_top(board, cfg, top_kw), name=project, do_build=False)
+    if plan.files[f"{project}.il"] != rtlil.read_text():
         return None
     return boards.parse_nextpnr_report(report, saved["clock_hz"])
 
