@@ -23,7 +23,8 @@ guarantees no read meets a write of its address in the same cycle, as ``NO_RW_CH
 of the memories built here). With ``granularity``
 (elements of an ``ArrayLayout`` shape, as in ``amaranth.lib.memory``) the write port has an
 enable per that many elements. The elements of an ``ArrayLayout`` are sliced each on its own
-(no slice spans two).
+(no slice spans two). Elaborated for an iCE40 (4 kbit block RAMs, 16 bits wide at most) the
+memory is not sliced beyond its granules.
 """
 
 from __future__ import annotations
@@ -67,9 +68,13 @@ class BlockRam(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        step = slice_bits(self.depth)
+        # iCE40's block RAMs are 4 kbit, at most 16 bits wide: a deep memory is many of them
+        # whatever its slices, so it is built whole there.
+        whole = str(getattr(platform, "family", "")).lower() == "ice40"
+        step = self.width if whole else slice_bits(self.depth)
         wdata = self.write.data.as_value() if hasattr(self.write.data, "as_value") else self.write.data
-        if isinstance(self.shape, data.ArrayLayout):  # slices of each element, its granule's enable
+        if isinstance(self.shape, data.ArrayLayout) and not (whole and self.granularity is None):
+            # slices of each element, its granule's enable
             ew = Shape.cast(self.shape.elem_shape).width
             slices = [(e * ew + lo, e * ew + min(lo + step, ew),
                        self.write.en if self.granularity is None else self.write.en[e // self.granularity])
