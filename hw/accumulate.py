@@ -63,8 +63,8 @@ class Accumulate(wiring.Component):
     readable from the next cycle).
 
     Latency: a beat entering in cycle t is written in cycle t + ``NormalizeDatapath.LATENCY`` +
-    ``AddF32Datapath.LATENCY``; the read of the old word is issued in cycle t + Ln - 2 (Ln - 3
-    with groups).
+    ``AddF32Datapath.LATENCY``; the read of the old word is issued in cycle t + Ln -
+    ``ACC_READ_LATENCY`` (a cycle earlier with groups).
     """
 
     def __init__(self, cfg: CoreConfig):
