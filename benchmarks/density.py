@@ -445,7 +445,8 @@ def parser() -> argparse.ArgumentParser:
 
 def config(args) -> CoreConfig:
     units = dict(bfp_output=False, stochastic=False) if args.reduced else {}
-    lanes = args.acc_lanes or fewest_acc_lanes(args.rows, args.cols, args.tile[1])
+    tk = CoreConfig(rows=args.rows, cols=args.cols, size=args.size, tile=tuple(args.tile)).tk
+    lanes = args.acc_lanes or fewest_acc_lanes(args.rows, args.cols, tk)
     return CoreConfig(rows=args.rows, cols=args.cols, size=args.size, tile=tuple(args.tile),
                       functions=tuple(args.functions), acc_lanes=lanes, **units)
 

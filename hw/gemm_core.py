@@ -33,7 +33,7 @@ from .block_ram import BlockRam
 from .buffers import NO_RW_CHECK, READ_COLUMN, READ_ROW, OperandBuffer, times_constant
 from .epilogue import Epilogue, output_layout, plan_layout
 from .mac_array import MacArray
-from .params import EXP_WIDTH, FP32_WIDTH, OPERAND_READ_LATENCY, PREFETCH_CYCLES, CoreConfig
+from .params import ACC_READ_LATENCY, EXP_WIDTH, FP32_WIDTH, OPERAND_READ_LATENCY, PREFETCH_CYCLES, CoreConfig
 
 __all__ = ["GemmCore", "core_signature", "accept_command", "write_layout", "command_layout", "output_layout"]
 
@@ -157,6 +157,8 @@ class GemmCore(wiring.Component):
         m.submodules.exp_a = exp_a = memory.Memory(shape=EXP_WIDTH, depth=exp_depth, init=[], attrs=NO_RW_CHECK)
         m.submodules.exp_b = exp_b = memory.Memory(shape=EXP_WIDTH, depth=exp_depth, init=[], attrs=NO_RW_CHECK)
         acc_word = data.ArrayLayout(FP32_WIDTH, C)
+        # An accumulator or bias read: the BlockRam's cycles, then the reader's register.
+        assert BlockRam.LATENCY + 1 == ACC_READ_LATENCY
         m.submodules.acc_mem = acc_mem = BlockRam(acc_word, D * words_per_row, read_ports=2, granularity=1)
         m.submodules.bias_mem = bias_mem = BlockRam(acc_word, words_per_row)
         exp_a_rd, exp_b_rd = exp_a.read_port(), exp_b.read_port()
