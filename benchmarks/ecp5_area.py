@@ -28,6 +28,7 @@ import hashlib
 import json
 import re
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hbfp.hw.generate import generate
@@ -50,10 +51,12 @@ def measured_modules(names: list[str], pattern: re.Pattern) -> list[str]:
 
 
 def measure(cfg: CoreConfig, work: Path, seeds=(1, 2, 3), nodsp: bool = False, device: str = "85k",
-            package: str = "CABGA381", freq: float = 100.0, *, reuse: bool = False, log=print) -> dict:
-    """Synthesize the core of ``cfg`` once, place and route it once per seed in ``work``; the
-    figures ``--json`` writes (also saved as ``work/result.json``). ``reuse``: return the saved
-    figures when the core's Verilog (its logic) and the options are those measured."""
+            package: str = "CABGA381", freq: float = 100.0, *, reuse: bool = False, jobs: int = 1,
+            log=print) -> dict:
+    """Synthesize the core of ``cfg`` once, place and route it once per seed in ``work``
+    (``jobs`` seeds at a time); the figures ``--json`` writes (also saved as
+    ``work/result.json``). ``reuse``: return the saved figures when the core's Verilog (its
+    logic) and the options are those measured."""
     generate(cfg, work, only=["gemm_core"], log=lambda s: None, platform=ECP5)
     src = work / "gemm_core.v"
     options = {"seeds": list(seeds), "nodsp": nodsp, "device": device, "package": package, "freq": freq,
@@ -68,13 +71,15 @@ def measure(cfg: CoreConfig, work: Path, seeds=(1, 2, 3), nodsp: bool = False, d
     array, lanes = measured_modules(names, ARRAY_MODULE), measured_modules(names, LANE_MODULES)
     log(f"synth_ecp5{' -nodsp' if nodsp else ''} (kept: {', '.join(array + lanes)}) ...")
     synth = synth_ecp5(src, "gemm_core", work, nodsp=nodsp, keep=array + lanes)
-    runs = []
-    for seed in seeds:
+    def place_and_route(seed):
         log(f"nextpnr-ecp5 --{device} --out-of-context --seed {seed} ...")
         pnr = pnr_ecp5(synth["json"], work / f"seed{seed}", device, package, freq, seed)
-        runs.append({"seed": seed, "fmax_mhz": pnr["fmax_min"], "utilization": pnr["utilization"],
-                     "seconds": pnr["seconds"]})
         log(f"  seed {seed}: {pnr['fmax_min']:.1f} MHz ({pnr['seconds']:.0f} s)")
+        return {"seed": seed, "fmax_mhz": pnr["fmax_min"], "utilization": pnr["utilization"],
+                "seconds": pnr["seconds"]}
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # each seed a nextpnr process
+        runs = list(pool.map(place_and_route, seeds))
     util = runs[0]["utilization"]  # packing comes before placement: the same for every seed
     whole = lut4_cells(synth["cells"])
     array_lut4 = sum(lut4_cells(synth["modules"][n]) for n in array)
@@ -148,6 +153,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3],
                    help="placement seeds, one place and route each on the same netlist (default 1 2 3)")
     p.add_argument("--no-dsp", action="store_true", help="LUT-only: synth_ecp5 -nodsp (for density comparisons)")
+    p.add_argument("--jobs", type=int, default=1, help="seeds placed and routed at a time (default 1)")
     p.add_argument("--out", default="build/ecp5", help="work folder")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
     p.add_argument("--write", action="store_true", help="write docs/reports/ecp5-<config>.md")
@@ -157,7 +163,7 @@ def main(argv=None) -> int:
     cfg = CoreConfig(rows=args.rows, cols=args.cols, size=args.size, functions=tuple(args.functions))
     name = f"core-{cfg.rows}x{cfg.cols}-s{cfg.size}{'-lut' if args.no_dsp else ''}"
     res = measure(cfg, ROOT / args.out / name, args.seeds, args.no_dsp, args.device, args.package, args.freq,
-                  reuse=args.reuse, log=lambda s: print(f"{name}: {s}", flush=True))
+                  reuse=args.reuse, jobs=args.jobs, log=lambda s: print(f"{name}: {s}", flush=True))
     command = (f"python benchmarks/ecp5_area.py --rows {cfg.rows} --cols {cfg.cols} --size {cfg.size} "
                f"--functions {' '.join(args.functions)} --device {args.device} --freq {args.freq:g} "
                f"--seeds {' '.join(map(str, args.seeds))}{' --no-dsp' if args.no_dsp else ''}")

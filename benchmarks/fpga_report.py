@@ -92,7 +92,7 @@ def core_8x8(args) -> dict:
     docs/reports/ecp5-core-8x8-s96.md and .json."""
     cfg = CoreConfig(rows=8, cols=8, size=96, functions=("relu", "gelu"))
     name = f"core-{cfg.rows}x{cfg.cols}-s{cfg.size}"
-    res = measure(cfg, ROOT / "build" / "ecp5" / name, args.core_seeds, reuse=args.reuse,
+    res = measure(cfg, ROOT / "build" / "ecp5" / name, args.core_seeds, reuse=args.reuse, jobs=args.core_jobs,
                   log=lambda s: print(f"{name}: {s}", flush=True))
     seeds = " ".join(map(str, args.core_seeds))
     command = (f"python benchmarks/ecp5_area.py --rows {cfg.rows} --cols {cfg.cols} --size {cfg.size} --functions "
@@ -160,6 +160,7 @@ def main(argv=None) -> int:
                    help="placement seeds of the 8x8 core's own measurement (default 1 2 3)")
     p.add_argument("--no-core", action="store_true", help="leave out the 8x8 core's own measurement")
     p.add_argument("--no-density", action="store_true", help="leave out the whole-core density experiment")
+    p.add_argument("--core-jobs", type=int, default=2, help="the 8x8 core's seeds placed and routed at a time (default 2)")
     p.add_argument("--density-jobs", type=int, default=2, help="the density experiment's flows at a time (default 2)")
     args = p.parse_args(argv)
 

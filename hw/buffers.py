@@ -8,24 +8,22 @@ different banks, so either is read in one cycle: the operand is stored once and 
 as it is or transposed (docs/architecture.md, "Operand buffers").
 
 Reads take ``LATENCY`` = 3 cycles: the request is registered, and the banks' outputs are
-registered before the lane rotation (a block RAM's output register), so at most one adder
-precedes and no logic follows a block RAM access in the same cycle. Writes land the cycle
+registered before the lane rotation (each bank a ``BlockRam``: on ECP5 its block RAM's output
+register), so at most one adder precedes and no logic follows a block RAM access in the same
+cycle. Writes land the cycle
 after their request (registered the same way).
 """
 
 from __future__ import annotations
 
 from amaranth import Array, Cat, Const, Module, Mux, Signal, signed
-from amaranth.lib import data, memory, wiring
+from amaranth.lib import data, wiring
 from amaranth.lib.wiring import In, Out
 
+from .block_ram import NO_RW_CHECK, BlockRam
 from .params import OPERAND_READ_LATENCY
 
 __all__ = ["OperandBuffer", "READ_COLUMN", "READ_ROW", "times_constant", "NO_RW_CHECK"]
-
-#: Attributes of a memory whose reads never meet a write of the same address in one cycle:
-#: Yosys then builds no forwarding multiplexer behind the block RAM's output.
-NO_RW_CHECK = {"no_rw_check": 1}
 
 #: ``mode`` of a read: ``lanes`` rows of one column, or ``lanes`` columns of one row.
 READ_COLUMN = 0
@@ -101,11 +99,8 @@ class OperandBuffer(wiring.Component):
         depth = (self.rows // L) * self.cols
         banks = []
         for b in range(L):
-            # (Without NO_RW_CHECK: with it Yosys 0.5x built the 8-bank buffer in more LUTs, 1,216
-            # against 945, for 232 fewer flip-flops.)
-            mem = memory.Memory(shape=signed(self.code_width), depth=depth, init=[])
-            m.submodules[f"bank{b}"] = mem
-            banks.append((mem.read_port(), mem.write_port()))
+            m.submodules[f"bank{b}"] = mem = BlockRam(signed(self.code_width), depth)
+            banks.append((mem.read0, mem.write))
         lane = range(L)
 
         def wrap(value):
@@ -170,11 +165,12 @@ class OperandBuffer(wiring.Component):
             ]
         with m.If(read1):
             m.d.sync += rot2.eq(rot1)
-        bank_q = [Signal(signed(self.code_width), name=f"bank_q{b}") for b in range(L)]
         with m.If(read2):
             m.d.sync += rot3.eq(rot2)
-            m.d.sync += [q.eq(rp.data) for q, (rp, _) in zip(bank_q, banks)]
+        # A bank's word (BlockRam.LATENCY = 2: its address register, its output register)
+        # holds while no read is addressed to it, like rot3.
+        assert BlockRam.LATENCY == 2
         # Lane t comes from bank (t + rot) % L: the banks' words rotated by rot.
-        for t, word in enumerate(rotate(bank_q, rot3, 1)):
+        for t, word in enumerate(rotate([rp.data for rp, _ in banks], rot3, 1)):
             m.d.comb += self.r_data[t].eq(word)
         return m

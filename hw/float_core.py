@@ -240,10 +240,17 @@ class FloatCore(wiring.Component):
         wb_en = delayed(m, live, lat + La, "write_en")
         wb_addr = delayed(m, addr, lat + La, "write_addr")
         closed = delayed(m, live & last_live & head.closes, lat + La, "closed")
+        # A host write of the accumulator is registered, and selects itself, as in GemmCore.
+        host_acc = Signal()
+        host_addr = Signal.like(acc_wr.addr)
+        host_data = Signal(acc_word)
+        m.d.sync += [host_acc.eq(w_fire & (w.target == Target.ACC)),
+                     host_addr.eq(times_constant(w.row, words_per_row) + col_word),
+                     host_data.eq(w.data.as_value()[:C * FP32_WIDTH])]
         m.d.comb += [
-            acc_wr.en.eq(Mux(busy, wb_en, w_fire & (w.target == Target.ACC))),
-            acc_wr.addr.eq(Mux(busy, wb_addr, times_constant(w.row, words_per_row) + col_word)),
-            acc_wr.data.eq(Mux(busy, wb_data, w.data.as_value()[:C * FP32_WIDTH])),
+            acc_wr.en.eq(host_acc | wb_en),
+            acc_wr.addr.eq(Mux(host_acc, host_addr, wb_addr)),
+            acc_wr.data.eq(Mux(host_acc, host_data, wb_data)),
         ]
 
         rows_done = Signal(range(D + R + 1))

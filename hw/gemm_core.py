@@ -383,13 +383,22 @@ class GemmCore(wiring.Component):
         m.d.comb += [acc_lanes.i.valid.eq(drained_valid), acc_lanes.i.payload.eq(drained)]
         wiring.connect(m, acc_lanes.acc_read, acc_mem.read0)
         acc_w = acc_lanes.acc_write
-        host_acc = w_fire & (w.target == Target.ACC)
+        # A host write of the accumulator is registered before it meets the lanes' writes, and
+        # the registered write itself selects (the lanes write only while busy, and a command
+        # is accepted no sooner than the cycle after the last host write): no logic between
+        # the host's stream or ``busy`` and the block RAMs' pins, which spread over the die.
+        host_acc = Signal()
+        host_addr = Signal.like(acc_wr.addr)
+        host_data = Signal.like(acc_wr.data)
+        m.d.sync += [host_acc.eq(w_fire & (w.target == Target.ACC)),
+                     host_addr.eq(times_constant(w.row, words_per_row) + col_word)]
+        m.d.sync += [host_data[j].eq(w.data[j]) for j in range(C)]
         m.d.comb += [
-            acc_wr.en.eq(Mux(busy, acc_w.en, Cat(host_acc for _ in range(C)))),
-            acc_wr.addr.eq(Mux(busy, acc_w.addr, times_constant(w.row, words_per_row) + col_word)),
+            acc_wr.en.eq(Mux(host_acc, Const((1 << C) - 1, C), acc_w.en)),
+            acc_wr.addr.eq(Mux(host_acc, host_addr, acc_w.addr)),
         ]
         for j in range(C):
-            m.d.comb += acc_wr.data[j].eq(Mux(busy, acc_w.data[j], w.data[j]))
+            m.d.comb += acc_wr.data[j].eq(Mux(host_acc, host_data[j], acc_w.data[j]))
 
         # Rows whose accumulation is final: whole row-blocks as the lanes close them; every row
         # at once for K = 0.

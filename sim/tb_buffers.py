@@ -1,6 +1,7 @@
 """cocotb testbench of ``hbfp.hw.buffers.OperandBuffer``: a stored matrix written in row
 chunks reads back as row chunks and as column chunks (the transposed operand), equal to the
-matrix's own rows and columns."""
+matrix's own rows and columns: one read at a time, then a read every cycle (with gaps) whose
+chunks must arrive exactly ``LATENCY`` cycles after their requests."""
 
 import random
 
@@ -8,7 +9,7 @@ import cocotb
 import numpy as np
 from cocotb.triggers import FallingEdge, ReadOnly, RisingEdge
 
-from hbfp.hw.buffers import READ_COLUMN, READ_ROW
+from hbfp.hw.buffers import READ_COLUMN, READ_ROW, OperandBuffer
 from hbfp.sim.runner import tb_config
 from hbfp.sim.streams import pack, start_clock_and_reset, unpack
 
@@ -63,5 +64,23 @@ async def write_then_read_both_ways(dut):
             got = unpack(int(dut.r_data.value), width, L, signed=True)
             want = stored[r, c : c + L] if mode == READ_ROW else stored[r : r + L, c]
             assert got == want.tolist(), f"{'row' if mode == READ_ROW else 'column'} chunk at ({r}, {c}): got {got}, want {want.tolist()}"
+            await FallingEdge(dut.clk)
+        dut.r_en.value = 0
+        # A read every cycle but for random gaps: after the clock edge that takes request i,
+        # r_data is the chunk of the last request taken LATENCY - 1 or more edges earlier.
+        taken = []
+        for i, (mode, r, c) in enumerate(reads):
+            gap = rng.random() < 0.2
+            dut.r_en.value = 0 if gap else 1
+            dut.r_mode.value, dut.r_row.value, dut.r_col.value = mode, r, c
+            await RisingEdge(dut.clk)
+            taken.append(None if gap else (mode, r, c))
+            await ReadOnly()
+            due = [x for x in taken[: len(taken) - (OperandBuffer.LATENCY - 1)] if x is not None]
+            if due:
+                mode_d, r_d, c_d = due[-1]
+                got = unpack(int(dut.r_data.value), width, L, signed=True)
+                want = stored[r_d, c_d : c_d + L] if mode_d == READ_ROW else stored[r_d : r_d + L, c_d]
+                assert got == want.tolist(), f"streamed read {i}: chunk of {due[-1]}: got {got}, want {want.tolist()}"
             await FallingEdge(dut.clk)
         dut.r_en.value = 0

@@ -6,6 +6,7 @@ import pytest
 
 from hbfp.hw.activation import FUNC_WIDTH, FUNCTIONS
 from hbfp.hw.gemm_core import GemmCore
+from hbfp.hw.openflow import ECP5
 from hbfp.hw.params import CoreConfig
 from hbfp.sim import runner
 
@@ -21,7 +22,12 @@ CONFIGS = {
     "8x8-mxint8": CoreConfig(rows=8, cols=8, tile=(1, 32), size=96, functions=SOME),
     # One accumulate lane for the four columns (each lane serves acc_groups = 4 columns).
     "4x4-hbfp8-l1": CoreConfig(rows=4, cols=4, tile=(24, 24), size=48, functions=("relu",), acc_lanes=1),
+    # The same elaborated for an ECP5: its memories DP16KD blocks with their output registers,
+    # its PEs MULT18X18D blocks (sim/dp16kd_model.v, sim/mult18x18d_model.v).
+    "4x4-hbfp8-l1-ecp5": CoreConfig(rows=4, cols=4, tile=(24, 24), size=48, functions=("relu",), acc_lanes=1),
 }
+#: The platform a configuration is elaborated for (default: none, the portable gateware).
+PLATFORMS = {"4x4-hbfp8-l1-ecp5": ECP5}
 if FULL:
     # Array shapes (make test checks them under Amaranth's simulator, in
     # test_hw_gemm_core_amaranth.py): rectangular with rows not a power of two and a full-width
@@ -50,14 +56,15 @@ def tb_config(cfg: CoreConfig, elements: int, seed: int) -> dict:
     return d
 
 
-# The 8x8 MXINT8 core and the core with a shared accumulate lane run on Icarus with make
-# sim-full only (the 4x4 MXINT8 core covers the format there in make test, and Verilator runs
-# all of them), which keeps make test within its budget.
-ICARUS_FULL_ONLY = ("8x8-mxint8", "4x4-hbfp8-l1")
+# make test leaves to make sim-full (to keep within its budget): the 8x8 MXINT8 core and the
+# portable shared-lane core (the 4x4 MXINT8 core covers the format, the same core for an ECP5
+# the shared lane, and Amaranth's simulator shared lanes in other shapes:
+# test_hw_gemm_core_amaranth.py), and the ECP5 core on Icarus.
+FULL_ONLY = {"8x8-mxint8": runner.SIMULATORS, "4x4-hbfp8-l1": runner.SIMULATORS, "4x4-hbfp8-l1-ecp5": ("icarus",)}
 
 
 @pytest.mark.parametrize("sim, name", [(sim, name) for name in CONFIGS for sim in runner.SIMULATORS
-                                       if FULL or not (sim == "icarus" and name in ICARUS_FULL_ONLY)])
+                                       if FULL or sim not in FULL_ONLY.get(name, ())])
 def test_gemm_core_equals_golden(sim, name):
     runner.require(sim)
     cfg = CONFIGS[name]
@@ -65,6 +72,7 @@ def test_gemm_core_equals_golden(sim, name):
     # The utilization figure is deterministic: measured on Verilator (and everywhere by sim-full).
     testcase = None if (sim == "verilator" or FULL) else "random_products"
     tests, failed = runner.run(
-        lambda: GemmCore(cfg), "gemm_core", "tb_gemm_core", sim, tb_config(cfg, elements, seed=len(name)), testcase=testcase
+        lambda: GemmCore(cfg), "gemm_core", "tb_gemm_core", sim, tb_config(cfg, elements, seed=len(name)), testcase=testcase,
+        platform=PLATFORMS.get(name),
     )
     assert tests == (2 if testcase is None else 1) and failed == 0

@@ -248,7 +248,7 @@ def test_uart_pair_cocotb(sim, divisor):
 TOP_FUNCTIONS = ("relu",)
 TOP_PRODUCTS = {
     "verilator": [(24, 24, 24, "FP32"), (30, 17, 40, "BF16"), (48, 48, 48, "BFP")] if FULL
-    else [(24, 24, 24, "FP32"), (13, 20, 9, "BF16")],
+    else [(13, 20, 9, "BF16")],  # (the pipelined product below returns FP32)
     "icarus": [(4, 5, 6, "FP32")],
 }
 TOP_PIPELINED = {"verilator": (24, 24, 24), "icarus": None}
