@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     for name in args.boards:
         board, cfg, top_kw = boards.board_config(name)
-        clock_mhz = boards.BOARDS[name].platform().default_clk_frequency / 1e6
+        clock_mhz = boards.BOARDS[name].clock_hz() / 1e6
         conf = configuration(cfg)
         macs = cfg.rows * cfg.cols
         if board.flow == "quartus":

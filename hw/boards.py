@@ -3,13 +3,15 @@
 
 | board | FPGA | flow | host link | clock | default configuration |
 |---|---|---|---|---|---|
-| ``ulx3s`` | ECP5 LFE5U-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | UART (FTDI) | 25 MHz | 16x16 (144 PEs on DSP blocks, 112 on LUT multipliers), 1 output lane, HBFP8, 96x96 buffers, relu + gelu |
+| ``ulx3s`` | ECP5 LFE5U-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | UART (FTDI) | 75 MHz (PLL from 25 MHz) | 16x16 (144 PEs on DSP blocks, 112 on LUT multipliers), 1 output lane, HBFP8, 96x96 buffers, relu + gelu |
 | ``icebreaker`` | iCE40 UP5K | yosys + nextpnr-ice40 (YoWASP) to a bitstream | UART (FTDI) | 12 MHz | 1x1, HBFP8, 24x24 buffers, a reduced device (below) |
 | ``de10_nano`` | Cyclone V 5CSEBA6U23I7 | Quartus project | UART (GPIO header pins) | 50 MHz | 8x8, HBFP8, 96x96, all functions |
 | ``stratix5`` | Stratix V GX 5SGXEA7K2F40C2 | Quartus project | Avalon-ST, 16 bytes wide (PCIe) | 100 MHz | 32x32, 8-bit mantissas, 32x32 tiles, 256x256 buffers |
 
 The UART boards run ``hw.uart.UartTop`` (``AcceleratorTop`` behind an 8N1 receiver and
-transmitter) at the board's oscillator; LED 0 blinks at about 1 Hz (the clock runs), LED 1
+transmitter) at the board's oscillator, or where the board says so (``Board.pll_hz``) at a
+clock that the FPGA's PLL makes of it (ECP5: an EHXPLLL, ``ecp5_pll``; the design is held in
+reset until the PLL locks); LED 0 blinks at about 1 Hz (the clock runs), LED 1
 shows the receive line's activity, LED 2 a framing error, LED 3 an overrun. The host opens
 them with ``serial:PORT:BAUD`` (e.g. ``serial:/dev/ttyUSB0:1000000``).
 
@@ -42,7 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from amaranth import Elaboratable, Instance, Module, Signal
+from amaranth import ClockDomain, Elaboratable, Instance, Module, Signal
+from amaranth.lib.cdc import ResetSynchronizer
 from amaranth.build import Attrs, Clock, Pins, PinsN, Resource, ResourceError, Subsignal
 from amaranth.lib import io
 from amaranth.vendor import AlteraPlatform
@@ -188,6 +191,14 @@ class Board:
     link: str
     spec: str
     notes: str = ""
+    #: The design's clock made by the FPGA's PLL from the board's oscillator (ECP5 only); None:
+    #: the oscillator itself.
+    pll_hz: int | None = None
+
+    def clock_hz(self, platform=None) -> int:
+        """The design's clock: ``pll_hz``, else the oscillator of ``platform`` (default: a
+        new one of this board's)."""
+        return self.pll_hz or int((platform or self.platform()).default_clk_frequency)
 
     @property
     def options(self) -> dict:
@@ -213,7 +224,8 @@ BOARDS: dict[str, Board] = {b.name: b for b in (
           # output lane: the UART takes a byte a cycle at most.
           f"rows=16,cols=16,size=96,dsp_macs=144,out_lanes=1,functions=relu+gelu,baud={DEFAULT_BAUD},"
           f"fifo_depth={DEFAULT_FIFO_DEPTH}",
-          "UART over the board's FTDI FT231X USB port (up to 3 Mbaud)."),
+          "UART over the board's FTDI FT231X USB port (up to 3 Mbaud); the design runs at 75 MHz from "
+          "the ECP5's PLL (the board's oscillator: 25 MHz).", pll_hz=75_000_000),
     Board("icebreaker", "1BitSquared iCEBreaker (iCE40 UP5K)", _icebreaker, "ice40", "uart",
           # one 4 kbit block RAM each for the FIFO and the payload buffer
           f"rows=1,cols=1,size=24,functions=none,value_quantizer=0,bfp_output=0,stochastic=0,"
@@ -254,23 +266,82 @@ def board_config(name: str, **overrides) -> tuple[Board, CoreConfig, dict]:
     cfg = CoreConfig(**core)
     top_kw = {**board.top_kw, **top_fields}
     if board.link == "uart":
-        divisor_for(int(board.platform().default_clk_frequency), top_kw["baud"])  # a clear error if too fast
+        divisor_for(board.clock_hz(), top_kw["baud"])  # a clear error if too fast
     return board, cfg, top_kw
 
 
-class UartBoardTop(Elaboratable):
-    """A UART board's top: ``UartTop`` on the board's UART pins and default clock, status
-    LEDs (see the module docstring)."""
+#: ECP5 PLL limits (Lattice TN1263): the phase detector's input, the VCO and the outputs.
+ECP5_PLL_PFD_HZ = (3_125_000, 400_000_000)
+ECP5_PLL_VCO_HZ = (400_000_000, 800_000_000)
+ECP5_PLL_OUT_HZ = (3_125_000, 400_000_000)
 
-    def __init__(self, cfg: CoreConfig, *, baud: int, fifo_depth: int, max_payload: int | None = None):
+
+def ecp5_pll_dividers(f_in: int, f_out: int) -> tuple[int, int, int]:
+    """(CLKI_DIV, CLKFB_DIV, CLKOP_DIV) of an EHXPLLL fed back from CLKOP that makes exactly
+    ``f_out`` of ``f_in`` (``f_out = f_in * CLKFB_DIV / CLKI_DIV``, the VCO ``f_out *
+    CLKOP_DIV``), the VCO nearest the middle of its range; ValueError if none does."""
+    if not ECP5_PLL_OUT_HZ[0] <= f_out <= ECP5_PLL_OUT_HZ[1]:
+        raise ValueError(f"an ECP5 PLL output runs at {ECP5_PLL_OUT_HZ[0] / 1e6:g}-{ECP5_PLL_OUT_HZ[1] / 1e6:g} MHz, "
+                         f"not {f_out / 1e6:g}")
+    best = None
+    for clki in range(1, 129):
+        if not ECP5_PLL_PFD_HZ[0] <= f_in / clki <= ECP5_PLL_PFD_HZ[1]:
+            continue
+        for clkfb in range(1, 81):
+            if f_in * clkfb != f_out * clki:
+                continue
+            for clkop in range(1, 129):
+                vco = f_out * clkop
+                if ECP5_PLL_VCO_HZ[0] <= vco <= ECP5_PLL_VCO_HZ[1]:
+                    score = abs(vco - sum(ECP5_PLL_VCO_HZ) / 2)
+                    if best is None or score < best[0]:
+                        best = (score, (clki, clkfb, clkop))
+    if best is None:
+        raise ValueError(f"no ECP5 PLL setting makes exactly {f_out / 1e6:g} MHz of {f_in / 1e6:g} MHz")
+    return best[1]
+
+
+def ecp5_pll(m: Module, platform, f_out: int) -> None:
+    """Drives the sync domain of ``m`` from an EHXPLLL at ``f_out`` fed by ``platform``'s
+    oscillator (its ``default_clk``), with a clock constraint for nextpnr; the domain is in
+    reset until the PLL locks (and then leaves it synchronously)."""
+    f_in = int(platform.default_clk_frequency)
+    clki, clkfb, clkop = ecp5_pll_dividers(f_in, f_out)
+    clk_in = platform.request(platform.default_clk, dir="-")
+    m.submodules.clk_in = clk_buf = io.Buffer("i", clk_in)
+    m.domains.sync = sync = ClockDomain("sync")
+    locked = Signal()
+    m.submodules.pll = Instance(
+        "EHXPLLL",
+        a_FREQUENCY_PIN_CLKI=str(f_in / 1e6), a_FREQUENCY_PIN_CLKOP=str(f_out / 1e6),
+        p_PLLRST_ENA="DISABLED", p_INTFB_WAKE="DISABLED", p_STDBY_ENABLE="DISABLED", p_DPHASE_SOURCE="DISABLED",
+        p_OUTDIVIDER_MUXA="DIVA", p_CLKOP_ENABLE="ENABLED", p_FEEDBK_PATH="CLKOP",
+        p_CLKI_DIV=clki, p_CLKFB_DIV=clkfb, p_CLKOP_DIV=clkop, p_CLKOP_CPHASE=clkop // 2, p_CLKOP_FPHASE=0,
+        i_RST=0, i_STDBY=0, i_CLKI=clk_buf.i, i_CLKFB=sync.clk, o_CLKOP=sync.clk, o_LOCK=locked,
+        i_PHASESEL0=0, i_PHASESEL1=0, i_PHASEDIR=1, i_PHASESTEP=1, i_PHASELOADREG=1, i_PLLWAKESYNC=0,
+        i_ENCLKOP=0,
+    )
+    platform.add_clock_constraint(sync.clk, f_out)
+    m.submodules.pll_reset = ResetSynchronizer(~locked, domain="sync")
+
+
+class UartBoardTop(Elaboratable):
+    """A UART board's top: ``UartTop`` on the board's UART pins and default clock (or at
+    ``pll_hz`` from the FPGA's PLL: ``ecp5_pll``), status LEDs (see the module docstring)."""
+
+    def __init__(self, cfg: CoreConfig, *, baud: int, fifo_depth: int, max_payload: int | None = None,
+                 pll_hz: int | None = None):
         self.cfg = cfg
         self.baud = baud
         self.fifo_depth = fifo_depth
         self.max_payload = max_payload
+        self.pll_hz = pll_hz
 
     def elaborate(self, platform):
         m = Module()
-        clock_hz = int(platform.default_clk_frequency)
+        if self.pll_hz:
+            ecp5_pll(m, platform, self.pll_hz)
+        clock_hz = self.pll_hz or int(platform.default_clk_frequency)
         kw = {"max_payload": self.max_payload} if self.max_payload else {}
         m.submodules.device = device = UartTop(self.cfg, divisor=divisor_for(clock_hz, self.baud), clock_hz=clock_hz,
                                                fifo_depth=self.fifo_depth, **kw)
@@ -522,7 +593,7 @@ class _Output:
 def make_top(board: Board, cfg: CoreConfig, top_kw: dict):
     if board.link == "uart":
         return UartBoardTop(cfg, baud=top_kw["baud"], fifo_depth=top_kw["fifo_depth"],
-                            max_payload=top_kw.get("max_payload"))
+                            max_payload=top_kw.get("max_payload"), pll_hz=board.pll_hz)
     return AvalonStBoardTop(cfg, max_payload=top_kw.get("max_payload"))
 
 
@@ -543,7 +614,7 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
     t0 = time.perf_counter()
     log(f"{board.name}: elaborating {cfg.rows}x{cfg.cols} {board.link} top ({board.title})")
     config = json.dumps({"board": board.name, "title": board.title, "flow": board.flow, "link": board.link,
-                         "core": cfg.to_dict(), **top_kw, "clock_hz": int(platform.default_clk_frequency)},
+                         "core": cfg.to_dict(), **top_kw, "clock_hz": board.clock_hz(platform)},
                         indent=1) + "\n"
     report_json = f"{project}.report.json"
     kwargs = {}
@@ -586,7 +657,7 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
         raise RuntimeError(f"{board.name}: the tools ran but wrote no bitstream {bitstream.name}; see "
                            f"{directory / 'build.log'}")
     files = output.files()
-    report = parse_nextpnr_report(directory / report_json, int(platform.default_clk_frequency))
+    report = parse_nextpnr_report(directory / report_json, board.clock_hz(platform))
     result = BuildResult(board.name, cfg, directory, project, files, bitstream, report, time.perf_counter() - t0)
     log(f"{board.name}: bitstream {result.bitstream} ({result.seconds:.0f} s); Fmax {report['fmax_mhz']:.1f} MHz, "
         f"clock {report['clock_mhz']:.1f} MHz: timing {'met' if report['timing_met'] else 'NOT met'}")

@@ -84,9 +84,29 @@ def test_ecp5_project_has_the_board_pins_and_clock(tmp_path):
     for pin in ("G2", "M1", "L4"):  # clk25, UART rx, tx (FTDI)
         assert f'SITE "{pin}"' in lpf
     assert re.search(r"FREQUENCY (PORT|NET) \S+ 25000000", lpf)
+    # The design's clock: 75 MHz from the ECP5's PLL, constrained for nextpnr.
+    assert re.search(r"FREQUENCY (PORT|NET) \S+ 75000000", lpf)
+    il = (d / f"{project}.il").read_text()
+    assert "EHXPLLL" in il and "CLKFB_DIV" in il
     script = (d / f"build_{project}.sh").read_text()
     assert "--report" in script and "--timing-allow-fail" in script and "ECPPACK" in script
-    assert '"baud": 1000000' in (d / "config.json").read_text()
+    config = json.loads((d / "config.json").read_text())
+    assert config["baud"] == 1000000 and config["clock_hz"] == 75_000_000
+
+
+@pytest.mark.parametrize("f_in, f_out, dividers", [(25e6, 75e6, (1, 3, 8)), (25e6, 100e6, (1, 4, 6)),
+                                                    (12e6, 48e6, (1, 4, 12))])
+def test_ecp5_pll_dividers_make_the_clock_exactly(f_in, f_out, dividers):
+    clki, clkfb, clkop = boards.ecp5_pll_dividers(int(f_in), int(f_out))
+    assert (clki, clkfb, clkop) == dividers
+    assert f_in * clkfb / clki == f_out and 400e6 <= f_out * clkop <= 800e6
+
+
+def test_ecp5_pll_refuses_what_it_cannot_make():
+    with pytest.raises(ValueError, match="3.125-400 MHz"):
+        boards.ecp5_pll_dividers(25_000_000, 500_000_000)
+    with pytest.raises(ValueError, match="no ECP5 PLL setting makes exactly"):
+        boards.ecp5_pll_dividers(25_000_000, 77_777_777)
 
 
 def test_board_options_are_checked():
