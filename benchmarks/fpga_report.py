@@ -49,7 +49,7 @@ from hbfp.hw.openflow import RESOURCES, bin_path, run_tool, synth_ecp5
 
 import density  # benchmarks/density.py
 from ecp5_area import ROOT, figures, measure, table  # benchmarks/ecp5_area.py
-from report import REPORTS, publish  # benchmarks/report.py
+from report import REPORTS, publish, rtlil_logic  # benchmarks/report.py
 
 
 #: nextpnr resource names -> the report's columns.
@@ -132,8 +132,8 @@ def gmacs(mmacs: float) -> str:
 
 def reusable(directory: Path, board, cfg, top_kw) -> dict | None:
     """The nextpnr report of a finished build in ``directory`` of the same configuration and
-    the same design (the elaborated RTLIL, ``hbfp_<board>.il``, equal to the tree's: a build
-    of older gateware is not reused), else None."""
+    the same design (the elaborated RTLIL, ``hbfp_<board>.il``, equal to the tree's but for
+    source-line attributes: a build of older gateware is not reused), else None."""
     project = f"hbfp_{board.name}"
     cfg_file = directory / "config.json"
     report = directory / f"{project}.report.json"
@@ -145,7 +145,7 @@ def reusable(directory: Path, board, cfg, top_kw) -> dict | None:
     if saved.get("core") != json.loads(json.dumps(cfg.to_dict())) or any(saved.get(k) != v for k, v in top_kw.items()):
         return None
     plan = board.platform().build(boards.make_top(board, cfg, top_kw), name=project, do_build=False)
-    if plan.files[f"{project}.il"] != rtlil.read_text():
+    if rtlil_logic(plan.files[f"{project}.il"]) != rtlil_logic(rtlil):
         return None
     return boards.parse_nextpnr_report(report, saved["clock_hz"])
 

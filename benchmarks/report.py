@@ -25,3 +25,10 @@ def verilog_logic(verilog_text: str | Path) -> str:
     if isinstance(verilog_text, Path):
         verilog_text = verilog_text.read_text()
     return re.sub(r'\(\* src = "[^"]*" \*\)', "", verilog_text)
+
+
+def rtlil_logic(rtlil_text: str | Path) -> str:
+    """RTLIL without its source-line attributes: ``verilog_logic`` for RTLIL."""
+    if isinstance(rtlil_text, Path):
+        rtlil_text = rtlil_text.read_text()
+    return re.sub(r'^\s*attribute \\src "[^"]*"\n', "", rtlil_text, flags=re.M)

@@ -303,8 +303,9 @@ def ecp5_pll_dividers(f_in: int, f_out: int) -> tuple[int, int, int]:
 
 def ecp5_pll(m: Module, platform, f_out: int) -> None:
     """Drives the sync domain of ``m`` from an EHXPLLL at ``f_out`` fed by ``platform``'s
-    oscillator (its ``default_clk``), with a clock constraint for nextpnr; the domain is in
-    reset until the PLL locks (and then leaves it synchronously)."""
+    oscillator (its ``default_clk``); the domain is in reset until the PLL locks (and then
+    leaves it synchronously). nextpnr-ecp5 derives the output's clock constraint from the
+    oscillator's and the dividers ("Derived frequency constraint of 75.0 MHz for net clk")."""
     f_in = int(platform.default_clk_frequency)
     clki, clkfb, clkop = ecp5_pll_dividers(f_in, f_out)
     clk_in = platform.request(platform.default_clk, dir="-")
@@ -321,7 +322,6 @@ def ecp5_pll(m: Module, platform, f_out: int) -> None:
         i_PHASESEL0=0, i_PHASESEL1=0, i_PHASEDIR=1, i_PHASESTEP=1, i_PHASELOADREG=1, i_PLLWAKESYNC=0,
         i_ENCLKOP=0,
     )
-    platform.add_clock_constraint(sync.clk, f_out)
     m.submodules.pll_reset = ResetSynchronizer(~locked, domain="sync")
 
 

@@ -84,10 +84,12 @@ def test_ecp5_project_has_the_board_pins_and_clock(tmp_path):
     for pin in ("G2", "M1", "L4"):  # clk25, UART rx, tx (FTDI)
         assert f'SITE "{pin}"' in lpf
     assert re.search(r"FREQUENCY (PORT|NET) \S+ 25000000", lpf)
-    # The design's clock: 75 MHz from the ECP5's PLL, constrained for nextpnr.
-    assert re.search(r"FREQUENCY (PORT|NET) \S+ 75000000", lpf)
+    # The design's clock: 75 MHz from the ECP5's PLL (whose output's constraint nextpnr derives
+    # from the oscillator's): 25 MHz x 3 / 1, the VCO at 75 MHz x 8.
     il = (d / f"{project}.il").read_text()
-    assert "EHXPLLL" in il and "CLKFB_DIV" in il
+    assert "EHXPLLL" in il
+    for name, value in (("CLKI_DIV", 1), ("CLKFB_DIV", 3), ("CLKOP_DIV", 8)):
+        assert re.search(rf"parameter \\{name} {value}\b", il), name
     script = (d / f"build_{project}.sh").read_text()
     assert "--report" in script and "--timing-allow-fail" in script and "ECPPACK" in script
     config = json.loads((d / "config.json").read_text())
