@@ -27,9 +27,11 @@ docs/reports/summary.json, the headline figures for a machine:
   ``density_rows``, ``density_cols`` (the cores' array).
 
 A figure that was not measured in this run (a board left out, a design that does not fit) is
-null. ``--reuse`` takes an existing build of the same configuration (``build/boards/<board>``,
-``build/ecp5/core-8x8-s96``, ``build/density/...``) instead of building again. The ULX3S build
-takes about 20 minutes on 2 cores, the core's three placements about 30.
+null, and a board left out (``--boards``) has a row that says so. ``--reuse`` takes an existing
+build of the same configuration (``build/boards/<board>``, ``build/ecp5/core-8x8-s96``,
+``build/density/...``) instead of building again. The ULX3S build (16x16 at 75 MHz) takes more
+than 90 minutes on 2 cores, the core's three placements about 20 (two at a time), the density
+experiment about 70.
 """
 
 from __future__ import annotations
@@ -224,6 +226,12 @@ def main(argv=None) -> int:
                      + (f", built in {seconds / 60:.1f} min" if seconds else " (reused build)")
                      + f"; the MAC array alone: {mac['logic']:,} logic cells and {mac['dsp']} DSP blocks of "
                      f"{used('logic'):,} and {used('dsp')}. {board.notes}")
+
+    for name in boards.BOARDS:
+        if name not in args.boards:  # left out of this run: say so, rather than drop the board
+            board, cfg, _ = boards.board_config(name)
+            rows.append(f"| {name} | {board.title} | {configuration(cfg)} | not measured in this run | | | | | | "
+                        f"{board.clock_hz() / 1e6:.0f} | | | |")
 
     if not args.no_core:
         summary.update(core_8x8(args))
