@@ -131,7 +131,7 @@ def measure(name: str, mode: str, factory, work: Path, args, log) -> dict:
         row = json.loads(saved.read_text())
         if row.get("options") == options:
             log(f"{tag}: reused {saved}")
-            return row
+            return {**row, "reused": True}
     src = d / f"{top}.v"
     src.write_text(text)
     names = verilog_modules(src)
@@ -258,6 +258,7 @@ def report(fig: dict, args, seconds: float) -> str:
     c, d, r = fig["config"], fig["designs"], fig["ratios"]
     n = c["macs"]
     tool = sum(x["synth_s"] + sum(x["pnr_s"]) for x in d.values()) + fig.get("mult18_s", 0)
+    reused = sum(1 for x in d.values() if x.get("reused")) + fig.get("mult18_reused", 0)
     functions = ", ".join(c["functions"]) or "none"
     units = "BFP output with stochastic rounding" if c["bfp_output"] and c["stochastic"] else (
         "BFP output" if c["bfp_output"] else "fp32/bf16 output only")
@@ -267,7 +268,9 @@ def report(fig: dict, args, seconds: float) -> str:
         f"Command: `{command(args)}`. Core configuration: {c['rows']}x{c['cols']} MAC array, "
         f"{c['size']}x{c['size']} buffers, tile {c['tile'][0]}x{c['tile'][1]}, activation units {functions}, {units}. "
         f"Tool time {tool / 60:.0f} min (synthesis plus place and route, summed); {args.jobs} at a time, "
-        f"the run took {seconds / 60:.0f} min.",
+        + (f"the run took {seconds / 60:.0f} min." if not reused else
+           f"this run reused the saved results of {reused} of the {len(d) + 1} designs (`--reuse`: their Verilog "
+           "and flow options unchanged), which were measured as the table says."),
         "",
         "Every core went through the same flow (`hbfp.hw.openflow`, as benchmarks/ecp5_area.py drives it): "
         "YoWASP Yosys `synth_ecp5`, once with MULT18X18D blocks and once LUT-only (`-nodsp`), the MAC array "
@@ -479,6 +482,7 @@ def run(args) -> dict:
     fig = figures(results, cfg)
     m18 = results[("mult18", "lut")]
     fig["mult18_s"] = m18["synth_s"] + sum(m18["pnr_s"])
+    fig["mult18_reused"] = int(bool(m18.get("reused")))
     (work / "figures.json").write_text(json.dumps(fig, indent=1) + "\n")
     publish(report(fig, args, seconds), "density.md", args.write)
     if args.json:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from amaranth.lib import enum
 
-from amaranth import Cat, Const, Module, Mux, Signal, Value, signed, unsigned
+from amaranth import Cat, Const, Module, Mux, Signal, signed, unsigned
 from amaranth.lib import data, memory, stream, wiring
 from amaranth.lib.wiring import In, Out
 
@@ -396,15 +396,7 @@ class FrameReceiver(wiring.Component):
 
 
 class FrameChecker(wiring.Component):
-    """The decision on a received frame: ``plan`` from ``frame``.
-
-    Its products (a WRITE's elements, a result's elements and tiles, an ELEMENTWISE's
-    second region) and the checks of a WRITE's region are registered (``LATENCY`` = 1): the
-    ``plan`` of a frame is valid from the cycle after the frame is offered, and holds while
-    the frame does. The receiver holds a frame still until it is taken and the engine takes
-    the plan a cycle after it first sees the frame (``DECIDE``), so this costs no cycle; it
-    keeps the multipliers out of the status decision's cycle (on a ULX3S build the whole
-    decision in one cycle was a 24 ns path).
+    """The decision on a received frame (combinational): ``plan`` from ``frame``.
 
     The first failing check gives the status (docs/protocol.md): a dropped frame TIMEOUT (tag
     0xFFFF), an oversize one BAD_LENGTH, then CRC, version, opcode, then per command: a length
@@ -416,8 +408,6 @@ class FrameChecker(wiring.Component):
     execute and how many reply bytes follow the status.
     """
 
-    LATENCY = 1
-
     def __init__(self, cfg: CoreConfig, *, stream_bytes: int, max_payload: int):
         self.cfg, self.stream_bytes, self.max_payload = cfg, stream_bytes, max_payload
         super().__init__({
@@ -428,12 +418,6 @@ class FrameChecker(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         cfg, N, P = self.cfg, self.stream_bytes, self.max_payload
-
-        def early(value, name):
-            """``value`` of the frame, registered (the frame holds still while offered)."""
-            r = Signal(Value.cast(value).shape(), name=name, reset_less=True)
-            m.d.sync += r.eq(value)
-            return r
         D, R, C = cfg.size, cfg.rows, cfg.cols
         th, tw = cfg.tile
         cb = 1 if cfg.mantissa_bits <= 8 else 2
@@ -465,12 +449,12 @@ class FrameChecker(wiring.Component):
         is_codes = is_a_codes | (w_target == Target.B_CODES)
         is_exps = (w_target == Target.A_EXPONENTS) | (w_target == Target.B_EXPONENTS)
         is_values = (w_target == Target.A_VALUES) | (w_target == Target.B_VALUES)
-        address_ok = early(Mux(
+        address_ok = Mux(
             is_a_codes, in_elements & chunked_r,
             Mux((w_target == Target.B_CODES) | (w_target == Target.ACC), in_elements & chunked_c,
                 Mux(is_exps, in_tiles,
                     Mux(w_target == Target.BIAS, (w_row == 0) & (w_rows == 1) & in_elements & chunked_c,
-                        Mux(is_values, in_elements & tiled, 0))))), "address_ok")
+                        Mux(is_values, in_elements & tiled, 0)))))
         # The elements of a replay beat: a row chunk (R or C), an exponent, or a quantizer beat.
         chunk_lanes = Mux(is_exps, 1, Mux(is_a_codes, R, C))
         value_bf16 = w_encoding == Encoding.BF16
@@ -482,11 +466,10 @@ class FrameChecker(wiring.Component):
         elif not cfg.stochastic:
             write_desc_ok = write_desc_ok & (w_rounding != stochastic)
         element_bytes = Mux(is_codes, cb, Mux(is_exps, 1, Mux(is_values & value_bf16, 2, 4)))
-        region = early(w_rows * w_cols, "region")
-        # region * element_bytes (1, 2 or 4): a shift of the registered product
+        region = Signal(32)
+        m.d.comb += region.eq(w_rows * w_cols)
         write_bytes = Signal(35)
-        m.d.comb += write_bytes.eq(region << early(Mux(element_bytes == 4, 2, Mux(element_bytes == 2, 1, 0)),
-                                                   "element_shift"))
+        m.d.comb += write_bytes.eq(region * element_bytes)
 
         # ---- GEMM and READ share one set of fields (READ: K = 0 and only the bias flag) ----
         is_read = is_op[Op.READ]
@@ -512,8 +495,10 @@ class FrameChecker(wiring.Component):
             command_ok = command_ok & ~c_bfp
         elif not cfg.stochastic:
             command_ok = command_ok & ~(c_bfp & (c_rounding == stochastic))
-        tiles = early(_ceil_div(c_m, th, D) * _ceil_div(c_n, tw, D), "tiles")
-        elements = early(c_m * c_n, "elements")
+        tiles = Signal(32)
+        m.d.comb += tiles.eq(_ceil_div(c_m, th, D) * _ceil_div(c_n, tw, D))
+        elements = Signal(32)
+        m.d.comb += elements.eq(c_m * c_n)
         result_bytes = Mux(c_format == OutFormat.FP32, elements << 2,
                            Mux(c_format == OutFormat.BF16, elements << 1, tiles * (1 + th * tw * cb)))
 
@@ -607,7 +592,6 @@ class FrameChecker(wiring.Component):
         b_start = Signal(range(P + ELEMENTWISE_HEADER + 1))
         m.d.comb += b_start.eq(ELEMENTWISE_HEADER + (e_count << 1))
         b_word, b_offset = divmod_const(b_start, N, P + ELEMENTWISE_HEADER)
-        b_word, b_offset = early(b_word, "b_word"), early(b_offset, "b_offset")
         m.d.comb += [
             rp.a_word.eq(Mux(is_op[Op.WRITE], WRITE_HEADER // N, ELEMENTWISE_HEADER // N)),
             rp.a_offset.eq(Mux(is_op[Op.WRITE], WRITE_HEADER % N, ELEMENTWISE_HEADER % N)),
@@ -1242,8 +1226,7 @@ class PacketEngine(wiring.Component):
             with m.State("IDLE"):
                 with m.If(rx.frame.valid):
                     m.next = "DECIDE"
-            with m.State("DECIDE"):  # the frame offered since a cycle: its plan is valid
-                assert FrameChecker.LATENCY == 1
+            with m.State("DECIDE"):
                 m.d.sync += plan.eq(checker.plan)
                 m.d.comb += count_status.eq(1)
                 m.next = "DISPATCH"
