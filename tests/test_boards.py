@@ -121,7 +121,7 @@ def test_board_options_are_checked():
     board, cfg, kw = boards.board_config("ulx3s", rows=4, cols=4, baud=3_000_000)
     assert cfg == CoreConfig(rows=4, cols=4, size=96, functions=("relu", "gelu")) and kw["baud"] == 3_000_000
     with pytest.raises(ValueError, match="baud needs at least"):
-        boards.board_config("ulx3s", baud=10_000_000)  # 25 MHz: fewer than 4 clocks a bit
+        boards.board_config("ulx3s", baud=25_000_000)  # 75 MHz: 3 clocks a bit, fewer than 4
 
 
 def test_yowasp_tools_are_found_or_named():
