@@ -19,11 +19,14 @@ whose ``family`` is ``"ecp5"``) each slice is a DP16KD instantiated with its out
 (``REGMODE`` ``OUTREG``; ``dp16kd``), the same two cycles inside the block RAM (simulated
 with the behavioural model sim/dp16kd_model.v). Elsewhere the register is a flip-flop.
 
-``BlockRam(shape, depth, read_ports, granularity)`` offers a write port ``write`` and read
+``BlockRam(shape, depth, read_ports, granularity, stall=False)`` offers a write port ``write`` and read
 ports ``read0``, ``read1``, ... with the signatures of ``amaranth.lib.memory``'s ports (reads
 synchronous, data ``LATENCY`` cycles after the address, not transparent; the caller
 guarantees no read meets a write of its address in the same cycle, as ``NO_RW_CHECK`` says
-of the memories built here). With ``granularity``
+of the memories built here). A read port's ``en`` low holds the block RAM's stage: its data
+is the last address read, a cycle later. With ``stall`` it holds both stages: a read
+pipeline that stalls, whose data is the word addressed in the ``LATENCY``-th last cycle with ``en``
+(a consumer that can wait, such as the packet engine's payload reader). With ``granularity``
 (elements of an ``ArrayLayout`` shape, as in ``amaranth.lib.memory``) the write port has an
 enable per that many elements. The elements of an ``ArrayLayout`` are sliced each on its own
 (no slice spans two). Elaborated for an iCE40 (4 kbit block RAMs, 16 bits wide at most) the
@@ -61,15 +64,17 @@ def slice_bits(depth: int) -> int:
 DP16KD_WORD_PIN = {1: 0, 2: 1, 4: 2, 9: 3, 18: 4, 36: 5}
 
 
-def dp16kd(m: Module, name: str, width: int, w_en, w_addr, w_data, r_en, r_addr, r_data) -> None:
+def dp16kd(m: Module, name: str, width: int, w_en, w_addr, w_data, r_en, r_addr, r_data,
+           *, stall: bool = False) -> None:
     """Adds to ``m`` (as submodule ``name``) an ECP5 DP16KD of ``width``-bit words (a width of
     ``DP16KD_WORD_PIN``) that port A writes and port B reads, both ports ``width`` wide (at 36
     bits the block's pseudo-dual-port mode: the word is ``{B, A}`` on both sides), clocked by
     the sync domain. A write of ``w_data`` to ``w_addr`` while ``w_en``. A read: the address
     is registered in a cycle with ``r_en`` and the word passes the output register
     (``REGMODE`` ``OUTREG``, enabled always) the next cycle, so ``r_data`` follows ``r_addr``
-    two cycles later and holds while ``r_en`` is low. ``w_data`` and ``r_data`` may
-    be narrower than ``width``."""
+    two cycles later and holds while ``r_en`` is low. With ``stall`` the output register is
+    enabled by ``r_en`` too: the two stages advance together (``BlockRam``'s ``stall``).
+    ``w_data`` and ``r_data`` may be narrower than ``width``."""
     low = DP16KD_WORD_PIN[width]
     side = min(width, 18)
     wd, rd = Signal(width, name=f"{name}_wdata"), Signal(width, name=f"{name}_rdata")
@@ -82,7 +87,7 @@ def dp16kd(m: Module, name: str, width: int, w_en, w_addr, w_data, r_en, r_addr,
         ports |= {f"i_AD{port}{k}": pins[k] for k in range(14)}
         ports |= {f"i_CS{port}{k}": C(0, 1) for k in range(3)}
         ports |= {f"i_CE{port}": en, f"i_CLK{port}": ClockSignal("sync"), f"i_RST{port}": C(0, 1),
-                  f"i_OCE{port}": C(1, 1)}
+                  f"i_OCE{port}": en if stall and port == "B" else C(1, 1)}
     ports["i_WEA"], ports["i_WEB"] = w_en, C(0, 1)
     ports |= {f"i_DIA{k}": wd[k] if k < width else C(0, 1) for k in range(18)}
     ports |= {f"i_DIB{k}": wd[18 + k] if width == 36 else C(0, 1) for k in range(18)}
@@ -102,8 +107,10 @@ def dp16kd(m: Module, name: str, width: int, w_en, w_addr, w_data, r_en, r_addr,
 class BlockRam(wiring.Component):
     LATENCY = 2
 
-    def __init__(self, shape, depth: int, read_ports: int = 1, granularity: int | None = None):
+    def __init__(self, shape, depth: int, read_ports: int = 1, granularity: int | None = None,
+                 *, stall: bool = False):
         self.shape, self.depth, self.read_ports, self.granularity = shape, depth, read_ports, granularity
+        self.stall = stall
         self.width = Shape.cast(shape).width
         aw = max(1, (depth - 1).bit_length())
         members = {"write": Out(memory.WritePort.Signature(addr_width=aw, shape=shape, granularity=granularity))}
@@ -120,7 +127,13 @@ class BlockRam(wiring.Component):
         # whatever its slices, so it is built whole there.
         family = str(getattr(platform, "family", "")).lower()
         whole = family == "ice40"
-        step = self.width if whole else slice_bits(self.depth)
+        # Deeper than one block RAM in any aspect (a Stratix V's megabyte payload buffer): a
+        # memory whole, whose multiplexer behind its block RAMs the vendor's tools build.
+        deep = self.depth > BLOCK_RAM_ASPECTS[-1][0]
+        if deep and family == "ecp5":
+            raise ValueError(f"a BlockRam of {self.depth} words is deeper than an ECP5 DP16KD in any aspect "
+                             f"ratio (at most {BLOCK_RAM_ASPECTS[-1][0]})")
+        step = self.width if whole or deep else slice_bits(self.depth)
         wdata = self.write.data.as_value() if hasattr(self.write.data, "as_value") else self.write.data
         if isinstance(self.shape, data.ArrayLayout) and not (whole and self.granularity is None):
             # slices of each element, its granule's enable
@@ -136,7 +149,7 @@ class BlockRam(wiring.Component):
                     port = self.read(i)
                     rdata = port.data.as_value() if hasattr(port.data, "as_value") else port.data
                     dp16kd(m, f"slice{s}_read{i}", step, en, self.write.addr, wdata[lo:hi],
-                           port.en, port.addr, rdata[lo:hi])
+                           port.en, port.addr, rdata[lo:hi], stall=self.stall)
             return m
         for s, (lo, hi, en) in enumerate(slices):
             m.submodules[f"slice{s}"] = mem = memory.Memory(shape=hi - lo, depth=self.depth, init=[],
@@ -149,5 +162,9 @@ class BlockRam(wiring.Component):
                 rdata = port.data.as_value() if hasattr(port.data, "as_value") else port.data
                 out = Signal(hi - lo, name=f"slice{s}_read{i}", reset_less=True)
                 m.d.comb += [rp.en.eq(port.en), rp.addr.eq(port.addr), rdata[lo:hi].eq(out)]
-                m.d.sync += out.eq(rp.data)  # no enable: a read holds in the block RAM only
+                if self.stall:
+                    with m.If(port.en):
+                        m.d.sync += out.eq(rp.data)
+                else:
+                    m.d.sync += out.eq(rp.data)  # no enable: a read holds in the block RAM only
         return m

@@ -130,11 +130,13 @@ class ByteWindow(wiring.Component):
             self.o.level.eq(Mux(level > out, out, level)),
             self.o.arrived.eq(push & (count != 0)),
         ]
-        after = Signal(range(D + 1))  # bytes left once the consumer has taken its share
-        m.d.comb += after.eq(level - take)
+        # The chunk goes in at ``level`` (it fits: i.ready), then the consumer's share goes out:
+        # ``take`` (late: a consumer's ready) only drives the final shift, no subtraction.
+        joined = Signal(8 * D)
+        m.d.comb += joined.eq(held | (incoming << (level * 8))[:8 * D])
         m.d.sync += [
-            held.eq((held >> (take * 8)) | (incoming << (after * 8))[:8 * D]),
-            level.eq(after + Mux(push, count, 0)),
+            held.eq(joined >> (take * 8)),
+            level.eq(level + Mux(push, count, 0) - take),
         ]
         return m
 

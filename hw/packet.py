@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from amaranth.lib import enum
 
-from amaranth import Cat, Const, Module, Mux, Signal, signed, unsigned
-from amaranth.lib import data, memory, stream, wiring
+from amaranth import Cat, Const, Module, Mux, Signal, Value, signed, unsigned
+from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from hbfp import contract as protocol
@@ -51,6 +51,7 @@ from hbfp.contract import (
 )
 
 from .activation import ACTIVATION_INPUT, FUNC_WIDTH, UNARY_FUNCTIONS
+from .block_ram import BlockRam
 from .crc import ParallelCRC32, chunk_layout, crc32_state
 from .gemm_core import command_layout, output_layout, write_layout
 from .link import ByteWindow, WindowSignature, beat_layout, reply_chunk_layout
@@ -150,7 +151,7 @@ def write_plan_layout(cfg: CoreConfig) -> data.StructLayout:
     """A WRITE's replay: the core target of its code beats, the region (row and column
     bounds, in elements; in tiles for exponents), the column step of a beat, its tile grid
     position (values), the quantizer's rounding and seed, and how the ``LaneAssembler``
-    builds a beat."""
+    builds a beat (``beat_bytes``: its elements times ``elem_bytes``, a shift in the decision)."""
     D, W = cfg.size, write_lanes(cfg)
     th, tw = cfg.tile
     return data.StructLayout({
@@ -159,7 +160,7 @@ def write_plan_layout(cfg: CoreConfig) -> data.StructLayout:
         "step": range(W + 1), "empty": 1,
         "erow": range(D // th + 1), "ecol": range(D // tw + 1),
         "rounding": Rounding, "seed": 32,
-        "elem_bytes": range(5), "elems": range(W + 1), "mode": 2,
+        "elem_bytes": range(5), "beat_bytes": range(4 * W + 1), "mode": 2,
     })
 
 
@@ -223,6 +224,16 @@ def _quotient_of_multiple(value, step: int, limit: int):
 def _ceil_div(value, step: int, limit: int):
     """``ceil(value / step)`` for 0 <= value <= limit: a sum of comparators."""
     return sum((value > k * step).as_unsigned() for k in range(-(-limit // step)))
+
+
+def _bounded_product(a, b, limit: int):
+    """``a * b`` for 0 <= a, b <= limit (exact only there: the caller refuses larger fields
+    first), as shifts and adds of ``limit.bit_length()``-bit operands: a few small adders in
+    LUTs, no DSP block (those are the MAC array's; a registered multiplier here also trips
+    Yosys 0.70's synth_ecp5, an assertion in ABC_OPS_REINTEGRATE)."""
+    bits = limit.bit_length()
+    a, b = a[:bits], b[:bits]
+    return sum(Mux(b[i], a << i, 0) for i in range(bits))
 
 
 def divmod_const(value, divisor: int, limit: int):
@@ -396,7 +407,16 @@ class FrameReceiver(wiring.Component):
 
 
 class FrameChecker(wiring.Component):
-    """The decision on a received frame (combinational): ``plan`` from ``frame``.
+    """The decision on a received frame: ``plan`` from ``frame``.
+
+    Its products (a WRITE's elements, a result's elements and tiles, an ELEMENTWISE's
+    second region) and the checks of a WRITE's region are registered (``LATENCY`` = 1): the
+    ``plan`` of a frame is valid from the cycle after the frame is offered, and holds while
+    the frame does. The receiver holds a frame still until it is taken and the engine takes
+    the plan a cycle after it first sees the frame (``DECIDE``), so this costs no cycle; it
+    keeps the products (shifts and adds of fields the checks bound, ``_bounded_product``) out
+    of the status decision's cycle (on a ULX3S build the whole decision in one cycle, with
+    two DSP multipliers, was a 24 ns path).
 
     The first failing check gives the status (docs/protocol.md): a dropped frame TIMEOUT (tag
     0xFFFF), an oversize one BAD_LENGTH, then CRC, version, opcode, then per command: a length
@@ -408,6 +428,8 @@ class FrameChecker(wiring.Component):
     execute and how many reply bytes follow the status.
     """
 
+    LATENCY = 1
+
     def __init__(self, cfg: CoreConfig, *, stream_bytes: int, max_payload: int):
         self.cfg, self.stream_bytes, self.max_payload = cfg, stream_bytes, max_payload
         super().__init__({
@@ -418,6 +440,13 @@ class FrameChecker(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         cfg, N, P = self.cfg, self.stream_bytes, self.max_payload
+
+        def early(value, name):
+            """``value`` of the frame, registered (the frame holds still while offered)."""
+            r = Signal(Value.cast(value).shape(), name=name, reset_less=True)
+            m.d.sync += r.eq(value)
+            return r
+
         D, R, C = cfg.size, cfg.rows, cfg.cols
         th, tw = cfg.tile
         cb = 1 if cfg.mantissa_bits <= 8 else 2
@@ -449,12 +478,12 @@ class FrameChecker(wiring.Component):
         is_codes = is_a_codes | (w_target == Target.B_CODES)
         is_exps = (w_target == Target.A_EXPONENTS) | (w_target == Target.B_EXPONENTS)
         is_values = (w_target == Target.A_VALUES) | (w_target == Target.B_VALUES)
-        address_ok = Mux(
+        address_ok = early(Mux(
             is_a_codes, in_elements & chunked_r,
             Mux((w_target == Target.B_CODES) | (w_target == Target.ACC), in_elements & chunked_c,
                 Mux(is_exps, in_tiles,
                     Mux(w_target == Target.BIAS, (w_row == 0) & (w_rows == 1) & in_elements & chunked_c,
-                        Mux(is_values, in_elements & tiled, 0)))))
+                        Mux(is_values, in_elements & tiled, 0))))), "address_ok")
         # The elements of a replay beat: a row chunk (R or C), an exponent, or a quantizer beat.
         chunk_lanes = Mux(is_exps, 1, Mux(is_a_codes, R, C))
         value_bf16 = w_encoding == Encoding.BF16
@@ -466,10 +495,11 @@ class FrameChecker(wiring.Component):
         elif not cfg.stochastic:
             write_desc_ok = write_desc_ok & (w_rounding != stochastic)
         element_bytes = Mux(is_codes, cb, Mux(is_exps, 1, Mux(is_values & value_bf16, 2, 4)))
-        region = Signal(32)
-        m.d.comb += region.eq(w_rows * w_cols)
+        region = early(_bounded_product(w_rows, w_cols, D), "region")  # exact in a WRITE that address_ok admits
+        # region * element_bytes (1, 2 or 4): a shift of the registered product
         write_bytes = Signal(35)
-        m.d.comb += write_bytes.eq(region * element_bytes)
+        element_shift = Mux(element_bytes == 4, 2, Mux(element_bytes == 2, 1, 0))
+        m.d.comb += write_bytes.eq(region << early(element_shift, "element_shift"))
 
         # ---- GEMM and READ share one set of fields (READ: K = 0 and only the bias flag) ----
         is_read = is_op[Op.READ]
@@ -495,10 +525,9 @@ class FrameChecker(wiring.Component):
             command_ok = command_ok & ~c_bfp
         elif not cfg.stochastic:
             command_ok = command_ok & ~(c_bfp & (c_rounding == stochastic))
-        tiles = Signal(32)
-        m.d.comb += tiles.eq(_ceil_div(c_m, th, D) * _ceil_div(c_n, tw, D))
-        elements = Signal(32)
-        m.d.comb += elements.eq(c_m * c_n)
+        # exact in a command that sides_ok admits
+        tiles = early(_bounded_product(_ceil_div(c_m, th, D), _ceil_div(c_n, tw, D), -(-D // min(th, tw))), "tiles")
+        elements = early(_bounded_product(c_m, c_n, D), "elements")
         result_bytes = Mux(c_format == OutFormat.FP32, elements << 2,
                            Mux(c_format == OutFormat.BF16, elements << 1, tiles * (1 + th * tw * cb)))
 
@@ -568,6 +597,7 @@ class FrameChecker(wiring.Component):
                                            Mux(is_op[Op.RESET], Action.RESET, Action.REPLY)))))),
         ]
         wp = plan.write
+        beat_elems = Mux(is_values, value_lanes(cfg, self.stream_bytes), chunk_lanes)
         m.d.comb += [
             # Paths to units a reduced device lacks are never taken (refused above): their
             # logic is not built.
@@ -575,13 +605,13 @@ class FrameChecker(wiring.Component):
             wp.target.eq(Mux(is_values, w_target - (Target.A_VALUES - Target.A_CODES), w_target)),
             wp.row.eq(w_row), wp.col.eq(w_col), wp.col_end.eq(w_col_end), wp.row_end.eq(w_row_end),
             wp.step.eq(chunk_lanes),
-            wp.empty.eq(region == 0),
+            wp.empty.eq((w_rows == 0) | (w_cols == 0)),
             wp.erow.eq(_quotient_of_multiple(w_row, th, D)),
             wp.ecol.eq(_quotient_of_multiple(w_col, tw, D)),
             wp.rounding.eq(w_rounding),
             wp.seed.eq(w_desc.seed),
             wp.elem_bytes.eq(element_bytes),
-            wp.elems.eq(Mux(is_values, value_lanes(cfg, self.stream_bytes), chunk_lanes)),
+            wp.beat_bytes.eq(beat_elems << element_shift),
             wp.mode.eq(Mux(is_codes, ASSEMBLE_MODES["sign_extend"],
                            Mux(is_values & value_bf16, ASSEMBLE_MODES["high_half"], ASSEMBLE_MODES["raw"]))),
         ]
@@ -592,6 +622,7 @@ class FrameChecker(wiring.Component):
         b_start = Signal(range(P + ELEMENTWISE_HEADER + 1))
         m.d.comb += b_start.eq(ELEMENTWISE_HEADER + (e_count << 1))
         b_word, b_offset = divmod_const(b_start, N, P + ELEMENTWISE_HEADER)
+        b_word, b_offset = early(b_word, "b_word"), early(b_offset, "b_offset")
         m.d.comb += [
             rp.a_word.eq(Mux(is_op[Op.WRITE], WRITE_HEADER // N, ELEMENTWISE_HEADER // N)),
             rp.a_offset.eq(Mux(is_op[Op.WRITE], WRITE_HEADER % N, ELEMENTWISE_HEADER % N)),
@@ -624,14 +655,15 @@ class PayloadReader(wiring.Component):
     on ``b``, alternating words between them so that neither runs far ahead.
 
     Ports: ``start`` (strobe: the plan is valid), ``plan`` (``read_plan_layout``), the
-    buffer's read port (``rd_addr``, ``rd_en`` out; ``rd_data`` in, one cycle after the
-    address and held while ``rd_en`` is low), ``a`` and ``b`` (streams out of
-    ``chunk_layout(N)``). Throughput: one word a cycle; a region's first chunk holds the
-    bytes of its first word from its offset on, its last the rest of its length.
+    buffer's read port (``rd_addr``, ``rd_en`` out; ``rd_data`` in: a read pipeline of
+    ``latency`` stages that advances while ``rd_en`` is high, as a ``BlockRam`` with ``stall``),
+    ``a`` and ``b`` (streams out of ``chunk_layout(N)``). Throughput: one word a cycle; a
+    region's first chunk holds the bytes of its first word from its offset on, its last the
+    rest of its length.
     """
 
-    def __init__(self, stream_bytes: int, max_payload: int):
-        self.stream_bytes, self.max_payload = stream_bytes, max_payload
+    def __init__(self, stream_bytes: int, max_payload: int, latency: int = BlockRam.LATENCY):
+        self.stream_bytes, self.max_payload, self.latency = stream_bytes, max_payload, latency
         words = _words(max_payload, stream_bytes)
         super().__init__({
             "start": In(1),
@@ -653,10 +685,13 @@ class PayloadReader(wiring.Component):
                             "offset": Signal(range(N), name=f"{name}_offset"),
                             "left": Signal(range(P + 1), name=f"{name}_left")})
         ra, rb = regions
-        held = Signal()  # rd_data holds a word for a chunk
-        held_b = Signal()
-        held_offset = Signal(range(N))
-        held_count = Signal(range(N + 1))
+        # What each stage of the read pipeline holds: whether a word for a chunk, of which
+        # region, from which offset, how many bytes; the last stage's is on rd_data.
+        stages = [{"held": Signal(name=f"held{k}"), "b": Signal(name=f"held_b{k}"),
+                   "offset": Signal(range(N), name=f"held_offset{k}"),
+                   "count": Signal(range(N + 1), name=f"held_count{k}")} for k in range(self.latency)]
+        last = stages[-1]
+        held, held_b, held_offset, held_count = last["held"], last["b"], last["offset"], last["count"]
         out_ready = Mux(held_b, self.b.ready, self.a.ready)
         advance = ~held | out_ready
         b_turn = Signal()
@@ -678,17 +713,21 @@ class PayloadReader(wiring.Component):
                 port.payload.count.eq(held_count),
             ]
         with m.If(self.start):
+            m.d.sync += [stage["held"].eq(0) for stage in stages]
             m.d.sync += [
-                held.eq(0), b_turn.eq(0),
+                b_turn.eq(0),
                 ra["word"].eq(self.plan.a_word), ra["offset"].eq(self.plan.a_offset), ra["left"].eq(self.plan.length),
                 rb["word"].eq(self.plan.b_word), rb["offset"].eq(self.plan.b_offset),
                 rb["left"].eq(Mux(self.plan.interleave, self.plan.length, 0)),
             ]
         with m.Elif(advance):
             issue = cur["left"] != 0
-            m.d.sync += held.eq(issue)
+            first = stages[0]
+            for k in range(1, self.latency):
+                m.d.sync += [stages[k][f].eq(stages[k - 1][f]) for f in stages[k]]
+            m.d.sync += first["held"].eq(issue)
             with m.If(issue):
-                m.d.sync += [held_b.eq(use_b), held_offset.eq(cur["offset"]), held_count.eq(count),
+                m.d.sync += [first["b"].eq(use_b), first["offset"].eq(cur["offset"]), first["count"].eq(count),
                              b_turn.eq(~use_b)]
                 for r, sel in ((ra, ~use_b), (rb, use_b)):
                     with m.If(sel):
@@ -698,15 +737,15 @@ class PayloadReader(wiring.Component):
 
 class LaneAssembler(wiring.Component):
     """A window of payload bytes to beats of ``lanes`` 32-bit lanes, one beat a cycle:
-    ``elems`` elements a beat (1 .. ``lanes``, in the first lanes; the others are don't-care:
-    a WRITE sets them per target), ``elem_bytes``
-    little-endian bytes an element (1, 2 or 4), placed by ``mode`` (``ASSEMBLE_MODES``):
-    ``sign_extend`` (BFP codes), ``raw`` (fp32, exponents: zero-extended), ``high_half``
-    (bf16 into the high half: its exact fp32 widening).
+    ``beat_bytes`` bytes a beat (1 .. ``lanes`` elements, in the first lanes; the others are
+    don't-care: a WRITE sets them per target), ``elem_bytes`` little-endian bytes an element
+    (1, 2 or 4), placed by ``mode`` (``ASSEMBLE_MODES``): ``sign_extend`` (BFP codes), ``raw``
+    (fp32, exponents: zero-extended), ``high_half`` (bf16 into the high half: its exact fp32
+    widening).
 
     Ports: ``i`` (``WindowSignature(4 * lanes)``), ``o`` (stream out); the configuration
     ports hold still during a replay. Combinational: a beat is offered while the window holds
-    its ``elems * elem_bytes`` bytes and taken from the window as it leaves.
+    its ``beat_bytes`` and taken from the window as it leaves.
     """
 
     def __init__(self, lanes: int):
@@ -715,7 +754,7 @@ class LaneAssembler(wiring.Component):
             "i": In(WindowSignature(4 * lanes)),
             "o": Out(stream.Signature(data.ArrayLayout(FP32_WIDTH, lanes))),
             "elem_bytes": In(range(5)),
-            "elems": In(range(lanes + 1)),
+            "beat_bytes": In(range(4 * lanes + 1)),
             "mode": In(2),
         })
 
@@ -723,9 +762,8 @@ class LaneAssembler(wiring.Component):
         m = Module()
         L = self.lanes
         window = self.i.data
-        chunk = Signal(range(4 * L + 1))
+        chunk = self.beat_bytes
         m.d.comb += [
-            chunk.eq(self.elems * self.elem_bytes),
             self.o.valid.eq((self.i.level >= chunk) & (chunk != 0)),
             self.i.take.eq(Mux(self.o.valid & self.o.ready, chunk, 0)),
         ]
@@ -788,7 +826,7 @@ class WriteReplay(wiring.Component):
         th, tw = cfg.tile
         m.submodules.assembler = asm = LaneAssembler(W)
         wiring.connect(m, wiring.flipped(self.i), asm.i)
-        m.d.comb += [asm.elem_bytes.eq(plan.elem_bytes), asm.elems.eq(plan.elems), asm.mode.eq(plan.mode),
+        m.d.comb += [asm.elem_bytes.eq(plan.elem_bytes), asm.beat_bytes.eq(plan.beat_bytes), asm.mode.eq(plan.mode),
                      self.q_rounding.eq(plan.rounding), self.q_seed.eq(plan.seed),
                      self.q_clear.eq(self.start & plan.values)]
 
@@ -1135,8 +1173,8 @@ class PacketEngine(wiring.Component):
         m.submodules.serializer = ser = ResultSerializer(cfg)
         m.submodules.reply_window = reply = ByteWindow(R, N)
         m.submodules.framer = framer = ReplyFramer(N)
-        m.submodules.payload = buf = memory.Memory(shape=8 * N, depth=_words(P, N), init=[])
-        buf_wr, buf_rd = buf.write_port(), buf.read_port()
+        m.submodules.payload = buf = BlockRam(8 * N, _words(P, N), stall=True)
+        buf_wr, buf_rd = buf.write, buf.read0
 
         wiring.connect(m, wiring.flipped(self.i), rx.i)
         wiring.connect(m, reply.o, framer.i)
@@ -1226,7 +1264,8 @@ class PacketEngine(wiring.Component):
             with m.State("IDLE"):
                 with m.If(rx.frame.valid):
                     m.next = "DECIDE"
-            with m.State("DECIDE"):
+            with m.State("DECIDE"):  # the frame offered since a cycle: its plan is valid
+                assert FrameChecker.LATENCY == 1
                 m.d.sync += plan.eq(checker.plan)
                 m.d.comb += count_status.eq(1)
                 m.next = "DISPATCH"

@@ -34,3 +34,19 @@ def test_ecp5_elaboration_instantiates_registered_block_rams():
     assert text.count("DP16KD ") == 8
     assert text.count('.REGMODE_B("OUTREG")') == 8 and text.count(".DATA_WIDTH_B(32'd36)") == 8
     assert "DP16KD" not in verilog.convert(OperandBuffer(8, 8, 32, 96), name="b")  # portable otherwise
+
+
+@pytest.mark.parametrize("sim", runner.SIMULATORS)
+@pytest.mark.parametrize("platform", [None, "ecp5"])
+@pytest.mark.parametrize("stall", [False, True])
+def test_block_ram_read_pipeline(sim, platform, stall):
+    """Random reads and writes against the read pipeline BlockRam documents, with and without
+    ``stall``; for an ECP5 the slices are DP16KDs (18 and 2 bits wide at 600 words: one
+    narrower than its block) simulated with sim/dp16kd_model.v."""
+    from hbfp.hw.block_ram import BlockRam
+
+    runner.require(sim)
+    cfg = dict(depth=600, width=20, stall=stall, cycles=1500, seed=3 + stall)
+    tests, failed = runner.run(lambda: BlockRam(20, 600, stall=stall), "block_ram", "tb_block_ram", sim, cfg,
+                               platform=ECP5 if platform else None)
+    assert tests == 1 and failed == 0
