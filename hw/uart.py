@@ -1,7 +1,7 @@
 """The UART host link: an 8N1 receiver and transmitter, and the accelerator behind them.
 
 ```
- rx pin -> UartRx -> SyncFIFO (fifo_depth bytes) -> AcceleratorTop(stream_bytes=1) -> UartTx -> tx pin
+ rx pin -> UartRx -> SyncFIFO (fifo_depth bytes) -> a register -> AcceleratorTop(stream_bytes=1) -> UartTx -> tx pin
 ```
 
 The line is 8N1: idle high, a start bit (low), eight data bits LSB first, one stop bit
@@ -280,12 +280,19 @@ class UartTop(wiring.Component):
             self.overrun.eq(rx.overrun),
         ]
         wiring.connect(m, rx.o, rx_fifo.w_stream)
+        # A register between the FIFO and the top: the FIFO's byte comes from its block RAM
+        # late in the cycle (on ECP5 5.8 ns clock-to-output, then the route from wherever the
+        # placer put a 4 kB memory), too late for the receiver's decoding behind it.
+        rx_byte, rx_valid = Signal(8), Signal()
+        fifo_out = rx_fifo.r_stream
+        m.d.comb += fifo_out.ready.eq(~rx_valid | top.i.ready)
+        with m.If(fifo_out.ready):
+            m.d.sync += [rx_valid.eq(fifo_out.valid), rx_byte.eq(fifo_out.payload)]
         # Bytes to beats of one lane, and back (a beat with an empty keep carries no byte).
         m.d.comb += [
-            top.i.payload.data[0].eq(rx_fifo.r_stream.payload),
+            top.i.payload.data[0].eq(rx_byte),
             top.i.payload.keep.eq(1),
-            top.i.valid.eq(rx_fifo.r_stream.valid),
-            rx_fifo.r_stream.ready.eq(top.i.ready),
+            top.i.valid.eq(rx_valid),
             tx.i.payload.eq(top.o.payload.data[0]),
             tx.i.valid.eq(top.o.valid & top.o.payload.keep[0]),
             top.o.ready.eq(tx.i.ready | ~top.o.payload.keep[0]),
