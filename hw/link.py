@@ -12,7 +12,7 @@ the reply path takes N.
 
 from __future__ import annotations
 
-from amaranth import Const, Module, Mux, Signal
+from amaranth import Cat, Const, Module, Mux, Signal
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
@@ -123,7 +123,8 @@ class ByteWindow(wiring.Component):
         incoming = Signal(8 * self.in_bytes)
         mask = Signal(8 * self.in_bytes)
         m.d.comb += [
-            mask.eq((Const(1, 8 * self.in_bytes + 1) << (count * 8)) - 1),
+            # bytes below ``count``: a comparator a byte (no carry chain as wide as the chunk)
+            mask.eq(Cat(*((count > k).replicate(8) for k in range(self.in_bytes)))),
             incoming.eq(Mux(push, self.i.payload.data.as_value() & mask, 0)),
             self.i.ready.eq(level <= D - self.in_bytes),
             self.o.data.eq(held[:8 * out]),

@@ -1250,9 +1250,10 @@ class PacketEngine(wiring.Component):
         # ---- the reply's payload: status, fixed bytes, then the stream, into the window ----
         src = reply.i
         fixed_index = Signal(range(33))
+        fixed_left = Signal(range(33))  # plan.fixed - fixed_index, kept (no subtraction before the window)
         stream_left = Signal(32)
         fixed_k = Signal(range(R + 1))
-        m.d.comb += fixed_k.eq(_min(plan.fixed - fixed_index, R))
+        m.d.comb += fixed_k.eq(_min(fixed_left, R))
         m.d.comb += [
             framer.header.payload.opcode.eq(plan.opcode),
             framer.header.payload.tag.eq(plan.tag),
@@ -1303,7 +1304,7 @@ class PacketEngine(wiring.Component):
             with m.State("REPLY_HEADER"):
                 m.d.comb += framer.header.valid.eq(1)
                 with m.If(framer.header.ready):
-                    m.d.sync += [fixed_index.eq(0), stream_left.eq(plan.stream)]
+                    m.d.sync += [fixed_index.eq(0), fixed_left.eq(plan.fixed), stream_left.eq(plan.stream)]
                     m.next = "REPLY_STATUS"
             with m.State("REPLY_STATUS"):
                 m.d.comb += [src.valid.eq(1), src.payload.data[0].eq(plan.status), src.payload.count.eq(1)]
@@ -1318,8 +1319,8 @@ class PacketEngine(wiring.Component):
                 m.d.comb += [src.valid.eq(1), src.payload.data.eq((fixed >> (fixed_index * 8))[:8 * R]),
                              src.payload.count.eq(fixed_k)]
                 with m.If(src.ready):
-                    m.d.sync += fixed_index.eq(fixed_index + fixed_k)
-                    with m.If(fixed_index + fixed_k == plan.fixed):
+                    m.d.sync += [fixed_index.eq(fixed_index + fixed_k), fixed_left.eq(fixed_left - fixed_k)]
+                    with m.If(fixed_left == fixed_k):
                         m.next = "REPLY_STREAM"
                         with m.If(plan.stream == 0):
                             m.next = "FINISH"

@@ -282,12 +282,17 @@ class UartTop(wiring.Component):
         wiring.connect(m, rx.o, rx_fifo.w_stream)
         # A register between the FIFO and the top: the FIFO's byte comes from its block RAM
         # late in the cycle (on ECP5 5.8 ns clock-to-output, then the route from wherever the
-        # placer put a 4 kB memory), too late for the receiver's decoding behind it.
+        # placer put a 4 kB memory), too late for the receiver's decoding behind it. It takes
+        # a byte only when empty, so neither path crosses it in one cycle (the receiver's
+        # ready to the FIFO's level): a byte every 2 cycles, where the line brings one every
+        # 10 * divisor.
         rx_byte, rx_valid = Signal(8), Signal()
         fifo_out = rx_fifo.r_stream
-        m.d.comb += fifo_out.ready.eq(~rx_valid | top.i.ready)
-        with m.If(fifo_out.ready):
+        m.d.comb += fifo_out.ready.eq(~rx_valid)
+        with m.If(~rx_valid):
             m.d.sync += [rx_valid.eq(fifo_out.valid), rx_byte.eq(fifo_out.payload)]
+        with m.Elif(top.i.ready):
+            m.d.sync += rx_valid.eq(0)
         # Bytes to beats of one lane, and back (a beat with an empty keep carries no byte).
         m.d.comb += [
             top.i.payload.data[0].eq(rx_byte),
