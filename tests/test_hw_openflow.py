@@ -24,3 +24,17 @@ def test_totals_count_submodules_in():
     assert openflow._totals(modules, "\\top", memo) == {"LUT4": 16, "CCU2C": 9}
     assert openflow._totals(modules, "\\top.sub", memo) == {"LUT4": 3, "CCU2C": 4}
     assert openflow.lut4_cells({"LUT4": 16, "CCU2C": 9, "TRELLIS_FF": 5}) == 34
+
+
+def test_conflicting_drivers_are_read_from_yosys_check(tmp_path):
+    """A netlist whose nets are driven twice (Yosys' CHECK after a mis-synthesis) is named."""
+    log = tmp_path / "synth.log"
+    log.write_text("Checking module top...\n"
+                   "Warning: multiple conflicting drivers for top.\\acc.read0__data [1]:\n"
+                   "    port DOB1[0] of cell acc.slice0 (DP16KD)\n"
+                   "    port DOB0[0] of cell acc.slice2 (DP16KD)\n"
+                   "Found and reported 1 problems.\n")
+    assert openflow.conflicting_drivers(log) == ["top.\\acc.read0__data [1]"]
+    (tmp_path / "clean.log").write_text("Checking module top...\nFound and reported 0 problems.\n")
+    assert openflow.conflicting_drivers(tmp_path / "clean.log") == []
+    assert openflow.conflicting_drivers(tmp_path / "absent.log") == []
