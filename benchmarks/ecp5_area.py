@@ -52,21 +52,25 @@ def measured_modules(names: list[str], pattern: re.Pattern) -> list[str]:
 
 def measure(cfg: CoreConfig, work: Path, seeds=(1, 2, 3), nodsp: bool = False, device: str = "85k",
             package: str = "CABGA381", freq: float = 100.0, *, reuse: bool = False, jobs: int = 1,
-            log=print) -> dict:
+            published: Path | None = None, log=print) -> dict:
     """Synthesize the core of ``cfg`` once, place and route it once per seed in ``work``
     (``jobs`` seeds at a time); the figures ``--json`` writes (also saved as
     ``work/result.json``). ``reuse``: return the saved figures when the core's Verilog (its
-    logic) and the options are those measured."""
+    logic) and the options are those measured: ``work/result.json``'s, else those of
+    ``published`` (a ``--json`` file, e.g. the one under docs/reports; the result then has
+    ``"reused": str(published)``)."""
     generate(cfg, work, only=["gemm_core"], log=lambda s: None, platform=ECP5)
     src = work / "gemm_core.v"
     options = {"seeds": list(seeds), "nodsp": nodsp, "device": device, "package": package, "freq": freq,
                "verilog_sha256": hashlib.sha256(verilog_logic(src).encode()).hexdigest()}
     saved = work / "result.json"
-    if reuse and saved.exists():
-        res = json.loads(saved.read_text())
-        if res.get("options") == options:
-            log(f"reused {saved}")
-            return res
+    if reuse:
+        for path in (saved, published):
+            if path is not None and path.exists():
+                res = json.loads(path.read_text())
+                if res.get("options") == options:
+                    log(f"reused {path}")
+                    return res if path == saved else {**res, "reused": str(path)}
     names = verilog_modules(src)
     array, lanes = measured_modules(names, ARRAY_MODULE), measured_modules(names, LANE_MODULES)
     log(f"synth_ecp5{' -nodsp' if nodsp else ''} (kept: {', '.join(array + lanes)}) ...")

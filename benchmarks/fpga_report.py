@@ -29,9 +29,12 @@ docs/reports/summary.json, the headline figures for a machine:
 A figure that was not measured in this run (a board left out, a design that does not fit) is
 null, and a board left out (``--boards``) has a row that says so. ``--reuse`` takes an existing
 build of the same configuration (``build/boards/<board>``, ``build/ecp5/core-8x8-s96``,
-``build/density/...``) instead of building again. The ULX3S build (16x16 at 75 MHz) takes more
-than 90 minutes on 2 cores, the core's three placements about 20 (two at a time), the density
-experiment about 70.
+``build/density/...``) instead of building again; for the 8x8 core also the published
+docs/reports/ecp5-core-8x8-s96.json when the tree's core has its Verilog (its ``verilog_sha256``),
+whose report then stays. ``--no-density --keep-density`` keeps the density figures of the
+existing summary.json, for a run after changes outside the cores (the packet engine, a board top).
+The ULX3S build (16x16 at 75 MHz) takes about 90 minutes on 2 cores, the core's three placements
+about 20 (two at a time), the density experiment about 70.
 """
 
 from __future__ import annotations
@@ -94,14 +97,19 @@ def core_8x8(args) -> dict:
     docs/reports/ecp5-core-8x8-s96.md and .json."""
     cfg = CoreConfig(rows=8, cols=8, size=96, functions=("relu", "gelu"))
     name = f"core-{cfg.rows}x{cfg.cols}-s{cfg.size}"
+    report = REPORTS / f"ecp5-{name}.json"
     res = measure(cfg, ROOT / "build" / "ecp5" / name, args.core_seeds, reuse=args.reuse, jobs=args.core_jobs,
-                  log=lambda s: print(f"{name}: {s}", flush=True))
-    seeds = " ".join(map(str, args.core_seeds))
-    command = (f"python benchmarks/ecp5_area.py --rows {cfg.rows} --cols {cfg.cols} --size {cfg.size} --functions "
-               f"{' '.join(cfg.built_functions)} --seeds {seeds} (run by benchmarks/fpga_report.py)")
-    publish(table(res, command), f"ecp5-{name}.md", args.write)
-    if args.write:
-        (REPORTS / f"ecp5-{name}.json").write_text(json.dumps(figures(res), indent=1) + "\n")
+                  published=report, log=lambda s: print(f"{name}: {s}", flush=True))
+    if res.get("reused") == str(report):
+        # The published figures are this core's (the same Verilog and options): its report stays.
+        print(f"{name}: {report.name} measured this design; its report is kept")
+    else:
+        seeds = " ".join(map(str, args.core_seeds))
+        command = (f"python benchmarks/ecp5_area.py --rows {cfg.rows} --cols {cfg.cols} --size {cfg.size} --functions "
+                   f"{' '.join(cfg.built_functions)} --seeds {seeds} (run by benchmarks/fpga_report.py)")
+        publish(table(res, command), f"ecp5-{name}.md", args.write)
+        if args.write:
+            report.write_text(json.dumps(figures(res), indent=1) + "\n")
     return {"core_8x8_fmax_mhz": res["fmax_mhz"], "core_8x8_lut4": res["lut4"],
             "core_8x8_array_lut4": res["array_lut4"], "core_8x8_lanes_lut4": res["lanes_lut4"],
             "core_8x8_share_outside_array_and_lanes": res["share_outside_array_and_lanes"]}
@@ -162,6 +170,9 @@ def main(argv=None) -> int:
                    help="placement seeds of the 8x8 core's own measurement (default 1 2 3)")
     p.add_argument("--no-core", action="store_true", help="leave out the 8x8 core's own measurement")
     p.add_argument("--no-density", action="store_true", help="leave out the whole-core density experiment")
+    p.add_argument("--keep-density", action="store_true",
+                   help="with --no-density: the density figures of the existing summary.json stay (density.md "
+                        "too), for a run after changes that leave the cores alone")
     p.add_argument("--core-jobs", type=int, default=2, help="the 8x8 core's seeds placed and routed at a time (default 2)")
     p.add_argument("--density-jobs", type=int, default=2, help="the density experiment's flows at a time (default 2)")
     args = p.parse_args(argv)
@@ -237,6 +248,9 @@ def main(argv=None) -> int:
         summary.update(core_8x8(args))
     if not args.no_density:
         summary.update(density_summary(args))
+    elif args.keep_density:
+        before = json.loads((REPORTS / "summary.json").read_text())
+        summary.update({k: before.get(k) for k in (*density.SUMMARY, "density_rows", "density_cols")})
 
     lines = [
         "# FPGA boards: area, Fmax and throughput",
