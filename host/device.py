@@ -368,6 +368,13 @@ class Device:
         if check:
             self.info()
 
+    @property
+    def direct_device(self):
+        """The in-process device that computes products directly (``EmuDevice`` without
+        ``wire``), or None: products then go through the transport command by command."""
+        device = getattr(self.transport, "device", None)
+        return device if getattr(device, "direct", False) else None
+
     # ---- plumbing ----------------------------------------------------------------------
 
     def _send(self, cmd: _Cmd) -> int:
@@ -788,6 +795,32 @@ class Device:
                                             <= P.result_size(m, n, OutFormat.BF16, ident.mantissa_bits, ident.tile)):
                 return OutFormat.BFP
             return OutFormat.BF16
+
+        direct = self.direct_device
+        if direct is not None:
+            # The in-process emu: the product whole here, as its commands would return it
+            # (K chunks keep their order on the accumulator; BFP blocks are whole tiles, and a
+            # stochastic stream that a block would restart was quantized whole above), and the
+            # cycles those commands would report (a READ's reply, with K = 0, reports none).
+            for i in range(nI):
+                mi = min(M, (i + 1) * bm) - i * bm
+                for j in range(nJ):
+                    nj = min(N, (j + 1) * bn) - j * bn
+                    for p in range(nP if K else 0):
+                        kc = min(K, (p + 1) * bk) - p * bk
+                        last = p == nP - 1
+                        self.stats.cycles += direct.product_cycles(mi, nj, kc, final if last else discarded(mi, nj))
+                        self.stats.macs += mi * nj * kc
+            ops = []
+            for op in (opA, opB):
+                if K == 0:
+                    ops.append(_empty_bfp(*op.shape, fmt))
+                    continue
+                if op.values:
+                    op.quantize_on_host()  # what the device's quantizer makes of them
+                ops.append(op.t)
+            acc = golden_gemm(ops[0], ops[1], c=c, bias=bias, transpose_a=transpose_a, transpose_b=transpose_b)
+            return golden_epilogue(acc, activation, fmt if bfp_out else out, so, leaky_shift=ident.leaky_shift)
 
         if final == OutFormat.FP32:
             result = np.empty((M, N), np.float32)

@@ -56,6 +56,7 @@ from hbfp.contract import (
     CoreConfig,
     DeviceSpec,
 )
+from hbfp.contract import Option, parse_bool
 from hbfp.contract import parse_options as parse_device_options
 from hbfp.golden.activations import evaluate
 
@@ -68,6 +69,7 @@ __all__ = [
     "parse_options",
     "backend",
     "NOMINAL_HZ",
+    "EMU_OPTIONS",
 ]
 
 #: The rate at which waiting time becomes cycles when the device reports no clock (0 Hz).
@@ -172,10 +174,17 @@ class EmuDevice:
     the gateware's top): ``stream_bytes``, ``clock_hz`` (reported by IDENTIFY; 0: unknown),
     ``max_payload`` (the largest request payload), ``frame_timeout`` (cycles without a byte
     after which a begun frame is dropped). ``abi_version``: the ABI reported (a different one
-    only to test hosts)."""
+    only to test hosts).
+
+    ``wire``: what ``hbfp.host.Device`` does with a product. False (the default): ``direct`` is
+    True, and the driver computes the product whole in-process with ``hbfp.golden`` (the
+    result the device's commands would return, bit for bit; ``product_cycles`` gives the
+    cycles they would take), without sending it, so the buffers here are left as they were.
+    True: every product is framed, tiled to the buffers and executed here command by command,
+    as on a board."""
 
     def __init__(self, config: CoreConfig | DeviceSpec | None = None, *, spec: DeviceSpec | None = None,
-                 abi_version: tuple[int, int] = P.ABI_VERSION, **device):
+                 abi_version: tuple[int, int] = P.ABI_VERSION, wire: bool = False, **device):
         if isinstance(config, DeviceSpec):
             spec, config = config, None
         spec = spec or DeviceSpec()
@@ -188,6 +197,7 @@ class EmuDevice:
             del device["max_payload"]
         spec = dataclasses.replace(spec, **device) if device else spec
         self.spec = spec
+        self.direct = not wire
         cfg = self.config = spec.config
         D = cfg.size
         th, tw = cfg.tile
@@ -238,6 +248,11 @@ class EmuDevice:
     def pending(self) -> int:
         """Reply bytes waiting to be read."""
         return len(self._out)
+
+    def product_cycles(self, m: int, n: int, k: int, out_format: int) -> int:
+        """The cycles a GEMM of ``m x n x k`` (a READ with ``k = 0``) with result format
+        ``out_format`` takes on this device (``command_cycles``)."""
+        return command_cycles(self.config, m, n, k, out_format)
 
     # ---- frames -----------------------------------------------------------------------
 
@@ -475,14 +490,23 @@ class EmuDevice:
 # ---- the ``emu`` backend (entry point ``hbfp.devices: emu``) --------------------------------
 
 
+#: ``emu``'s own options beside the contract's device options.
+EMU_OPTIONS = {
+    "wire": Option(parse_bool, "emu", "1: products go through the wire protocol and the device's tiling "
+                                      "(default 0: computed whole in-process, the same result)"),
+}
+
+
 def parse_options(arg: str) -> dict:
     """``"rows=4,cols=4,size=48"`` -> keyword arguments of ``EmuDevice``: the ``config`` (a
-    ``CoreConfig``) and the ``DeviceSpec``'s other fields. The keys are the contract's device
-    options (``hbfp.contract.OPTIONS``: format, rows, cols, mantissa_bits, tile, size,
+    ``CoreConfig``), the ``DeviceSpec``'s other fields and ``wire``. The keys are the contract's
+    device options (``hbfp.contract.OPTIONS``: format, rows, cols, mantissa_bits, tile, size,
     functions, leaky_shift, value_quantizer, bfp_output, stochastic, stream_bytes, clock_hz,
-    max_payload, frame_timeout), parsed as for ``sim:``."""
-    spec = DeviceSpec.from_options(parse_device_options(arg, what="emu"))
-    return dict(config=spec.config, **{name: getattr(spec, name) for name in DEVICE_FIELDS})
+    max_payload, frame_timeout), parsed as for ``sim:``, and ``EMU_OPTIONS``."""
+    options = parse_device_options(arg, extra=EMU_OPTIONS, what="emu")
+    wire = options.pop("wire", False)
+    spec = DeviceSpec.from_options(options)
+    return dict(config=spec.config, wire=wire, **{name: getattr(spec, name) for name in DEVICE_FIELDS})
 
 
 class _EmuBackend:
@@ -493,6 +517,7 @@ class _EmuBackend:
 
     def open(self, arg: str = "", **options) -> EmuDevice:
         parsed = parse_options(arg)
+        options.setdefault("wire", parsed.pop("wire"))
         spec = DeviceSpec(parsed.pop("config"), **parsed)
         config = options.pop("config", None)
         if isinstance(config, DeviceSpec):

@@ -100,6 +100,7 @@ def test_one_parser_for_emu_and_sim():
     arg = "format=MXINT8,rows=4,cols=4,size=96,functions=relu+gelu,bfp_output=off,clock_hz=12000000"
     sim = sim_options(arg)
     parsed = emu_options(arg)
+    assert parsed.pop("wire") is False and emu_options("wire=1")["wire"] is True  # emu's own option
     emu = C.DeviceSpec(parsed.pop("config"), **parsed)
     assert C.DeviceSpec.from_options(sim) == emu
     assert emu.config.tile == (1, 32) and emu.config.functions == ("relu", "gelu") and not emu.config.bfp_output

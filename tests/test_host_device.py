@@ -31,17 +31,23 @@ def check(dev, a, b, **kw):
     return got
 
 
-@pytest.fixture(scope="module")
-def dev():
-    with host.open("emu") as d:
+#: emu's two ways to run a product: computed whole in-process (the default) and through the
+#: wire protocol and the driver's tiling (``wire=1``); both must equal the reference.
+PATHS = {"direct": "wire=0", "wire": "wire=1"}
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def dev(request):
+    with host.open(f"emu:{PATHS[request.param]}") as d:
         yield d
 
 
-@pytest.fixture(scope="module")
-def small():
+@pytest.fixture(scope="module", params=list(PATHS))
+def small(request):
     # 4x4 array, 48x48 buffers: everything above 48 is tiled. A payload buffer for a whole
     # buffer of fp32 values, so that an operand of one block travels in one WRITE.
-    with host.open(f"emu:rows=4,cols=4,size=48,max_payload={P.WRITE_HEADER + 4 * 48 * 48}") as d:
+    with host.open(f"emu:rows=4,cols=4,size=48,max_payload={P.WRITE_HEADER + 4 * 48 * 48},"
+                   f"{PATHS[request.param]}") as d:
         yield d
 
 
@@ -132,12 +138,12 @@ def test_small_max_payload_and_no_pipeline():
     rng = np.random.default_rng(8)
     a, b = operands(rng, 60, 70, 50)
     # One fp32 tile of values (24 x 24 x 4 bytes) fits, a row of them does not.
-    dev = host.Device(LoopbackTransport(EmuDevice(CoreConfig(rows=4, cols=4, size=48), max_payload=2400)),
+    dev = host.Device(LoopbackTransport(EmuDevice(CoreConfig(rows=4, cols=4, size=48), max_payload=2400, wire=True)),
                       pipeline=False)
     check(dev, a, b, input="fp32", bias=rng.standard_normal(50).astype(np.float32))
     check(dev, a, b, input="bf16", rounding="stochastic", seed=3)
     check(dev, a, b)
-    tiny = host.Device(LoopbackTransport(EmuDevice(CoreConfig(rows=4, cols=4, size=48), max_payload=200)))
+    tiny = host.Device(LoopbackTransport(EmuDevice(CoreConfig(rows=4, cols=4, size=48), max_payload=200, wire=True)))
     check(tiny, a, b)
     with pytest.raises(host.NotSupported, match="too small"):
         tiny.gemm(a, b, input="fp32")
@@ -221,7 +227,8 @@ def test_argument_errors(dev):
         assert d.stats.host_activations == 1
 
 
-def test_stats_and_bytes_per_mac(dev):
+def test_stats_and_bytes_per_mac():
+    dev = host.open("emu:wire=1")
     rng = np.random.default_rng(12)
     a, b = operands(rng, 96, 96, 96)
     per_mac = {}
@@ -285,3 +292,30 @@ def test_backends_listed_and_broken_ones_reported(monkeypatch):
     assert host.backends()["mine"].ok
     with host.open("mine:size=48,rows=4,cols=4") as d:
         assert d.identity.size == 48
+
+
+@pytest.mark.parametrize("spec", ["rows=4,cols=4,size=48", "rows=4,cols=4,size=64,format=MXINT8",
+                                  "rows=2,cols=2,size=24,functions=none,value_quantizer=0,bfp_output=0,stochastic=0",
+                                  "rows=8,cols=4,size=48,tile=12x12,leaky_shift=3,out_lanes=2"])
+def test_direct_products_equal_the_wire_and_count_the_same_cycles(spec):
+    """The in-process path gives the wire path's results bit for bit and counts the cycles, MACs
+    and host work that the device's commands report: tiled, K chunks, every output and rounding,
+    values and codes, bias, C, activations (on the host for a device without the unit)."""
+    direct, wire = host.open(f"emu:{spec}"), host.open(f"emu:{spec},wire=1")
+    assert direct.direct_device is not None and wire.direct_device is None
+    rng = np.random.default_rng(len(spec))
+    square = direct.identity.square
+    for i, (m, k, n) in enumerate([(50, 130, 70), (24, 24, 24), (97, 5, 49), (30, 0, 20)]):
+        for out in ("fp32", "bf16", "bfp"):
+            for rounding, input in (("nearest_even", "codes"), ("stochastic", "fp32"), ("toward_zero", "bf16")):
+                tb = not square or bool(i % 2)
+                a, b = operands(rng, m, k, n, transpose_b=tb)
+                kw = dict(out=out, rounding=rounding, input=input, seed=i, transpose_b=tb,
+                          activation=("leaky_relu", "gelu", None)[i % 3], bias=rng.standard_normal(n).astype(np.float32),
+                          c=rng.standard_normal((m, n)).astype(np.float32) if i % 2 else None)
+                before = direct.stats.copy(), wire.stats.copy()
+                assert same_bits(direct.gemm(a, b, **kw), wire.gemm(a, b, **kw)), kw
+                d, w = direct.stats - before[0], wire.stats - before[1]
+                for name in ("cycles", "macs", "host_quantized", "host_activations"):
+                    assert getattr(d, name) == getattr(w, name), (name, kw)
+                assert d.bytes_sent == 0 and w.bytes_sent > 0

@@ -38,10 +38,10 @@ MASKS = {"full": 0, "no_value_quantizer": 1, "no_bfp_output": 2, "no_stochastic"
 
 
 class Recording(EmuDevice):
-    """An EmuDevice that keeps every request frame it receives."""
+    """An EmuDevice that keeps every request frame it receives (products through the wire)."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, wire=True, **kwargs)
         self.requests = []
         self._seen = P.FrameParser()
 
