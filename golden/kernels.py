@@ -1,0 +1,335 @@
+"""The golden numerics as torch operations: the same bits as ``hbfp.golden``'s NumPy functions
+of the same names, computed where the tensors are (CPU, or a CUDA device: the same code).
+
+The NumPy model (``bfp``, ``bf16``, ``gemm``) stays the definition; these kernels are the fast
+path that trainings run on (``hbfp.host``'s in-process ``emu``, ``hbfp.torch``), and the tests
+hold them equal to it bit for bit (tests/test_kernels.py).
+
+- ``quantize(x, fmt, seed)``: a matrix of floats to ``(codes, exponents)``, every rounding
+  (stochastic with the generator of ``bfp.random_bits``, whose positions are the tile-major
+  stream of ``bfp.stream_index``); ``requantize`` narrows codes in place of their tiles.
+- ``gemm(a, b, ...)``: the product's fp32 sums (``C + A @ B + bias``; docs/numerics.md, section
+  3): each K-tile's exact integer sum times its two tiles' powers of two is one fp32 product of
+  scaled codes (exact under ``bfp``'s preconditions, checked here as ``gemm._fast_path_ok``
+  checks them), added to the accumulator in K-tile order; inputs outside those preconditions
+  go through the NumPy model.
+- ``epilogue(acc, activation, out, seed)``: the activation as a table of the bf16 unit over
+  all 65,536 inputs (``activations.get``), then fp32, bf16 patterns or a BFP output.
+
+Torch is optional for ``hbfp.golden``: importing this module needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from . import activations as _activations
+from . import bf16 as _bf16
+from .bfp import EXP_BIAS, EXP_NAN, MIX32_MULTIPLIERS, RANDOM_BITS, SEED_SALT, BFPTensor, Format, mix32 as _mix32_np
+
+__all__ = ["mix32", "random_bits", "stream_index", "quantize", "requantize", "dequantize", "gemm", "epilogue",
+           "bf16_from_f32", "flush_f32", "to_bfp_tensor", "from_bfp_tensor"]
+
+_MASK32 = 0xFFFF_FFFF
+_F32_EXP = 0x7F80_0000
+_MIN_NORMAL_EXP = -126
+_MAX_EXP = 127
+
+
+def _mul_lo32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32) and a 32-bit constant ``c``, without
+    int64 overflow: the constant's two halves multiply separately."""
+    hi, lo = c >> 16, c & 0xFFFF
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """``bfp.mix32`` on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul_lo32(x, MIX32_MULTIPLIERS[0])
+    x = x ^ (x >> 15)
+    x = _mul_lo32(x, MIX32_MULTIPLIERS[1])
+    return x ^ (x >> 16)
+
+
+def stream_index(rows: int, cols: int, tile: tuple[int, int], device=None) -> torch.Tensor:
+    """``bfp.stream_index`` of a ``rows x cols`` matrix (padded to whole tiles) as int64 (mod
+    2**32): tiles in row-major order of the tile grid, elements row-major within a tile."""
+    th, tw = tile
+    tc = -(-cols // tw)
+    r = torch.arange(rows, dtype=torch.int64, device=device)[:, None]
+    c = torch.arange(cols, dtype=torch.int64, device=device)[None, :]
+    return ((((r // th) * tc + c // tw) * th + r % th) * tw + c % tw) & _MASK32
+
+
+def random_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """``bfp.random_bits``: the ``RANDOM_BITS`` random bits of stream positions ``index``."""
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an integer, got {seed!r}")
+    key = int(_mix32_np(np.uint32((int(seed) ^ SEED_SALT) & _MASK32)))
+    return mix32(index ^ key) >> (32 - RANDOM_BITS)
+
+
+def flush_f32(x: torch.Tensor) -> torch.Tensor:
+    """``bf16.flush_f32``: subnormals to zeros of their sign (FTZ/DAZ)."""
+    u = x.view(torch.int32)
+    return torch.where((u & _F32_EXP) == 0, u & torch.iinfo(torch.int32).min, u).view(torch.float32)
+
+
+def bf16_from_f32(x: torch.Tensor) -> torch.Tensor:
+    """``bf16.from_f32``: fp32 to bf16 patterns (int32 holding uint16 values): RNE, overflow to
+    inf, subnormals to zeros, every NaN to the quiet NaN with its sign."""
+    u = x.contiguous().view(torch.int32).to(torch.int64) & _MASK32
+    sign16 = (u >> 16) & 0x8000
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    out = torch.where((u & _F32_EXP) == 0, sign16, rounded)
+    out = torch.where((u & 0x7FFF_FFFF) > _F32_EXP, sign16 | _bf16.QNAN, out)
+    return out.to(torch.int32)
+
+
+def _code_dtype(fmt: Format) -> torch.dtype:
+    return {np.dtype(np.int8): torch.int8, np.dtype(np.int16): torch.int16}.get(fmt.code_dtype, torch.int32)
+
+
+def _round(y: torch.Tensor, rounding: str, rand: torch.Tensor | None) -> torch.Tensor:
+    """``bfp._round``: exact values to integers (float64 or float32 in, int64 out)."""
+    if rounding == "nearest_even":
+        return torch.round(y).to(torch.int64)
+    if rounding == "toward_zero":
+        return torch.trunc(y).to(torch.int64)
+    mag = torch.floor(y.abs().to(torch.float64) * float(1 << RANDOM_BITS)).to(torch.int64)
+    q = (mag + rand) >> RANDOM_BITS
+    return torch.where(y < 0, -q, q)
+
+
+def quantize(x: torch.Tensor, fmt: Format, *, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bfp.quantize`` of a matrix: ``(codes, exponents)``, codes of ``x``'s shape (int8 up to 8
+    mantissa bits, int16 up to 16, else int32), exponents one E8M0 code per tile (uint8).
+    ``x``: fp32, or bf16/fp16/fp64 (converted to fp32 first, RNE)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize takes a matrix, got shape {tuple(x.shape)}")
+    if fmt.rounding == "stochastic" and seed is None:
+        raise ValueError("stochastic rounding needs a seed (quantize(..., seed=N)) to be reproducible")
+    x = x.to(torch.float32)
+    m, n = x.shape
+    th, tw = fmt.tile
+    tr, tc = -(-m // th), -(-n // tw)
+    if (m, n) != (tr * th, tc * tw):
+        x = torch.nn.functional.pad(x, (0, tc * tw - n, 0, tr * th - m))
+    x = x.contiguous()
+    field = (x.view(torch.int32) >> 23) & 0xFF
+    expo = field.view(tr, th, tc, tw).amax(dim=(1, 3))
+    drop = field == 0
+    nan_tiles = expo == EXP_NAN
+    if bool(nan_tiles.any()):
+        drop |= nan_tiles.repeat_interleave(th, 0).repeat_interleave(tw, 1)
+    xz = torch.where(drop, torch.zeros((), dtype=torch.float32, device=x.device), x)
+    shift = fmt.frac_bits + EXP_BIAS - expo
+    live = (expo != 0) & (expo != EXP_NAN)
+    wide = bool(live.any()) and bool(((shift < -126) & live).any() or ((shift > 127) & live).any())
+    dtype = torch.float64 if wide else torch.float32
+    exps = shift if wide else shift.clamp(-126, 127)
+    scale = torch.ldexp(torch.ones((), dtype=dtype, device=x.device), exps.to(dtype))
+    y = (xz.to(dtype).view(tr, th, tc, tw) * scale[:, None, :, None]).view(tr * th, tc * tw)
+    rand = None
+    if fmt.rounding == "stochastic":
+        rand = random_bits(seed, stream_index(tr * th, tc * tw, fmt.tile, x.device))
+    q = _round(y, fmt.rounding, rand).clamp_(-fmt.qmax, fmt.qmax)
+    return q[:m, :n].to(_code_dtype(fmt)).contiguous(), expo.to(torch.uint8)
+
+
+def requantize(codes: torch.Tensor, exponents: torch.Tensor, src: Format, fmt: Format, *,
+               seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bfp.requantize``: narrower mantissas on the same tiles and exponents."""
+    if fmt.tile != src.tile:
+        raise ValueError(f"requantize keeps the tiles: {src.tile} != {fmt.tile}")
+    shift = src.mantissa_bits - fmt.mantissa_bits
+    if shift < 0:
+        raise ValueError("requantize narrows mantissas; it cannot widen them")
+    if fmt.rounding == "stochastic" and seed is None:
+        raise ValueError("stochastic rounding needs a seed (quantize(..., seed=N)) to be reproducible")
+    y = torch.ldexp(codes.to(torch.float64), torch.tensor(float(-shift), dtype=torch.float64, device=codes.device))
+    rand = None
+    if fmt.rounding == "stochastic":
+        rand = random_bits(seed, stream_index(*codes.shape, fmt.tile, codes.device))
+    q = _round(y, fmt.rounding, rand).clamp_(-fmt.qmax, fmt.qmax)
+    return q.to(_code_dtype(fmt)), exponents.clone()
+
+
+def _scale_exponents(exponents: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Per tile: ``E - frac_bits`` (int32), the power of two of a code step."""
+    return exponents.to(torch.int32) - EXP_BIAS - fmt.frac_bits
+
+
+def dequantize(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """``BFPTensor.dequantize``: fp32 values (NaN tiles NaN; exact below fp32's range ends is
+    not promised: codes of tiles at the very ends may round as fp32 does)."""
+    th, tw = fmt.tile
+    m, n = codes.shape
+    s = _scale_exponents(exponents, fmt).to(torch.float64)
+    scale = torch.ldexp(torch.ones((), dtype=torch.float64, device=codes.device), s)
+    scale = scale.repeat_interleave(th, 0).repeat_interleave(tw, 1)[:m, :n]
+    out = (codes.to(torch.float64) * scale).to(torch.float32)
+    nan = (exponents == EXP_NAN).repeat_interleave(th, 0).repeat_interleave(tw, 1)[:m, :n]
+    return torch.where(nan, torch.full((), float("nan"), device=codes.device), out)
+
+
+def to_bfp_tensor(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format) -> BFPTensor:
+    """The NumPy ``BFPTensor`` of codes and exponents (copied to the CPU if elsewhere)."""
+    return BFPTensor(codes.cpu().numpy().astype(fmt.code_dtype, copy=False), exponents.cpu().numpy(), fmt)
+
+
+def from_bfp_tensor(t: BFPTensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.from_numpy(np.ascontiguousarray(t.codes)).to(device), torch.from_numpy(t.exponents.copy()).to(device)
+
+
+# ---- the product ---------------------------------------------------------------------------
+
+def _live_range(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format) -> tuple[int, int] | None:
+    """(min, max) of ``E - frac_bits`` over tiles that hold a nonzero finite value
+    (``gemm._nonzero_range``): exponent code 0 counts only where its tile holds a nonzero code."""
+    live = (exponents != 0) & (exponents != EXP_NAN)
+    empty = exponents == 0
+    if bool(empty.any()):
+        th, tw = fmt.tile
+        tr, tc = exponents.shape
+        m, n = codes.shape
+        nz = torch.nn.functional.pad((codes != 0).to(torch.uint8), (0, tc * tw - n, 0, tr * th - m))
+        live |= empty & (nz.view(tr, th, tc, tw).amax(dim=(1, 3)) != 0)
+    if not bool(live.any()):
+        return None
+    s = _scale_exponents(exponents, fmt)[live]
+    return int(s.min()), int(s.max())
+
+
+def _magnitude(codes: torch.Tensor, fmt: Format) -> int:
+    if codes.numel() == 0:
+        return fmt.qmax
+    return max(fmt.qmax, int(codes.max()), -int(codes.min()))
+
+
+def _fast_path_ok(a, b, fa: Format, fb: Format, tk: int, c: torch.Tensor | None) -> bool:
+    """``gemm._fast_path_ok`` on torch tensors: every K-tile's product of scaled codes is exact
+    in fp32 and no accumulator sum can be subnormal."""
+    qa, qb = _magnitude(a[0], fa), _magnitude(b[0], fb)
+    bound = tk * qa * qb
+    if bound >= 2**24:
+        return False
+    ra, rb = _live_range(*a, fa), _live_range(*b, fb)
+    for r, q in ((ra, qa), (rb, qb)):
+        if r is not None and r[1] + q.bit_length() > _MAX_EXP + 1:
+            return False
+    if ra is None or rb is None:
+        return True
+    if ra[0] < _MIN_NORMAL_EXP or rb[0] < _MIN_NORMAL_EXP or ra[0] + rb[0] < _MIN_NORMAL_EXP:
+        return False
+    if ra[1] + rb[1] + int(bound).bit_length() > _MAX_EXP:
+        return False
+    if c is not None:
+        mag = c.abs()[torch.isfinite(c) & (c != 0)]
+        if mag.numel() and float(mag.min()) < 2.0 ** (_MIN_NORMAL_EXP + 23):
+            return False
+    return True
+
+
+def _scaled(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format, rows: int, cols: int) -> torch.Tensor:
+    """``gemm._scaled``: codes times their tile's power of two, fp32, padded to ``rows x cols``
+    (whole tiles); NaN tiles scale to 0."""
+    th, tw = fmt.tile
+    out = torch.zeros((rows, cols), dtype=torch.float32, device=codes.device)
+    out[: codes.shape[0], : codes.shape[1]] = codes
+    s = _scale_exponents(exponents, fmt).clamp(_MIN_NORMAL_EXP, _MAX_EXP).to(torch.float32)
+    scale = torch.ldexp(torch.ones((), dtype=torch.float32, device=codes.device), s)
+    scale = torch.where(exponents == EXP_NAN, torch.zeros((), device=codes.device), scale)
+    tr, tc = exponents.shape
+    out.view(tr, th, tc, tw).mul_(scale[:, None, :, None])
+    return out
+
+
+#: Outputs of a block of rows held at once while its K-tiles are added (fits a core's cache).
+_BLOCK_ELEMENTS = 1 << 17
+
+
+def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], fa: Format, fb: Format, *,
+         c: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 sums ``C + A @ B + bias`` of ``hbfp.golden.gemm.gemm`` (before its epilogue):
+    ``a`` = (codes M x K, exponents), ``b`` = (codes K x N, exponents) in formats ``fa``,
+    ``fb`` whose tiles agree along K; ``c`` (M x N) and ``bias`` (N) fp32."""
+    (ca, ea), (cb, eb) = a, b
+    m, k = ca.shape
+    k2, n = cb.shape
+    if k != k2:
+        raise ValueError(f"gemm shapes do not agree: A is {m}x{k}, B is {k2}x{n}")
+    if fa.tile[1] != fb.tile[0]:
+        raise ValueError(f"the tiles of A and B must agree along K: {fa.tile} and {fb.tile}")
+    dev = ca.device
+    tk = fa.tile[1]
+    kt = -(-k // tk)
+    if c is not None:
+        c = flush_f32(c.to(torch.float32).contiguous())
+    if kt and not _fast_path_ok(a, b, fa, fb, tk, c):
+        from .gemm import gemm as golden_gemm
+
+        acc = golden_gemm(to_bfp_tensor(ca, ea, fa), to_bfp_tensor(cb, eb, fb),
+                          c=None if c is None else c.cpu().numpy(),
+                          bias=None if bias is None else bias.to(torch.float32).cpu().numpy())
+        return torch.from_numpy(acc).to(dev)
+    acc = torch.zeros((m, n), dtype=torch.float32, device=dev) if c is None else c.clone()
+    if kt and m and n:
+        acc += 0.0  # -0 + p and +0 + p agree (golden.gemm); a NaN of C stays NaN
+        ma = ea.shape[0] * fa.tile[0]
+        nb = eb.shape[1] * fb.tile[1]
+        af = _scaled(ca, ea, fa, ma, kt * tk)[:m]
+        bf = _scaled(cb, eb, fb, kt * tk, nb)[:, :n]
+        rows = max(1, min(m, _BLOCK_ELEMENTS // max(n, 1)))
+        tmp = torch.empty((rows, n), dtype=torch.float32, device=dev)
+        for r0 in range(0, m, rows):
+            r1 = min(m, r0 + rows)
+            block, t = acc[r0:r1], tmp[: r1 - r0]
+            for j in range(kt):
+                ks = slice(j * tk, (j + 1) * tk)
+                torch.mm(af[r0:r1, ks], bf[ks], out=t)  # this K-tile's p, exact
+                block += t  # in K-tile order
+    # A NaN tile on either side makes every output it meets NaN.
+    nan_a, nan_b = ea == EXP_NAN, eb == EXP_NAN
+    if bool(nan_a.any()) or bool(nan_b.any()):
+        rows_nan = nan_a.any(dim=1).repeat_interleave(fa.tile[0])[:m]
+        cols_nan = nan_b.any(dim=0).repeat_interleave(fb.tile[1])[:n]
+        acc = torch.where(rows_nan[:, None] | cols_nan[None, :], torch.full((), float("nan"), device=dev), acc)
+    if bias is not None:
+        acc = flush_f32(acc + flush_f32(bias.to(torch.float32))[None, :])
+    return acc
+
+
+# ---- the epilogue --------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _table(name: str, leaky_shift: int | None) -> torch.Tensor:
+    """The bf16 unit ``name`` over all 65,536 bf16 patterns (int32 holding uint16)."""
+    f = _activations.get(name, leaky_shift=leaky_shift)
+    return torch.from_numpy(f(np.arange(1 << 16, dtype=np.uint16)).astype(np.int32))
+
+
+def epilogue(acc: torch.Tensor, activation: str | None = None, out: str | Format = "fp32", seed: int | None = None,
+             *, leaky_shift: int | None = None):
+    """``gemm.epilogue``: the activation (on ``acc`` rounded to bf16), then the output: fp32
+    (a float32 tensor), ``"bf16"`` (a torch.bfloat16 tensor, bit for bit the patterns) or a BFP
+    ``Format`` (``(codes, exponents)``; ``seed`` for stochastic rounding)."""
+    if not (isinstance(out, Format) or out in ("fp32", "bf16")):
+        raise ValueError(f"out must be fp32, bf16 or a BFP Format, got {out!r}")
+    bits = None
+    if activation is not None:
+        table = _table(activation, leaky_shift).to(acc.device)
+        bits = table[bf16_from_f32(acc).to(torch.int64)]
+    elif out == "bf16":
+        bits = bf16_from_f32(acc)
+    if bits is not None:
+        if out == "bf16":
+            return bits.to(torch.int16).view(torch.bfloat16)
+        acc = (bits << 16).view(torch.float32)
+    if isinstance(out, Format):
+        return quantize(acc, out, seed=seed)
+    return acc

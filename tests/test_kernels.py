@@ -1,0 +1,176 @@
+"""hbfp.golden.kernels (torch) against the NumPy golden model, bit for bit: quantization in every
+rounding, requantization, the product's fp32 sums and the epilogue, on random shapes, exponent
+spreads, special values and NaN tiles (more than 10**6 compared outputs in all)."""
+
+import numpy as np
+import pytest
+import torch
+
+from hbfp.golden import HBFP8, HBFP16, MXINT8, Format, bf16, quantize, requantize
+from hbfp.golden import kernels as K
+from hbfp.golden.activations import UNARY
+from hbfp.golden.bfp import mix32, random_bits, stream_index
+from hbfp.golden.gemm import epilogue, gemm
+
+FORMATS = {"hbfp8": HBFP8, "hbfp16": HBFP16, "mxint8": MXINT8, "m6_3x5": Format(6, (3, 5))}
+ROUNDINGS = ("nearest_even", "toward_zero", "stochastic")
+
+
+def spread(rng, shape, decades=6):
+    """Values whose magnitudes span ``decades`` powers of ten, with zeros and negative zeros."""
+    x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-decades / 2, decades / 2, shape)
+    x[rng.random(shape) < 0.05] = 0.0
+    x[rng.random(shape) < 0.01] = -0.0
+    return x.astype(np.float32)
+
+
+def same(t: torch.Tensor, a: np.ndarray) -> bool:
+    return np.array_equal(t.cpu().numpy(), a)
+
+
+def test_mix32_and_stream_index():
+    x = np.random.default_rng(0).integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32)
+    assert same(K.mix32(torch.from_numpy(x.astype(np.int64))), mix32(x).astype(np.int64))
+    for rows, cols, tile in ((50, 70, (24, 24)), (5, 64, (1, 32)), (7, 11, (3, 5))):
+        th, tw = tile
+        grid = (-(-rows // th), -(-cols // tw))
+        want = stream_index(grid, tile)[:rows, :cols].astype(np.int64)
+        assert same(K.stream_index(rows, cols, tile), want)
+        assert same(K.random_bits(9, K.stream_index(rows, cols, tile)), random_bits(9, want))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_quantize_equals_golden(name, rounding):
+    fmt = FORMATS[name].with_rounding(rounding)
+    rng = np.random.default_rng(len(name) * 7 + len(rounding))
+    for m, n in ((1, 1), (37, 53), (96, 96), (130, 75)):
+        x = spread(rng, (m, n), decades=12 if m == 130 else 6)
+        if m > 30:
+            x[3, 4], x[m - 1, 0] = np.nan, np.inf  # NaN tiles
+            x[10, 10] = np.float32(1e-40)  # a subnormal: read as zero
+            x[20, :] *= np.float32(2.0**100)  # exponents near the top of the range
+        want = quantize(x, fmt, seed=m + n)
+        codes, expo = K.quantize(torch.from_numpy(x), fmt, seed=m + n)
+        assert same(codes, want.codes) and same(expo, want.exponents), (m, n)
+        assert codes.dtype == {1: torch.int8, 2: torch.int16}[want.codes.dtype.itemsize]
+    x16 = torch.from_numpy(spread(rng, (40, 60))).to(torch.bfloat16)
+    want = quantize(bf16.to_dtype(bf16.as_bits(x16.view(torch.int16).numpy().view(np.uint16))), fmt, seed=1)
+    codes, expo = K.quantize(x16, fmt, seed=1)
+    assert same(codes, want.codes) and same(expo, want.exponents)
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+def test_requantize_equals_golden(rounding):
+    rng = np.random.default_rng(3)
+    wide = quantize(spread(rng, (70, 50)), HBFP16)
+    want = requantize(wide, HBFP8.with_rounding(rounding), seed=4)
+    codes, expo = K.requantize(*K.from_bfp_tensor(wide), HBFP16, HBFP8.with_rounding(rounding), seed=4)
+    assert same(codes, want.codes) and same(expo, want.exponents)
+
+
+def _operands(rng, m, k, n, fa, fb, decades):
+    a = spread(rng, (m, k), decades)
+    b = spread(rng, (k, n), decades)
+    return quantize(a, fa), quantize(b, fb)
+
+
+CASES = [  # m, k, n, format, exponent decades, with C, with bias
+    (1, 1, 1, HBFP8, 2, False, False),
+    (64, 96, 80, HBFP8, 4, True, True),
+    (150, 200, 130, HBFP8, 8, False, True),
+    (33, 250, 47, HBFP16, 6, True, False),
+    (40, 96, 70, MXINT8, 6, True, True),
+    (300, 500, 400, HBFP8, 6, True, True),
+    (500, 300, 600, HBFP8, 3, False, False),
+]
+
+
+@pytest.mark.parametrize("m, k, n, fmt, decades, with_c, with_bias", CASES)
+def test_gemm_sums_equal_golden(m, k, n, fmt, decades, with_c, with_bias):
+    rng = np.random.default_rng(m + k + n)
+    if fmt is MXINT8:  # B blocked along K: stored N x K and used transposed
+        qa = quantize(spread(rng, (m, k), decades), fmt)
+        qb = quantize(spread(rng, (n, k), decades), fmt).transpose()
+    else:
+        qa, qb = _operands(rng, m, k, n, fmt, fmt, decades)
+    c = spread(rng, (m, n)) if with_c else None
+    bias = spread(rng, (n,)) if with_bias else None
+    want = gemm(qa, qb, c=c, bias=bias)
+    got = K.gemm(K.from_bfp_tensor(qa), K.from_bfp_tensor(qb), qa.fmt, qb.fmt,
+                 c=None if c is None else torch.from_numpy(c), bias=None if bias is None else torch.from_numpy(bias))
+    assert same(got.view(torch.int32), want.view(np.int32))
+
+
+def test_gemm_special_values_and_the_exact_fallback():
+    rng = np.random.default_rng(11)
+    a = spread(rng, (60, 100))
+    b = spread(rng, (100, 50))
+    a[5, 7], b[30, 3] = np.nan, np.inf  # a NaN tile on each side
+    qa, qb = quantize(a, HBFP8), quantize(b, HBFP8)
+    c = spread(rng, (60, 50))
+    c[2, 2], c[3, 3] = np.nan, -np.inf
+    args = (K.from_bfp_tensor(qa), K.from_bfp_tensor(qb), HBFP8, HBFP8)
+    got = K.gemm(*args, c=torch.from_numpy(c))
+    assert np.array_equal(got.numpy(), gemm(qa, qb, c=c), equal_nan=True)
+    # Exponents at the bottom of the range (products that would be subnormal) and a C below
+    # 2**-103: outside the fast path's preconditions, the NumPy model's exact path.
+    tiny = quantize(spread(rng, (30, 48)) * np.float32(2.0**-70), HBFP8)
+    tiny_b = quantize(spread(rng, (48, 20)) * np.float32(2.0**-60), HBFP8)
+    c2 = np.full((30, 20), np.float32(2.0**-110))
+    got = K.gemm(K.from_bfp_tensor(tiny), K.from_bfp_tensor(tiny_b), HBFP8, HBFP8, c=torch.from_numpy(c2))
+    assert same(got.view(torch.int32), gemm(tiny, tiny_b, c=c2).view(np.int32))
+
+
+@pytest.mark.parametrize("activation", [None, *UNARY])
+@pytest.mark.parametrize("out", ["fp32", "bf16", "bfp"])
+def test_epilogue_equals_golden(activation, out):
+    rng = np.random.default_rng(len(activation or "") * 3 + len(out))
+    acc = spread(rng, (50, 72), decades=10) * np.float32(4.0)
+    acc[0, :4] = [np.nan, np.inf, -np.inf, np.float32(1e-39)]
+    fmt = HBFP8.with_rounding("stochastic") if out == "bfp" else out
+    want = epilogue(acc, activation, fmt, seed=7, leaky_shift=3)
+    got = K.epilogue(torch.from_numpy(acc), activation, fmt, seed=7, leaky_shift=3)
+    if out == "bfp":
+        assert same(got[0], want.codes) and same(got[1], want.exponents)
+    elif out == "bf16":
+        assert same(got.view(torch.int16), want.view(np.int16))
+    else:
+        assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+
+
+def test_random_products_equal_golden():
+    """Random shapes, formats, exponent spreads, NaN tiles, C and bias: over 10**6 outputs."""
+    rng = np.random.default_rng(2024)
+    compared = 0
+    while compared < 10**6:
+        m, k, n = (int(v) for v in rng.integers(1, 400, 3))
+        fmt = [HBFP8, HBFP16, Format(6, (12, 12))][int(rng.integers(3))]
+        qa, qb = _operands(rng, m, k, n, fmt, fmt, float(rng.uniform(0, 12)))
+        if rng.random() < 0.2:
+            qa.exponents[0, 0] = 0xFF  # a NaN tile
+        c = spread(rng, (m, n)) if rng.random() < 0.5 else None
+        bias = spread(rng, (n,)) if rng.random() < 0.5 else None
+        want = gemm(qa, qb, c=c, bias=bias)
+        got = K.gemm(K.from_bfp_tensor(qa), K.from_bfp_tensor(qb), fmt, fmt,
+                     c=None if c is None else torch.from_numpy(c), bias=None if bias is None else torch.from_numpy(bias))
+        assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32)) or (
+            np.array_equal(np.isnan(got.numpy()), np.isnan(want))
+            and np.array_equal(got.numpy()[~np.isnan(want)].view(np.uint32), want[~np.isnan(want)].view(np.uint32))
+        ), (m, k, n, fmt)
+        compared += m * n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_kernels_on_cuda_equal_golden():
+    rng = np.random.default_rng(12)
+    qa, qb = _operands(rng, 200, 300, 150, HBFP8, HBFP8, 6)
+    c, bias = spread(rng, (200, 150)), spread(rng, (150,))
+    got = K.gemm(K.from_bfp_tensor(qa, "cuda"), K.from_bfp_tensor(qb, "cuda"), HBFP8, HBFP8,
+                 c=torch.from_numpy(c).cuda(), bias=torch.from_numpy(bias).cuda())
+    assert same(got.view(torch.int32), gemm(qa, qb, c=c, bias=bias).view(np.int32))
+    x = spread(rng, (100, 90))
+    fmt = HBFP8.with_rounding("stochastic")
+    codes, expo = K.quantize(torch.from_numpy(x).cuda(), fmt, seed=3)
+    want = quantize(x, fmt, seed=3)
+    assert same(codes, want.codes) and same(expo, want.exponents)
