@@ -165,14 +165,16 @@ def _scale_exponents(exponents: torch.Tensor, fmt: Format) -> torch.Tensor:
 
 
 def dequantize(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """``BFPTensor.dequantize``: fp32 values (NaN tiles NaN; exact below fp32's range ends is
-    not promised: codes of tiles at the very ends may round as fp32 does)."""
+    """``BFPTensor.dequantize``: fp32 values by the device rules (``bf16.round_f32``: RNE,
+    a result below 2**-126 a zero of its sign, overflow to inf); NaN tiles give NaN."""
     th, tw = fmt.tile
     m, n = codes.shape
     s = _scale_exponents(exponents, fmt).to(torch.float64)
     scale = torch.ldexp(torch.ones((), dtype=torch.float64, device=codes.device), s)
     scale = scale.repeat_interleave(th, 0).repeat_interleave(tw, 1)[:m, :n]
-    out = (codes.to(torch.float64) * scale).to(torch.float32)
+    exact = codes.to(torch.float64) * scale
+    out = exact.to(torch.float32)
+    out = torch.where(exact.abs() < _bf16._F32_FTZ_EDGE, torch.copysign(torch.zeros((), device=codes.device), out), out)
     nan = (exponents == EXP_NAN).repeat_interleave(th, 0).repeat_interleave(tw, 1)[:m, :n]
     return torch.where(nan, torch.full((), float("nan"), device=codes.device), out)
 

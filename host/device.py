@@ -368,6 +368,113 @@ class Device:
         if check:
             self.info()
 
+    def _blocks(self, M: int, N: int, K: int, transpose_a: bool, transpose_b: bool, bfp_out: bool):
+        """How a product is tiled to the buffers: the block sides ``(bm, bn, bk)`` and their
+        counts ``(nI, nJ, nP)`` along M, N and K (blocks aligned to the tiles that a stored
+        operand, or a BFP output, needs whole)."""
+        ident = self.identity
+        D = ident.size
+        th, tw = ident.tile
+        align_m = _lcm(tw if transpose_a else th, th if bfp_out else 1)
+        align_n = _lcm(th if transpose_b else tw, tw if bfp_out else 1)
+
+        def side(total: int, align: int) -> int:
+            if total <= D:
+                return max(total, 1)
+            if D < align:
+                raise NotSupported(f"{self.name}'s buffers ({D}) are smaller than the alignment {align} tiling needs")
+            return D // align * align
+
+        bm, bn, bk = side(M, align_m), side(N, align_n), side(K, ident.tk)
+        return bm, bn, bk, -(-M // bm), -(-N // bn), max(1, -(-K // bk))
+
+    def _discarded(self, m: int, n: int) -> OutFormat:
+        """The result format of a K chunk before the last, which only leaves its sums in the
+        accumulator and whose reply is discarded: the smallest result the device can send (BFP,
+        unless a block of few elements in padded tiles is smaller in bf16 or the device has no
+        output quantizer)."""
+        ident = self.identity
+        if ident.has("bfp_output") and (P.result_size(m, n, OutFormat.BFP, ident.mantissa_bits, ident.tile)
+                                        <= P.result_size(m, n, OutFormat.BF16, ident.mantissa_bits, ident.tile)):
+            return OutFormat.BFP
+        return OutFormat.BF16
+
+    def _count_direct(self, direct, M: int, N: int, K: int, blocks, final: OutFormat) -> None:
+        """Counts the cycles and MACs of the GEMM commands a product tiled as ``blocks``
+        (``_blocks``) would send, for a product computed in-process (``direct_device``)."""
+        bm, bn, bk, nI, nJ, nP = blocks
+        if K == 0:
+            return
+
+        def sides(total: int, side: int, count: int) -> list[tuple[int, int]]:
+            # (side, how many blocks have it): the full blocks, then the last one
+            last = total - (count - 1) * side
+            return [(side, count - 1), (last, 1)] if count > 1 else [(last, 1)]
+
+        last_k = K - (nP - 1) * bk
+        for mi, ci in sides(M, bm, nI):
+            for nj, cj in sides(N, bn, nJ):
+                # Every block: nP - 1 chunks of bk whose replies are discarded, then the last.
+                cycles = direct.product_cycles(mi, nj, last_k, final)
+                if nP > 1:
+                    cycles += (nP - 1) * direct.product_cycles(mi, nj, bk, self._discarded(mi, nj))
+                self.stats.cycles += ci * cj * cycles
+        self.stats.macs += M * N * K
+
+    def gemm_tensors(self, a, b, *, bias=None, activation: str | None = None, out: str = "fp32",
+                     transpose_a: bool = False, transpose_b: bool = False, c=None, rounding: str = "nearest_even",
+                     seed=None):
+        """``gemm`` of torch tensors on an in-process device (``direct_device``), computed where
+        the tensors are (CPU or CUDA) with ``hbfp.golden.kernels``, equal bit for bit to
+        ``gemm`` with ``input="codes"``: a float32 tensor (``out="fp32"``) or a bfloat16 one
+        (``"bf16"``). ``a``, ``b``: float tensors (quantized here in the device's format, with
+        ``rounding`` and the seeds as ``gemm`` gives them) or ``(codes, exponents)`` pairs in
+        the device's format (e.g. ``hbfp.golden.kernels.quantize``'s), of the stored matrices.
+        ``bias`` (N) and ``c`` (M x N): float tensors. Counts cycles and MACs as ``gemm`` does."""
+        import torch
+
+        from hbfp.golden import kernels
+
+        direct = self.direct_device
+        if direct is None:
+            raise NotSupported(f"{self.name} computes products through its link: use gemm")
+        if out not in ("fp32", "bf16"):
+            raise ValueError(f"gemm_tensors returns fp32 or bf16, not {out!r}")
+        ident = self.identity
+        fmt = ident.fmt(rounding)
+        sa, sb, _ = _seeds(seed, rounding)
+        stored = []
+        for x, s, name in ((a, sa, "a"), (b, sb, "b")):
+            if isinstance(x, tuple):
+                codes, expo = x
+            else:
+                if not isinstance(x, torch.Tensor) or x.dim() != 2:
+                    raise ShapeMismatch(f"{name} must be a matrix tensor or (codes, exponents), got {type(x).__name__}")
+                codes, expo = kernels.quantize(x, fmt, seed=s)
+            stored.append((codes, expo))
+        (ca, ea), (cb, eb) = stored
+        fa = fb = fmt
+        if transpose_a:
+            ca, ea, fa = ca.t(), ea.t(), fmt.transposed()
+        if transpose_b:
+            cb, eb, fb = cb.t(), eb.t(), fmt.transposed()
+        (M, K), (K2, N) = ca.shape, cb.shape
+        if K != K2:
+            raise ShapeMismatch(f"the product does not agree along K: op(A) is {M}x{K}, op(B) is {K2}x{N}")
+        if not ident.square and K and (transpose_a or not transpose_b):
+            raise NotSupported(f"{self.name}'s tile {ident.tile} is not square: A must be stored M x K and B N x K")
+        final = _OUT_CODES[out]
+        if activation is not None:
+            if activation not in UNARY_FUNCTIONS:
+                raise ValueError(f"unknown activation {activation!r}; known: {', '.join(UNARY_FUNCTIONS)}")
+            if self._function(activation) is None:
+                self.stats.host_activations += 1
+                final = OutFormat.BF16
+        if M and N:
+            self._count_direct(direct, M, N, K, self._blocks(M, N, K, transpose_a, transpose_b, False), final)
+        acc = kernels.gemm((ca, ea), (cb, eb), fa, fb, c=c, bias=bias)
+        return kernels.epilogue(acc, activation, out, leaky_shift=ident.leaky_shift)
+
     @property
     def direct_device(self):
         """The in-process device that computes products directly (``EmuDevice`` without
@@ -737,22 +844,9 @@ class Device:
         if M == 0 or N == 0:
             return _empty_result(M, N, out, fmt)
 
-        D = ident.size
         th, tw = ident.tile
-        tk = ident.tk
         bfp_out = out == "bfp"
-        align_m = _lcm(tw if transpose_a else th, th if bfp_out else 1)
-        align_n = _lcm(th if transpose_b else tw, tw if bfp_out else 1)
-
-        def side(total: int, align: int) -> int:
-            if total <= D:
-                return max(total, 1)
-            if D < align:
-                raise NotSupported(f"{self.name}'s buffers ({D}) are smaller than the alignment {align} tiling needs")
-            return D // align * align
-
-        bm, bn, bk = side(M, align_m), side(N, align_n), side(K, tk)
-        nI, nJ, nP = -(-M // bm), -(-N // bn), max(1, -(-K // bk))
+        bm, bn, bk, nI, nJ, nP = self._blocks(M, N, K, transpose_a, transpose_b, bfp_out)
         split_out = nI > 1 or nJ > 1
 
         stochastic = rounding == "stochastic"
@@ -787,14 +881,7 @@ class Device:
             self.stats.host_quantized += 1
         # The rounding and seed of a BFP result (unused by fp32 and bf16).
         out_rounding, out_seed = (P.ROUNDING_CODES[rounding], so) if final == OutFormat.BFP else (0, 0)
-        # K chunks before the last only leave their sums in the accumulator; their reply is
-        # discarded: the smallest result the device can send (BFP, unless a block of few
-        # elements in padded tiles is smaller in bf16 or the device has no output quantizer).
-        def discarded(m: int, n: int) -> OutFormat:
-            if ident.has("bfp_output") and (P.result_size(m, n, OutFormat.BFP, ident.mantissa_bits, ident.tile)
-                                            <= P.result_size(m, n, OutFormat.BF16, ident.mantissa_bits, ident.tile)):
-                return OutFormat.BFP
-            return OutFormat.BF16
+        discarded = self._discarded
 
         direct = self.direct_device
         if direct is not None:
@@ -802,15 +889,7 @@ class Device:
             # (K chunks keep their order on the accumulator; BFP blocks are whole tiles, and a
             # stochastic stream that a block would restart was quantized whole above), and the
             # cycles those commands would report (a READ's reply, with K = 0, reports none).
-            for i in range(nI):
-                mi = min(M, (i + 1) * bm) - i * bm
-                for j in range(nJ):
-                    nj = min(N, (j + 1) * bn) - j * bn
-                    for p in range(nP if K else 0):
-                        kc = min(K, (p + 1) * bk) - p * bk
-                        last = p == nP - 1
-                        self.stats.cycles += direct.product_cycles(mi, nj, kc, final if last else discarded(mi, nj))
-                        self.stats.macs += mi * nj * kc
+            self._count_direct(direct, M, N, K, (bm, bn, bk, nI, nJ, nP), final)
             ops = []
             for op in (opA, opB):
                 if K == 0:

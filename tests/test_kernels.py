@@ -60,6 +60,17 @@ def test_quantize_equals_golden(name, rounding):
     assert same(codes, want.codes) and same(expo, want.exponents)
 
 
+def test_dequantize_equals_golden():
+    rng = np.random.default_rng(8)
+    x = spread(rng, (60, 70), decades=12)
+    x[0, :3] = [np.nan, np.float32(2.0**-125), np.float32(3e38)]
+    for fmt in (HBFP8, HBFP16, MXINT8):
+        t = quantize(x, fmt)
+        t.exponents[1, 0] = 2  # values at the bottom of fp32's range: flushed as the device does
+        got = K.dequantize(*K.from_bfp_tensor(t), fmt)
+        assert np.array_equal(got.numpy().view(np.uint32), t.dequantize().view(np.uint32))
+
+
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 def test_requantize_equals_golden(rounding):
     rng = np.random.default_rng(3)

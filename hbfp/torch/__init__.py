@@ -96,17 +96,26 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def _device_gemm(device, a, b, **kw) -> torch.Tensor:
+    """``a @ b`` on ``device`` (``Device.gemm``'s keywords): on the in-process emu with torch's
+    kernels where the tensors are (no NumPy round trip), else through the device's driver."""
+    if getattr(device, "direct_device", None) is not None:
+        return device.gemm_tensors(a.detach() if isinstance(a, torch.Tensor) else a,
+                                   b.detach() if isinstance(b, torch.Tensor) else b, **kw)
     a = a if not isinstance(a, torch.Tensor) else _numpy(a)
     b = b if not isinstance(b, torch.Tensor) else _numpy(b)
+    if isinstance(b, tuple):  # stored codes as torch tensors: the driver takes a BFPTensor
+        from hbfp.golden.kernels import to_bfp_tensor
+
+        b = to_bfp_tensor(*b, device.format())
     return torch.from_numpy(np.ascontiguousarray(device.gemm(a, b, **kw)))
 
 
 @dataclass(frozen=True)
 class _StoredOperand:
     """The right operand of a product as the device reads it from wide storage: ``codes``
-    (a BFPTensor in the device's format, requantized from HBFP16) of the stored matrix, which
-    is ``b`` itself or, with ``transposed``, ``b``'s transpose (a Linear's weight is stored
-    out x in and used as in x out)."""
+    (``(codes, exponents)`` tensors in the device's format, requantized from HBFP16) of the
+    stored matrix, which is ``b`` itself or, with ``transposed``, ``b``'s transpose (a Linear's
+    weight is stored out x in and used as in x out)."""
 
     codes: object
     transposed: bool
@@ -178,7 +187,7 @@ def _matrix(weight: torch.Tensor) -> torch.Tensor:
 
 def _stored_operand(weight: torch.Tensor, device) -> _StoredOperand | None:
     """The codes the device reads of a wide-stored weight (None if stored as fp32)."""
-    from hbfp.golden import quantize, requantize
+    from hbfp.golden import kernels
 
     storage = weight_storage(weight)
     if storage is None:
@@ -187,15 +196,16 @@ def _stored_operand(weight: torch.Tensor, device) -> _StoredOperand | None:
     if storage.tile != fmt.tile:
         raise ValueError(f"wide weight storage in tiles {storage.tile} cannot be read by a device with tiles "
                          f"{fmt.tile}: requantize keeps the tiles (use a storage format with the device's tiles)")
-    wide = quantize(_numpy(_matrix(weight)), storage)  # exact: the weight is on the storage grid
-    return _StoredOperand(requantize(wide, fmt), transposed=True)
+    # exact: the weight is on the storage grid
+    wide = kernels.quantize(_matrix(weight).detach(), storage)
+    return _StoredOperand(kernels.requantize(*wide, storage, fmt), transposed=True)
 
 
 def _snap(weight: torch.Tensor, storage) -> None:
-    from hbfp.golden import quantize
+    from hbfp.golden import kernels
 
     with torch.no_grad():
-        snapped = torch.from_numpy(quantize(_numpy(_matrix(weight)), storage).dequantize())
+        snapped = kernels.dequantize(*kernels.quantize(_matrix(weight), storage), storage)
         weight.copy_(snapped.reshape(weight.shape).to(weight.dtype))
 
 
