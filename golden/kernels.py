@@ -256,10 +256,20 @@ _BLOCK_ELEMENTS = 1 << 17
 
 
 def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], fa: Format, fb: Format, *,
-         c: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+         c: torch.Tensor | None = None, bias: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
     """The fp32 sums ``C + A @ B + bias`` of ``hbfp.golden.gemm.gemm`` (before its epilogue):
     ``a`` = (codes M x K, exponents), ``b`` = (codes K x N, exponents) in formats ``fa``,
-    ``fb`` whose tiles agree along K; ``c`` (M x N) and ``bias`` (N) fp32."""
+    ``fb`` whose tiles agree along K; ``c`` (M x N) and ``bias`` (N) fp32.
+
+    ``impl``: ``"torch"`` (the default: torch operations where the tensors are) or ``"numpy"``
+    (the NumPy model on the same memory, CPU tensors only; its own thread pool makes it the
+    faster for one large product alone, but beside torch's threads in a training step it is
+    several times slower)."""
+    impl = impl or "torch"
+    if impl == "numpy":
+        return _gemm_numpy(a, b, fa, fb, c, bias)
+    if impl != "torch":
+        raise ValueError(f"impl must be 'torch', 'numpy' or None, got {impl!r}")
     (ca, ea), (cb, eb) = a, b
     m, k = ca.shape
     k2, n = cb.shape
@@ -304,6 +314,18 @@ def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tens
     if bias is not None:
         acc = flush_f32(acc + flush_f32(bias.to(torch.float32))[None, :])
     return acc
+
+
+def _gemm_numpy(a, b, fa: Format, fb: Format, c, bias) -> torch.Tensor:
+    """``gemm`` by the NumPy model on the CPU tensors' memory (no copy of codes that are
+    already the format's integer type)."""
+    from .gemm import gemm as golden_gemm
+
+    def cpu(t):
+        return None if t is None else t.detach().to(torch.float32).cpu().numpy()
+
+    acc = golden_gemm(to_bfp_tensor(*a, fa), to_bfp_tensor(*b, fb), c=cpu(c), bias=cpu(bias))
+    return torch.from_numpy(acc)
 
 
 # ---- the epilogue --------------------------------------------------------------------------

@@ -97,8 +97,9 @@ CASES = [  # m, k, n, format, exponent decades, with C, with bias
 ]
 
 
+@pytest.mark.parametrize("impl", ["torch", "numpy"])
 @pytest.mark.parametrize("m, k, n, fmt, decades, with_c, with_bias", CASES)
-def test_gemm_sums_equal_golden(m, k, n, fmt, decades, with_c, with_bias):
+def test_gemm_sums_equal_golden(m, k, n, fmt, decades, with_c, with_bias, impl):
     rng = np.random.default_rng(m + k + n)
     if fmt is MXINT8:  # B blocked along K: stored N x K and used transposed
         qa = quantize(spread(rng, (m, k), decades), fmt)
@@ -109,7 +110,8 @@ def test_gemm_sums_equal_golden(m, k, n, fmt, decades, with_c, with_bias):
     bias = spread(rng, (n,)) if with_bias else None
     want = gemm(qa, qb, c=c, bias=bias)
     got = K.gemm(K.from_bfp_tensor(qa), K.from_bfp_tensor(qb), qa.fmt, qb.fmt,
-                 c=None if c is None else torch.from_numpy(c), bias=None if bias is None else torch.from_numpy(bias))
+                 c=None if c is None else torch.from_numpy(c), bias=None if bias is None else torch.from_numpy(bias),
+                 impl=impl)
     assert same(got.view(torch.int32), want.view(np.int32))
 
 
@@ -122,14 +124,14 @@ def test_gemm_special_values_and_the_exact_fallback():
     c = spread(rng, (60, 50))
     c[2, 2], c[3, 3] = np.nan, -np.inf
     args = (K.from_bfp_tensor(qa), K.from_bfp_tensor(qb), HBFP8, HBFP8)
-    got = K.gemm(*args, c=torch.from_numpy(c))
+    got = K.gemm(*args, c=torch.from_numpy(c), impl="torch")
     assert np.array_equal(got.numpy(), gemm(qa, qb, c=c), equal_nan=True)
     # Exponents at the bottom of the range (products that would be subnormal) and a C below
     # 2**-103: outside the fast path's preconditions, the NumPy model's exact path.
     tiny = quantize(spread(rng, (30, 48)) * np.float32(2.0**-70), HBFP8)
     tiny_b = quantize(spread(rng, (48, 20)) * np.float32(2.0**-60), HBFP8)
     c2 = np.full((30, 20), np.float32(2.0**-110))
-    got = K.gemm(K.from_bfp_tensor(tiny), K.from_bfp_tensor(tiny_b), HBFP8, HBFP8, c=torch.from_numpy(c2))
+    got = K.gemm(K.from_bfp_tensor(tiny), K.from_bfp_tensor(tiny_b), HBFP8, HBFP8, c=torch.from_numpy(c2), impl="torch")
     assert same(got.view(torch.int32), gemm(tiny, tiny_b, c=c2).view(np.int32))
 
 
@@ -163,7 +165,7 @@ def test_random_products_equal_golden():
         c = spread(rng, (m, n)) if rng.random() < 0.5 else None
         bias = spread(rng, (n,)) if rng.random() < 0.5 else None
         want = gemm(qa, qb, c=c, bias=bias)
-        got = K.gemm(K.from_bfp_tensor(qa), K.from_bfp_tensor(qb), fmt, fmt,
+        got = K.gemm(K.from_bfp_tensor(qa), K.from_bfp_tensor(qb), fmt, fmt, impl="torch",
                      c=None if c is None else torch.from_numpy(c), bias=None if bias is None else torch.from_numpy(bias))
         assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32)) or (
             np.array_equal(np.isnan(got.numpy()), np.isnan(want))
