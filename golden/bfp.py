@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -270,16 +272,95 @@ def quantize(x, fmt: Format = HBFP8, *, seed: int | None = None) -> BFPTensor:
     else:
         xp = np.zeros((*lead, tr * th, tc * tw), dtype=np.float32)
         xp[..., :m, :n] = x
-    field = ((xp.view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF)).astype(np.uint8)
-    tiled_shape = (*lead, tr, th, tc, tw)
+    if xp.size == 0:
+        return BFPTensor(np.zeros((*lead, m, n), fmt.code_dtype), np.zeros((*lead, tr, tc), np.uint8), fmt)
+    # Tile-row bands (th rows of the padded matrix, leading axes first) are independent: they
+    # go in chunks that stay in a core's cache, on a thread per core when there are many.
+    bands = xp.reshape(-1, th, tc * tw)
+    expo = np.empty((bands.shape[0], tc), dtype=np.uint8)
+    codes = np.empty(bands.shape, dtype=fmt.code_dtype)
+    per = max(1, _CHUNK_ELEMENTS // (th * tc * tw))
+    chunks = [(b, min(bands.shape[0], b + per)) for b in range(0, bands.shape[0], per)]
+    key = None if fmt.rounding != "stochastic" else _key(seed)
+    pattern = _band_pattern(th, tw, tc) if key is not None else None
+
+    def work(my_chunks):
+        for b0, b1 in my_chunks:
+            _quantize_bands(bands[b0:b1], fmt, b0, key, pattern, expo[b0:b1], codes[b0:b1])
+
+    _run_chunks(work, chunks, parallel=xp.size >= _PARALLEL_ELEMENTS)
+    expo = expo.reshape(*lead, tr, tc)
+    codes = codes.reshape(*lead, tr * th, tc * tw)[..., :m, :n]
+    return BFPTensor(np.ascontiguousarray(codes), expo, fmt)
+
+
+#: Elements of a chunk of tile-row bands that ``quantize`` handles at once (its temporaries stay
+#: in a core's cache), and the size from which chunks are shared out to a thread per core.
+_CHUNK_ELEMENTS = 1 << 16
+_PARALLEL_ELEMENTS = 1 << 19
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_pool: ThreadPoolExecutor | None = None
+
+
+def _run_chunks(work, chunks: list, parallel: bool) -> None:
+    global _pool
+    if not parallel or _WORKERS == 1 or len(chunks) == 1:
+        work(chunks)
+        return
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="hbfp-quantize")
+    for f in [_pool.submit(work, chunks[i::_WORKERS]) for i in range(_WORKERS)]:
+        f.result()
+
+
+def _key(seed: int) -> np.uint32:
+    """The stochastic generator's key of ``seed``: ``mix32(seed ^ SEED_SALT)``."""
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an integer, got {seed!r}")
+    return mix32(np.uint32((int(seed) ^ SEED_SALT) & 0xFFFF_FFFF))[()]
+
+
+def _band_pattern(th: int, tw: int, tc: int) -> np.ndarray:
+    """Stream positions within one tile-row band (``stream_index`` of its first band)."""
+    c = np.arange(tc * tw, dtype=np.uint32)
+    r = np.arange(th, dtype=np.uint32)
+    return ((c // tw) * np.uint32(th * tw))[None, :] + (r * np.uint32(tw))[:, None] + (c % tw)[None, :]
+
+
+def _band_bits(key: np.uint32, pattern: np.ndarray, b0: int, b1: int) -> np.ndarray:
+    """``random_bits`` of bands ``b0``..``b1`` (uint32): each band's stream positions are the
+    first band's plus ``band * th * tc * tw`` (mod 2**32)."""
+    step = pattern.size
+    base = (np.arange(b0, b1, dtype=np.uint64) * step).astype(np.uint32)
+    x = pattern[None] + base[:, None, None]
+    x ^= key
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(MIX32_MULTIPLIERS[0])
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(MIX32_MULTIPLIERS[1])
+    x ^= x >> np.uint32(16)
+    x >>= np.uint32(32 - RANDOM_BITS)
+    return x
+
+
+def _quantize_bands(xb: np.ndarray, fmt: Format, b0: int, key, pattern, expo_out: np.ndarray,
+                    codes_out: np.ndarray) -> None:
+    """``quantize`` of whole tile-row bands ``xb`` (bands, th, tc * tw) of the padded matrix,
+    the first of them band ``b0``: their exponents and codes into the two outputs."""
+    th, tw = fmt.tile
+    nb, _, width = xb.shape
+    tc = width // tw
+    field = ((xb.view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF)).astype(np.uint8)
+    tiled = (nb, th, tc, tw)
     # The shared exponent is the largest exponent field of the tile: floor(log2(amax)) + 127,
     # 0 for an all-zero tile (E = -127), 0xFF when the tile holds a NaN or an inf.
-    expo = field.reshape(tiled_shape).max(axis=(-3, -1))
+    expo = field.reshape(tiled).max(axis=(1, 3))
+    expo_out[...] = expo
     # DAZ: subnormals (field 0) count as zeros; so do the elements of NaN tiles.
     drop = field == 0
     if (expo == EXP_NAN).any():
-        drop |= np.repeat(np.repeat(expo == EXP_NAN, th, axis=-2), tw, axis=-1)
-    xz = np.where(drop, np.float32(0), xp)
+        drop |= np.repeat(np.repeat(expo == EXP_NAN, th, axis=0).reshape(nb, th, tc), tw, axis=2)
+    xz = np.where(drop, np.float32(0), xb)
     # y = x * 2**(frac_bits - E): a power-of-two scaling, exact in fp32 while the scale is a
     # normal fp32 number (a y that lands subnormal is below 2**-126, a code of 0 in any
     # rounding); tiles with exponents at the very ends of the range go through fp64.
@@ -287,17 +368,27 @@ def quantize(x, fmt: Format = HBFP8, *, seed: int | None = None) -> BFPTensor:
     live = (expo != 0) & (expo != EXP_NAN)
     dtype = np.float32 if not live.any() or (shift[live].min() >= -126 and shift[live].max() <= 127) else np.float64
     scale = np.ldexp(dtype(1), np.clip(shift, -126, 127) if dtype is np.float32 else shift).astype(dtype)
-    y = xz.astype(dtype).reshape(tiled_shape) * scale[..., :, None, :, None]
-    y = y.reshape(xp.shape)
+    y = (xz.astype(dtype).reshape(tiled) * scale[:, None, :, None]).reshape(xb.shape)
     if fmt.rounding == "stochastic":
-        q = _round(y.astype(np.float64), fmt.rounding, random_bits(seed, stream_index(expo.shape, fmt.tile)))
+        bits = _band_bits(key, pattern, b0, b0 + nb)
+        if dtype is np.float32 and fmt.mantissa_bits <= 16:
+            # |y| < 2**15: |y| * 2**16 is exact in fp32, its integer part (the conversion
+            # truncates) fits a uint32 with the random bits added.
+            mag = np.abs(y)
+            mag *= np.float32(1 << RANDOM_BITS)
+            u = mag.astype(np.uint32)
+            u += bits
+            u >>= np.uint32(RANDOM_BITS)
+            q = u.view(np.int32)
+            np.negative(q, out=q, where=y < 0)
+        else:
+            q = _round(y.astype(np.float64), "stochastic", bits.astype(np.int64))
     elif fmt.rounding == "nearest_even":
         q = np.rint(y, out=y)
     else:
         q = np.trunc(y, out=y)
-    q = np.clip(q, -fmt.qmax, fmt.qmax, out=q)
-    codes = q[..., :m, :n].astype(fmt.code_dtype)
-    return BFPTensor(np.ascontiguousarray(codes), np.ascontiguousarray(expo), fmt)
+    np.clip(q, -fmt.qmax, fmt.qmax, out=q)
+    codes_out[...] = q
 
 
 def requantize(t: BFPTensor, fmt: Format, *, seed: int | None = None) -> BFPTensor:
