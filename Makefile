@@ -58,9 +58,10 @@ fuzz: $(STAMP)
 verilog: $(STAMP)
 	$(VENV)/bin/hbfp verilog -o build/verilog
 
-## bench: performance figures of the golden model against NumPy fp32
+## bench: emulation performance beside fp32: training steps (fp32, HBFP8 in-process and through
+## the wire), golden gemm against NumPy's fp32 matmul, quantize throughput, peak memory
 bench: $(STAMP)
-	$(PY) benchmarks/bench_golden.py
+	$(PY) benchmarks/bench.py
 
 ## accuracy: measure the bf16 activation units over all inputs; rewrites docs/activations.md
 accuracy: $(STAMP)

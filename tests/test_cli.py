@@ -32,13 +32,17 @@ def test_cli_rejects_bad_sizes():
 
 
 def test_bench_runs_and_prints_ratios(capsys):
-    spec = importlib.util.spec_from_file_location("bench_golden", ROOT / "benchmarks" / "bench_golden.py")
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--sizes", "48", "--repeats", "1", "--quantize-shape", "64", "64"]) == 0
+    assert bench.main(["--sizes", "48", "--repeats", "1", "--rounds", "1", "--quantize-shape", "64", "64",
+                       "--memory", "48", "96", "24"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"48\^3\s+[\d.]+ms\s+[\d.]+ms\s+[\d.]+x", out), out
-    assert re.search(r"HBFP8 stochastic:\s+[\d.]+ M elements/s", out), out
+    assert re.search(r"HBFP8 stochastic\s+[\d.]+\s+[\d.]+", out), out
+    for model in ("MLP", "digits CNN", "transformer block"):
+        assert re.search(model + r".*\s+[\d.]+ms\s+[\d.]+ms\s+[\d.]+x\s+[\d.]+ms\s+[\d.]+x", out), out
+    assert re.search(r"48x96x24:\s+[\d.]+ MiB allocated", out), out
 
 
 def test_verilog_writes_components_and_parameters(tmp_path, capsys):

@@ -97,7 +97,19 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 def _device_gemm(device, a, b, **kw) -> torch.Tensor:
     """``a @ b`` on ``device`` (``Device.gemm``'s keywords): on the in-process emu with torch's
-    kernels where the tensors are (no NumPy round trip), else through the device's driver."""
+    kernels where the tensors are (no NumPy round trip), else through the device's driver.
+    ``offload`` lets the kernels' own torch operations through (a backward product runs
+    while the context routes products, outside its handler)."""
+    previous = getattr(_state, "on_device", False)
+    _state.on_device = True
+    try:
+        with torch._C.DisableTorchFunction():  # and no handler at all for the kernels' operations
+            return _device_gemm_inner(device, a, b, **kw)
+    finally:
+        _state.on_device = previous
+
+
+def _device_gemm_inner(device, a, b, **kw) -> torch.Tensor:
     if getattr(device, "direct_device", None) is not None:
         return device.gemm_tensors(a.detach() if isinstance(a, torch.Tensor) else a,
                                    b.detach() if isinstance(b, torch.Tensor) else b, **kw)
@@ -329,7 +341,7 @@ class _Offload(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if get_matmul_precision() == "hbfp8":
+        if get_matmul_precision() == "hbfp8" and not getattr(_state, "on_device", False):
             if func is F.linear:
                 x, weight = args[0], args[1]
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
