@@ -368,7 +368,7 @@ def _quantize_bands(xb: np.ndarray, fmt: Format, b0: int, key, pattern, expo_out
     live = (expo != 0) & (expo != EXP_NAN)
     dtype = np.float32 if not live.any() or (shift[live].min() >= -126 and shift[live].max() <= 127) else np.float64
     scale = np.ldexp(dtype(1), np.clip(shift, -126, 127) if dtype is np.float32 else shift).astype(dtype)
-    y = (xz.astype(dtype).reshape(tiled) * scale[:, None, :, None]).reshape(xb.shape)
+    y = (xz.astype(dtype, copy=False).reshape(tiled) * scale[:, None, :, None]).reshape(xb.shape)
     if fmt.rounding == "stochastic":
         bits = _band_bits(key, pattern, b0, b0 + nb)
         if dtype is np.float32 and fmt.mantissa_bits <= 16:

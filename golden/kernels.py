@@ -105,14 +105,27 @@ def _round(y: torch.Tensor, rounding: str, rand: torch.Tensor | None) -> torch.T
     return torch.where(y < 0, -q, q)
 
 
-def quantize(x: torch.Tensor, fmt: Format, *, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, fmt: Format, *, seed: int | None = None,
+             impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``bfp.quantize`` of a matrix: ``(codes, exponents)``, codes of ``x``'s shape (int8 up to 8
     mantissa bits, int16 up to 16, else int32), exponents one E8M0 code per tile (uint8).
-    ``x``: fp32, or bf16/fp16/fp64 (converted to fp32 first, RNE)."""
+    ``x``: fp32, or bf16/fp16/fp64 (converted to fp32 first, RNE). ``impl``: ``"torch"``
+    (torch operations where the tensor is), ``"numpy"`` (the NumPy model on the CPU tensor's
+    memory: band by band in cache, a thread per core, 32-bit stochastic rounding; several
+    times the torch operations' rate on a CPU) or None: NumPy for a CPU tensor, torch
+    elsewhere."""
     if x.dim() != 2:
         raise ValueError(f"quantize takes a matrix, got shape {tuple(x.shape)}")
     if fmt.rounding == "stochastic" and seed is None:
         raise ValueError("stochastic rounding needs a seed (quantize(..., seed=N)) to be reproducible")
+    impl = impl or ("numpy" if x.device.type == "cpu" else "torch")
+    if impl == "numpy":
+        from .bfp import quantize as golden_quantize
+
+        t = golden_quantize(x.detach().to(torch.float32).numpy(), fmt, seed=seed)
+        return torch.from_numpy(t.codes), torch.from_numpy(t.exponents)
+    if impl != "torch":
+        raise ValueError(f"impl must be 'torch', 'numpy' or None, got {impl!r}")
     x = x.to(torch.float32)
     m, n = x.shape
     th, tw = fmt.tile

@@ -198,6 +198,7 @@ class EmuDevice:
         spec = dataclasses.replace(spec, **device) if device else spec
         self.spec = spec
         self.direct = not wire
+        self._cycles: dict = {}
         cfg = self.config = spec.config
         D = cfg.size
         th, tw = cfg.tile
@@ -251,8 +252,13 @@ class EmuDevice:
 
     def product_cycles(self, m: int, n: int, k: int, out_format: int) -> int:
         """The cycles a GEMM of ``m x n x k`` (a READ with ``k = 0``) with result format
-        ``out_format`` takes on this device (``command_cycles``)."""
-        return command_cycles(self.config, m, n, k, out_format)
+        ``out_format`` takes on this device (``command_cycles``, remembered: a training loop
+        asks for the same few shapes again and again)."""
+        key = (m, n, k, int(out_format))
+        cycles = self._cycles.get(key)
+        if cycles is None:
+            cycles = self._cycles[key] = command_cycles(self.config, m, n, k, out_format)
+        return cycles
 
     # ---- frames -----------------------------------------------------------------------
 

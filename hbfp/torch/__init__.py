@@ -113,12 +113,10 @@ def _device_gemm_inner(device, a, b, **kw) -> torch.Tensor:
     if getattr(device, "direct_device", None) is not None:
         return device.gemm_tensors(a.detach() if isinstance(a, torch.Tensor) else a,
                                    b.detach() if isinstance(b, torch.Tensor) else b, **kw)
-    a = a if not isinstance(a, torch.Tensor) else _numpy(a)
-    b = b if not isinstance(b, torch.Tensor) else _numpy(b)
-    if isinstance(b, tuple):  # stored codes as torch tensors: the driver takes a BFPTensor
-        from hbfp.golden.kernels import to_bfp_tensor
+    from hbfp.golden.kernels import to_bfp_tensor
 
-        b = to_bfp_tensor(*b, device.format())
+    # Tensors go as NumPy arrays, codes (stored weights) as BFPTensors.
+    a, b = (to_bfp_tensor(*x, device.format()) if isinstance(x, tuple) else _numpy(x) for x in (a, b))
     return torch.from_numpy(np.ascontiguousarray(device.gemm(a, b, **kw)))
 
 
@@ -133,6 +131,19 @@ class _StoredOperand:
     transposed: bool
 
 
+def _quantized(device, x: torch.Tensor):
+    """``x`` as the products read it: on the in-process emu its codes and exponents in the
+    device's format, quantized once for the forward and both backward products (the same
+    codes each product's own quantization gives: a transposed operand reuses its square
+    tiles); elsewhere ``x`` itself, which the driver quantizes."""
+    if getattr(device, "direct_device", None) is None:
+        return x
+    from hbfp.golden import kernels
+
+    with torch._C.DisableTorchFunction():
+        return kernels.quantize(x.detach(), device.format())
+
+
 class HbfpMatmul(torch.autograd.Function):
     """``a @ b`` (2-D) on ``device``, with the backward products on the device too.
 
@@ -141,25 +152,21 @@ class HbfpMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, device, stored: _StoredOperand | None = None):
-        ctx.save_for_backward(a, b)
         ctx.device = device
         ctx.stored = stored
-        if stored is not None:
-            return _device_gemm(device, a, stored.codes, transpose_b=stored.transposed)
-        return _device_gemm(device, a, b)
+        ctx.qa = _quantized(device, a)
+        ctx.qb = stored.codes if stored is not None else _quantized(device, b)
+        ctx.transposed = stored is not None and stored.transposed
+        return _device_gemm(device, ctx.qa, ctx.qb, transpose_b=ctx.transposed)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        a, b = ctx.saved_tensors
-        stored = ctx.stored
         grad_a = grad_b = None
+        qg = _quantized(ctx.device, grad) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
         if ctx.needs_input_grad[0]:  # grad @ b^T (b stored as in the forward product)
-            if stored is not None:
-                grad_a = _device_gemm(ctx.device, grad, stored.codes, transpose_b=not stored.transposed)
-            else:
-                grad_a = _device_gemm(ctx.device, grad, b, transpose_b=True)
+            grad_a = _device_gemm(ctx.device, qg, ctx.qb, transpose_b=not ctx.transposed)
         if ctx.needs_input_grad[1]:
-            grad_b = _device_gemm(ctx.device, a, grad, transpose_a=True)  # a^T @ grad
+            grad_b = _device_gemm(ctx.device, ctx.qa, qg, transpose_a=True)  # a^T @ grad
         return grad_a, grad_b, None, None
 
 
