@@ -182,14 +182,26 @@ def dequantize(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format) -> tor
     a result below 2**-126 a zero of its sign, overflow to inf); NaN tiles give NaN."""
     th, tw = fmt.tile
     m, n = codes.shape
-    s = _scale_exponents(exponents, fmt).to(torch.float64)
-    scale = torch.ldexp(torch.ones((), dtype=torch.float64, device=codes.device), s)
-    scale = scale.repeat_interleave(th, 0).repeat_interleave(tw, 1)[:m, :n]
-    exact = codes.to(torch.float64) * scale
-    out = exact.to(torch.float32)
-    out = torch.where(exact.abs() < _bf16._F32_FTZ_EDGE, torch.copysign(torch.zeros((), device=codes.device), out), out)
-    nan = (exponents == EXP_NAN).repeat_interleave(th, 0).repeat_interleave(tw, 1)[:m, :n]
-    return torch.where(nan, torch.full((), float("nan"), device=codes.device), out)
+    tr, tc = exponents.shape
+    s = _scale_exponents(exponents, fmt)
+    live = (exponents != 0) & (exponents != EXP_NAN)
+    if fmt.mantissa_bits <= 24 and not bool(((s < _MIN_NORMAL_EXP) & live).any()) and (
+            not bool(live.any()) or int(s[live].max()) + fmt.mantissa_bits <= _MAX_EXP):
+        # Every value is a code (at most 24 bits) times a normal power of two, a normal fp32
+        # itself or zero: the fp32 product is exact, nothing to flush or to overflow.
+        out = _scaled(codes, exponents, fmt, tr * th, tc * tw)[:m, :n]
+    else:
+        scale = torch.ldexp(torch.ones((), dtype=torch.float64, device=codes.device), s.to(torch.float64))
+        scale = scale.repeat_interleave(th, 0).repeat_interleave(tw, 1)[:m, :n]
+        exact = codes.to(torch.float64) * scale
+        out = exact.to(torch.float32)
+        out = torch.where(exact.abs() < _bf16._F32_FTZ_EDGE, torch.copysign(torch.zeros((), device=codes.device), out),
+                          out)
+    nan = exponents == EXP_NAN
+    if bool(nan.any()):
+        nan = nan.repeat_interleave(th, 0).repeat_interleave(tw, 1)[:m, :n]
+        out = torch.where(nan, torch.full((), float("nan"), device=codes.device), out)
+    return out.contiguous()
 
 
 def to_bfp_tensor(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format) -> BFPTensor:
@@ -221,9 +233,14 @@ def _live_range(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format) -> tu
 
 
 def _magnitude(codes: torch.Tensor, fmt: Format) -> int:
+    """The largest code magnitude ``codes`` may hold (``gemm._code_magnitude``): int8 codes
+    at most 128 whatever they hold (a bound that costs no pass over them), else their own."""
     if codes.numel() == 0:
         return fmt.qmax
-    return max(fmt.qmax, int(codes.max()), -int(codes.min()))
+    if codes.dtype == torch.int8:
+        return 128
+    lo, hi = torch.aminmax(codes)
+    return max(fmt.qmax, int(hi), -int(lo))
 
 
 def _fast_path_ok(a, b, fa: Format, fb: Format, tk: int, c: torch.Tensor | None) -> bool:
@@ -252,13 +269,17 @@ def _fast_path_ok(a, b, fa: Format, fb: Format, tk: int, c: torch.Tensor | None)
 
 def _scaled(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format, rows: int, cols: int) -> torch.Tensor:
     """``gemm._scaled``: codes times their tile's power of two, fp32, padded to ``rows x cols``
-    (whole tiles); NaN tiles scale to 0."""
+    (whole tiles); NaN tiles and tiles of exponent code 0 scale to 0."""
     th, tw = fmt.tile
-    out = torch.zeros((rows, cols), dtype=torch.float32, device=codes.device)
-    out[: codes.shape[0], : codes.shape[1]] = codes
+    if tuple(codes.shape) == (rows, cols):
+        out = codes.to(torch.float32)
+    else:
+        out = torch.zeros((rows, cols), dtype=torch.float32, device=codes.device)
+        out[: codes.shape[0], : codes.shape[1]] = codes
     s = _scale_exponents(exponents, fmt).clamp(_MIN_NORMAL_EXP, _MAX_EXP).to(torch.float32)
     scale = torch.ldexp(torch.ones((), dtype=torch.float32, device=codes.device), s)
-    scale = torch.where(exponents == EXP_NAN, torch.zeros((), device=codes.device), scale)
+    # NaN tiles, and tiles of exponent code 0 (any code of theirs is below 2**-126, read as 0)
+    scale = torch.where((exponents == EXP_NAN) | (exponents == 0), torch.zeros((), device=codes.device), scale)
     tr, tc = exponents.shape
     out.view(tr, th, tc, tw).mul_(scale[:, None, :, None])
     return out
