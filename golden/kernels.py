@@ -285,8 +285,21 @@ def _scaled(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format, rows: int
     return out
 
 
-#: Outputs of a block of rows held at once while its K-tiles are added (fits a core's cache).
-_BLOCK_ELEMENTS = 1 << 17
+#: K-tile products of a block of rows held at once while they are added (fits a core's cache).
+_BLOCK_ELEMENTS = 1 << 19
+
+
+def _add_in_order(p: torch.Tensor, acc: torch.Tensor) -> None:
+    """``acc += p[0]``, then ``p[1]``, ...: fp32 additions in index order (each rounded). On a
+    CPU one NumPy reduction over the outer axis, which adds in that order into an fp32
+    output; elsewhere one addition a K-tile."""
+    if p.device.type == "cpu" and acc.is_contiguous() and p.is_contiguous():
+        pn, an = p.numpy(), acc.numpy()
+        np.add(pn[0], an, out=pn[0])
+        np.add.reduce(pn, axis=0, out=an)
+        return
+    for j in range(p.shape[0]):
+        acc += p[j]
 
 
 def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], fa: Format, fb: Format, *,
@@ -330,15 +343,17 @@ def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tens
         nb = eb.shape[1] * fb.tile[1]
         af = _scaled(ca, ea, fa, ma, kt * tk)[:m]
         bf = _scaled(cb, eb, fb, kt * tk, nb)[:, :n]
-        rows = max(1, min(m, _BLOCK_ELEMENTS // max(n, 1)))
-        tmp = torch.empty((rows, n), dtype=torch.float32, device=dev)
+        # K-tile-major: A as (KT, M, tk), B as (KT, tk, N); every K-tile's p of a block of
+        # rows in one batched product (exact), then added to the accumulator in K-tile order.
+        a3 = af.view(m, kt, tk).transpose(0, 1)
+        b3 = bf.reshape(kt, tk, n)
+        rows = max(1, min(m, _BLOCK_ELEMENTS // max(kt * n, 1)))
+        p = torch.empty((kt, rows, n), dtype=torch.float32, device=dev)
         for r0 in range(0, m, rows):
             r1 = min(m, r0 + rows)
-            block, t = acc[r0:r1], tmp[: r1 - r0]
-            for j in range(kt):
-                ks = slice(j * tk, (j + 1) * tk)
-                torch.mm(af[r0:r1, ks], bf[ks], out=t)  # this K-tile's p, exact
-                block += t  # in K-tile order
+            pb = p[:, : r1 - r0]
+            torch.bmm(a3[:, r0:r1], b3, out=pb)
+            _add_in_order(pb, acc[r0:r1])
     # A NaN tile on either side makes every output it meets NaN.
     nan_a, nan_b = ea == EXP_NAN, eb == EXP_NAN
     if bool(nan_a.any()) or bool(nan_b.any()):
