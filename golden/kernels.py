@@ -302,21 +302,86 @@ def _add_in_order(p: torch.Tensor, acc: torch.Tensor) -> None:
         acc += p[j]
 
 
+#: ``gemm``'s products when no ``impl`` is given (measured by ``make bench``: the batched fp32
+#: products were the faster on the development machine's CPU for a training step's shapes).
+DEFAULT_IMPL = "fp32"
+
+
+@functools.lru_cache(maxsize=None)
+def _int_mm_works() -> bool:
+    """Whether this torch multiplies int8 matrices into exact int32 sums on a CPU."""
+    try:
+        a = torch.ones((24, 24), dtype=torch.int8)
+        return bool((torch._int_mm(a, a) == 24).all())
+    except Exception:  # noqa: BLE001 - an older torch or a CPU without the kernel
+        return False
+
+
+def _int8_applies(ca: torch.Tensor, cb: torch.Tensor) -> bool:
+    return ca.dtype == cb.dtype == torch.int8 and ca.device.type == "cpu" and _int_mm_works()
+
+
+def _round8(x: int, least: int = 8) -> int:
+    return max(least, -(-x // 8) * 8)
+
+
+def _accumulate_int8(ca, ea, cb, eb, fa: Format, fb: Format, acc: torch.Tensor) -> None:
+    """``acc`` += every K-tile's p in K-tile order, each p an exact int32 sum of int8 codes
+    (``torch._int_mm``: sides padded with zero codes to its multiples of 8, more than 16 rows)
+    times its two tiles' power of two, exact in fp32 under ``_fast_path_ok``."""
+    m, k = ca.shape
+    n = cb.shape[1]
+    th, tk, tw = fa.tile[0], fa.tile[1], fb.tile[1]
+    tr, kt, tc = ea.shape[0], -(-k // tk), eb.shape[1]
+    mp, np_ = tr * th, tc * tw
+    mi, ni = _round8(mp, 24), _round8(np_)
+    a_pad = torch.zeros((mi, kt * tk), dtype=torch.int8)
+    a_pad[:m, :k] = ca
+    a3 = a_pad.view(mi, kt, tk).transpose(0, 1).contiguous()
+    b_pad = torch.zeros((kt * tk, ni), dtype=torch.int8)
+    b_pad[:k, :n] = cb
+    b3 = b_pad.view(kt, tk, ni)
+    # Each (K-tile, row tile, column tile): 2**(sa + sb), clamped where no code can be nonzero.
+    sa = _scale_exponents(ea, fa)  # (tr, kt)
+    sb = _scale_exponents(eb, fb)  # (kt, tc)
+    exps = (sa.t()[:, :, None] + sb[:, None, :]).clamp(_MIN_NORMAL_EXP, _MAX_EXP).to(torch.float32)
+    scale = torch.ldexp(torch.ones((), dtype=torch.float32), exps)[:, :, None, :, None]
+    # Blocks of whole row tiles, their sums of every K-tile at once.
+    rows = max(1, _BLOCK_ELEMENTS // max(kt * ni * th, 1)) * th
+    s32 = torch.empty((kt, _round8(min(rows, mp), 24), ni), dtype=torch.int32)
+    for r0 in range(0, mp, rows):
+        r1 = min(mp, r0 + rows)
+        t0, t1 = r0 // th, -(-r1 // th)
+        # _int_mm's rows: the block's, at least 17 and a multiple of 8 (past them, zero codes)
+        q1 = min(mi, r0 + _round8(r1 - r0, 24))
+        sb_ = s32[:, : q1 - r0]
+        for j in range(kt):
+            torch._int_mm(a3[j, r0:q1], b3[j], out=sb_[j])
+        p = sb_[:, : r1 - r0, :np_].to(torch.float32).view(kt, t1 - t0, th, tc, tw)
+        p *= scale[:, t0:t1]
+        p = p.view(kt, r1 - r0, np_)[:, : min(m, r1) - r0, :n].contiguous()
+        _add_in_order(p, acc[r0:min(m, r1)])
+
+
 def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], fa: Format, fb: Format, *,
          c: torch.Tensor | None = None, bias: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
     """The fp32 sums ``C + A @ B + bias`` of ``hbfp.golden.gemm.gemm`` (before its epilogue):
     ``a`` = (codes M x K, exponents), ``b`` = (codes K x N, exponents) in formats ``fa``,
     ``fb`` whose tiles agree along K; ``c`` (M x N) and ``bias`` (N) fp32.
 
-    ``impl``: ``"torch"`` (the default: torch operations where the tensors are) or ``"numpy"``
-    (the NumPy model on the same memory, CPU tensors only; its own thread pool makes it the
-    faster for one large product alone, but beside torch's threads in a training step it is
-    several times slower)."""
-    impl = impl or "torch"
+    ``impl``: how each K-tile's products are formed: ``"int8"`` (exact int32 sums of int8
+    codes, ``torch._int_mm``, then scaled by the tiles' powers of two: int8 codes on a CPU
+    whose torch has it, VNNI or AMX), ``"fp32"`` (batched fp32 products of the codes scaled
+    into fp32 operands), ``"numpy"`` (the NumPy model on the same memory, CPU tensors only)
+    or None: ``DEFAULT_IMPL`` where it applies, else fp32. All give the same bits."""
+    if impl is None:
+        impl = DEFAULT_IMPL if DEFAULT_IMPL != "int8" or _int8_applies(a[0], b[0]) else "fp32"
     if impl == "numpy":
         return _gemm_numpy(a, b, fa, fb, c, bias)
-    if impl != "torch":
-        raise ValueError(f"impl must be 'torch', 'numpy' or None, got {impl!r}")
+    if impl not in ("int8", "fp32"):
+        raise ValueError(f"impl must be 'int8', 'fp32', 'numpy' or None, got {impl!r}")
+    if impl == "int8" and not _int8_applies(a[0], b[0]):
+        raise ValueError("impl='int8' takes int8 codes on a CPU whose torch has _int_mm")
     (ca, ea), (cb, eb) = a, b
     m, k = ca.shape
     k2, n = cb.shape
@@ -339,6 +404,9 @@ def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tens
     acc = torch.zeros((m, n), dtype=torch.float32, device=dev) if c is None else c.clone()
     if kt and m and n:
         acc += 0.0  # -0 + p and +0 + p agree (golden.gemm); a NaN of C stays NaN
+    if kt and m and n and impl == "int8":
+        _accumulate_int8(ca, ea, cb, eb, fa, fb, acc)
+    elif kt and m and n:
         ma = ea.shape[0] * fa.tile[0]
         nb = eb.shape[1] * fb.tile[1]
         af = _scaled(ca, ea, fa, ma, kt * tk)[:m]

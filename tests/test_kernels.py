@@ -99,7 +99,10 @@ CASES = [  # m, k, n, format, exponent decades, with C, with bias
 ]
 
 
-@pytest.mark.parametrize("impl", ["torch", "numpy"])
+IMPLS = ["fp32", "numpy"] + (["int8"] if K._int_mm_works() else [])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("m, k, n, fmt, decades, with_c, with_bias", CASES)
 def test_gemm_sums_equal_golden(m, k, n, fmt, decades, with_c, with_bias, impl):
     rng = np.random.default_rng(m + k + n)
@@ -108,6 +111,8 @@ def test_gemm_sums_equal_golden(m, k, n, fmt, decades, with_c, with_bias, impl):
         qb = quantize(spread(rng, (n, k), decades), fmt).transpose()
     else:
         qa, qb = _operands(rng, m, k, n, fmt, fmt, decades)
+    if impl == "int8" and fmt is HBFP16:
+        pytest.skip("int8 products take 8-bit codes")
     c = spread(rng, (m, n)) if with_c else None
     bias = spread(rng, (n,)) if with_bias else None
     want = gemm(qa, qb, c=c, bias=bias)
@@ -117,7 +122,8 @@ def test_gemm_sums_equal_golden(m, k, n, fmt, decades, with_c, with_bias, impl):
     assert same(got.view(torch.int32), want.view(np.int32))
 
 
-def test_gemm_special_values_and_the_exact_fallback():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gemm_special_values_and_the_exact_fallback(impl):
     rng = np.random.default_rng(11)
     a = spread(rng, (60, 100))
     b = spread(rng, (100, 50))
@@ -126,14 +132,14 @@ def test_gemm_special_values_and_the_exact_fallback():
     c = spread(rng, (60, 50))
     c[2, 2], c[3, 3] = np.nan, -np.inf
     args = (K.from_bfp_tensor(qa), K.from_bfp_tensor(qb), HBFP8, HBFP8)
-    got = K.gemm(*args, c=torch.from_numpy(c), impl="torch")
+    got = K.gemm(*args, c=torch.from_numpy(c), impl=impl)
     assert np.array_equal(got.numpy(), gemm(qa, qb, c=c), equal_nan=True)
     # Exponents at the bottom of the range (products that would be subnormal) and a C below
     # 2**-103: outside the fast path's preconditions, the NumPy model's exact path.
     tiny = quantize(spread(rng, (30, 48)) * np.float32(2.0**-70), HBFP8)
     tiny_b = quantize(spread(rng, (48, 20)) * np.float32(2.0**-60), HBFP8)
     c2 = np.full((30, 20), np.float32(2.0**-110))
-    got = K.gemm(K.from_bfp_tensor(tiny), K.from_bfp_tensor(tiny_b), HBFP8, HBFP8, c=torch.from_numpy(c2), impl="torch")
+    got = K.gemm(K.from_bfp_tensor(tiny), K.from_bfp_tensor(tiny_b), HBFP8, HBFP8, c=torch.from_numpy(c2), impl=impl)
     assert same(got.view(torch.int32), gemm(tiny, tiny_b, c=c2).view(np.int32))
 
 
@@ -154,20 +160,23 @@ def test_epilogue_equals_golden(activation, out):
         assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
 
 
-def test_random_products_equal_golden():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_random_products_equal_golden(impl):
     """Random shapes, formats, exponent spreads, NaN tiles, C and bias: over 10**6 outputs."""
     rng = np.random.default_rng(2024)
     compared = 0
     while compared < 10**6:
         m, k, n = (int(v) for v in rng.integers(1, 400, 3))
         fmt = [HBFP8, HBFP16, Format(6, (12, 12))][int(rng.integers(3))]
+        if impl == "int8" and fmt is HBFP16:
+            fmt = HBFP8
         qa, qb = _operands(rng, m, k, n, fmt, fmt, float(rng.uniform(0, 12)))
         if rng.random() < 0.2:
             qa.exponents[0, 0] = 0xFF  # a NaN tile
         c = spread(rng, (m, n)) if rng.random() < 0.5 else None
         bias = spread(rng, (n,)) if rng.random() < 0.5 else None
         want = gemm(qa, qb, c=c, bias=bias)
-        got = K.gemm(K.from_bfp_tensor(qa), K.from_bfp_tensor(qb), fmt, fmt, impl="torch",
+        got = K.gemm(K.from_bfp_tensor(qa), K.from_bfp_tensor(qb), fmt, fmt, impl=impl,
                      c=None if c is None else torch.from_numpy(c), bias=None if bias is None else torch.from_numpy(bias))
         assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32)) or (
             np.array_equal(np.isnan(got.numpy()), np.isnan(want))
