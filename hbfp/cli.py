@@ -250,8 +250,11 @@ def _gemm(args) -> int:
     print(f"{args.device}: {m}x{k} @ {k}x{n} ({args.input} in, {args.out} out), {macs:,} MACs")
     print(f"  golden model: {'bit-exact' if not bad else f'{bad} values differ'}")
     print(f"  host time {seconds * 1e3:.1f} ms: {macs / seconds / 1e6:.1f} M MAC/s through the driver")
-    print(f"  link: {st.bytes_sent:,} bytes sent, {st.bytes_received:,} received, {st.bytes_per_mac:.4f} bytes/MAC, "
-          f"{st.frames_sent} frames, {st.retries} retries")
+    if dev.direct_device is not None:
+        print("  link: none (emu computes products in-process; emu:wire=1 sends them through the wire protocol)")
+    else:
+        print(f"  link: {st.bytes_sent:,} bytes sent, {st.bytes_received:,} received, {st.bytes_per_mac:.4f} bytes/MAC, "
+              f"{st.frames_sent} frames, {st.retries} retries")
     if st.host_quantized or st.host_activations:
         print(f"  done on the host: {st.host_quantized} quantizations, {st.host_activations} activations "
               "(units the device lacks, or a split stochastic stream: docs/host.md)")
