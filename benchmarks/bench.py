@@ -12,8 +12,9 @@
 - the golden model's HBFP8 ``gemm`` (operands already quantized) against NumPy's fp32
   ``matmul`` at 512^3 and 1024^3 (best of interleaved calls), and with the quantization of both
   operands;
-- ``quantize`` throughput per rounding mode, the NumPy model and the torch kernels
-  (``hbfp.golden.kernels``), in elements per second;
+- ``quantize`` throughput per rounding mode, the NumPy model (which ``hbfp.golden.kernels``
+  runs for CPU tensors) and the kernels' torch operations (what runs on a GPU), in elements
+  per second;
 - the peak memory the golden model allocates (NumPy's allocations, ``tracemalloc``) for a
   1024^3 and a 4096x4096x1024 product, quantization of the operands included, against the
   bytes of its fp32 operands and result.
@@ -163,7 +164,7 @@ def bench_quantize(shape, repeats: int, rng) -> dict:
     fns = {}
     for name, f in fmts.items():
         fns[(name, "numpy")] = lambda f=f: quantize(x, f, seed=1)
-        fns[(name, "torch")] = lambda f=f: kernels.quantize(xt, f, seed=1)
+        fns[(name, "torch")] = lambda f=f: kernels.quantize(xt, f, seed=1, impl="torch")
     return best_of(fns, repeats)
 
 
@@ -213,9 +214,10 @@ def main(argv=None) -> int:
               f" {t['hbfp8+q'] * 1e3:>12.2f}ms {t['hbfp8+q'] / t['fp32']:>6.2f}x")
 
     shape = tuple(args.quantize_shape)
-    print(f"\nquantize throughput ({shape[0]}x{shape[1]} fp32), M elements/s")
+    print(f"\nquantize throughput ({shape[0]}x{shape[1]} fp32), M elements/s: the NumPy model (what "
+          "hbfp.golden.kernels.quantize runs for a CPU tensor) and the kernels' torch operations")
     q = bench_quantize(shape, args.repeats, rng)
-    print(f"{'format and rounding':>22} {'numpy':>9} {'torch':>9}")
+    print(f"{'format and rounding':>22} {'numpy':>9} {'torch ops':>9}")
     for name in dict.fromkeys(k for k, _ in q):
         print(f"{name:>22} {shape[0] * shape[1] / q[(name, 'numpy')] / 1e6:>9.1f} "
               f"{shape[0] * shape[1] / q[(name, 'torch')] / 1e6:>9.1f}")
