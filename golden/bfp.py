@@ -334,11 +334,7 @@ def _band_bits(key: np.uint32, pattern: np.ndarray, b0: int, b1: int) -> np.ndar
     base = (np.arange(b0, b1, dtype=np.uint64) * step).astype(np.uint32)
     x = pattern[None] + base[:, None, None]
     x ^= key
-    x ^= x >> np.uint32(16)
-    x *= np.uint32(MIX32_MULTIPLIERS[0])
-    x ^= x >> np.uint32(15)
-    x *= np.uint32(MIX32_MULTIPLIERS[1])
-    x ^= x >> np.uint32(16)
+    x = mix32(x)
     x >>= np.uint32(32 - RANDOM_BITS)
     return x
 

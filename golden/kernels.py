@@ -29,14 +29,13 @@ import torch
 from . import activations as _activations
 from . import bf16 as _bf16
 from .bfp import EXP_BIAS, EXP_NAN, MIX32_MULTIPLIERS, RANDOM_BITS, SEED_SALT, BFPTensor, Format, mix32 as _mix32_np
+from .gemm import _MAX_EXP, _MIN_NORMAL_EXP
 
 __all__ = ["mix32", "random_bits", "stream_index", "quantize", "requantize", "dequantize", "gemm", "epilogue",
            "bf16_from_f32", "flush_f32", "to_bfp_tensor", "from_bfp_tensor"]
 
 _MASK32 = 0xFFFF_FFFF
-_F32_EXP = 0x7F80_0000
-_MIN_NORMAL_EXP = -126
-_MAX_EXP = 127
+_F32_EXP = int(_bf16._F32_EXP)  # fp32's exponent field
 
 
 def _mul_lo32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -86,7 +85,7 @@ def bf16_from_f32(x: torch.Tensor) -> torch.Tensor:
     sign16 = (u >> 16) & 0x8000
     rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
     out = torch.where((u & _F32_EXP) == 0, sign16, rounded)
-    out = torch.where((u & 0x7FFF_FFFF) > _F32_EXP, sign16 | _bf16.QNAN, out)
+    out = torch.where((u & int(_bf16._F32_ABS)) > _F32_EXP, sign16 | _bf16.QNAN, out)
     return out.to(torch.int32)
 
 
