@@ -128,11 +128,14 @@ def test_cli_info_and_gemm(capsys):
     out = capsys.readouterr().out
     assert "MAC array 4x4" in out and "buffers 48x48" in out and f"ABI {P.ABI_VERSION[0]}.{P.ABI_VERSION[1]}" in out
     assert "emu " in out and "tcp " in out and "serial " in out
-    assert cli.main(["gemm", "emu:rows=4,cols=4,size=48", "--m", "60", "--n", "50", "--k", "70", "--out", "bfp",
-                     "--input", "fp32", "--rounding", "stochastic", "--bias", "--activation", "gelu"]) == 0
-    out = capsys.readouterr().out
-    assert "bit-exact" in out and "bytes/MAC" in out and "utilization" in out
-    assert "done on the host: 3 quantizations, 0 activations" in out  # split stochastic streams
+    for spec in ("emu:rows=4,cols=4,size=48,wire=1", "emu:rows=4,cols=4,size=48"):
+        assert cli.main(["gemm", spec, "--m", "60", "--n", "50", "--k", "70", "--out", "bfp",
+                         "--input", "fp32", "--rounding", "stochastic", "--bias", "--activation", "gelu"]) == 0
+        out = capsys.readouterr().out
+        assert "bit-exact" in out and "utilization 80.7%" in out
+        assert "done on the host: 3 quantizations, 0 activations" in out  # split stochastic streams
+        # through the wire: its bytes; in-process: none
+        assert ("bytes/MAC" in out) == spec.endswith("wire=1") and ("link: none" in out) != spec.endswith("wire=1")
     # A reduced device: the same command, the missing units' work done on the host.
     reduced = "emu:rows=4,cols=4,size=48,value_quantizer=0,bfp_output=0,stochastic=0,functions=none"
     assert cli.main(["info", reduced]) == 0
