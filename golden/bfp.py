@@ -346,24 +346,32 @@ def _quantize_bands(xb: np.ndarray, fmt: Format, b0: int, key, pattern, expo_out
     th, tw = fmt.tile
     nb, _, width = xb.shape
     tc = width // tw
-    field = ((xb.view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF)).astype(np.uint8)
+    field = xb.view(np.uint32) & np.uint32(0x7F80_0000)  # the exponent field, in place
     tiled = (nb, th, tc, tw)
     # The shared exponent is the largest exponent field of the tile: floor(log2(amax)) + 127,
     # 0 for an all-zero tile (E = -127), 0xFF when the tile holds a NaN or an inf.
-    expo = field.reshape(tiled).max(axis=(1, 3))
+    expo = (field.reshape(tiled).max(axis=(1, 3)) >> np.uint32(23)).astype(np.uint8)
     expo_out[...] = expo
-    # DAZ: subnormals (field 0) count as zeros; so do the elements of NaN tiles.
-    drop = field == 0
-    if (expo == EXP_NAN).any():
-        drop |= np.repeat(np.repeat(expo == EXP_NAN, th, axis=0).reshape(nb, th, tc), tw, axis=2)
-    xz = np.where(drop, np.float32(0), xb)
+    nan = expo == EXP_NAN
+    live = (expo != 0) & ~nan
+    # DAZ: subnormals count as zeros, and so do the elements of NaN tiles. Tiles of exponent
+    # code 0 (zeros and subnormals only) and NaN tiles are scaled by 0 below; a subnormal in
+    # a live tile of field E becomes |y| < 2**(frac_bits + 1 - E), which no rounding makes a
+    # nonzero code while E >= frac_bits + 1 + RANDOM_BITS: only below that, or with NaN tiles
+    # (inf * 0), are elements zeroed first.
+    xz = xb
+    if nan.any() or (live.any() and int(expo[live].min()) < fmt.frac_bits + 1 + RANDOM_BITS):
+        drop = field == 0
+        if nan.any():
+            drop |= np.repeat(np.repeat(nan, th, axis=0).reshape(nb, th, tc), tw, axis=2)
+        xz = np.where(drop, np.float32(0), xb)
     # y = x * 2**(frac_bits - E): a power-of-two scaling, exact in fp32 while the scale is a
     # normal fp32 number (a y that lands subnormal is below 2**-126, a code of 0 in any
     # rounding); tiles with exponents at the very ends of the range go through fp64.
     shift = fmt.frac_bits + EXP_BIAS - expo.astype(np.int32)
-    live = (expo != 0) & (expo != EXP_NAN)
     dtype = np.float32 if not live.any() or (shift[live].min() >= -126 and shift[live].max() <= 127) else np.float64
     scale = np.ldexp(dtype(1), np.clip(shift, -126, 127) if dtype is np.float32 else shift).astype(dtype)
+    scale[~live] = 0
     y = (xz.astype(dtype, copy=False).reshape(tiled) * scale[:, None, :, None]).reshape(xb.shape)
     if fmt.rounding == "stochastic":
         bits = _band_bits(key, pattern, b0, b0 + nb)
