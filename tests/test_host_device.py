@@ -319,3 +319,38 @@ def test_direct_products_equal_the_wire_and_count_the_same_cycles(spec):
                 for name in ("cycles", "macs", "host_quantized", "host_activations"):
                     assert getattr(d, name) == getattr(w, name), (name, kw)
                 assert d.bytes_sent == 0 and w.bytes_sent > 0
+
+
+@pytest.mark.parametrize("spec", ["rows=4,cols=4,size=48", "rows=4,cols=4,size=48,functions=relu",
+                                  "rows=4,cols=4,size=64,format=MXINT8"])
+def test_gemm_tensors_equal_gemm(spec):
+    """Device.gemm_tensors (torch tensors, hbfp.golden.kernels) gives gemm's bits and counts
+    its cycles and host work: transposes, C, bias, an activation (on the host where the device
+    has no unit), fp32 and bf16 out, tensors or codes."""
+    import torch
+
+    from hbfp.golden import kernels
+
+    dev = host.open(f"emu:{spec}")
+    square = dev.identity.square
+    rng = np.random.default_rng(21)
+    for i, (m, k, n) in enumerate([(50, 130, 70), (7, 5, 3), (96, 100, 33)]):
+        ta, tb = (bool(i % 2) and square), (not square or i != 1)
+        a, b = operands(rng, m, k, n, ta, tb)
+        c, bias = rng.standard_normal((m, n)).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+        for out, act in (("fp32", None), ("bf16", "gelu"), ("fp32", "sigmoid")):
+            kw = dict(transpose_a=ta, transpose_b=tb, out=out, activation=act)
+            before = dev.stats.copy()
+            want = dev.gemm(a, b, c=c, bias=bias, **kw)
+            mid = dev.stats.copy()
+            qb = kernels.quantize(torch.from_numpy(b), dev.format())
+            got = dev.gemm_tensors(torch.from_numpy(a), qb, c=torch.from_numpy(c), bias=torch.from_numpy(bias), **kw)
+            after = dev.stats
+            assert got.dtype == (torch.bfloat16 if out == "bf16" else torch.float32)
+            bits = got.view(torch.int16).numpy() if out == "bf16" else got.numpy()
+            assert same_bits(bits.view(np.uint16) if out == "bf16" else bits,
+                             want.view(np.uint16) if out == "bf16" else want), (spec, i, kw)
+            for name in ("cycles", "macs", "host_activations"):
+                assert getattr(after - mid, name) == getattr(mid - before, name), (name, spec, kw)
+    with pytest.raises(host.NotSupported, match="through its link"):
+        host.open("emu:wire=1").gemm_tensors(torch.ones(2, 2), torch.ones(2, 2))
