@@ -295,7 +295,8 @@ def quantize(x, fmt: Format = HBFP8, *, seed: int | None = None) -> BFPTensor:
 
 
 #: Elements of a chunk of tile-row bands that ``quantize`` handles at once (its temporaries stay
-#: in a core's cache), and the size from which chunks are shared out to a thread per core.
+#: in a core's cache), and the size from which chunks are shared out to a thread per core (the
+#: pool that ``gemm``'s blocks use too).
 _CHUNK_ELEMENTS = 1 << 16
 _PARALLEL_ELEMENTS = 1 << 19
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -308,7 +309,7 @@ def _run_chunks(work, chunks: list, parallel: bool) -> None:
         work(chunks)
         return
     if _pool is None:
-        _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="hbfp-quantize")
+        _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="hbfp-golden")
     for f in [_pool.submit(work, chunks[i::_WORKERS]) for i in range(_WORKERS)]:
         f.result()
 
@@ -346,7 +347,7 @@ def _quantize_bands(xb: np.ndarray, fmt: Format, b0: int, key, pattern, expo_out
     th, tw = fmt.tile
     nb, _, width = xb.shape
     tc = width // tw
-    field = xb.view(np.uint32) & np.uint32(0x7F80_0000)  # the exponent field, in place
+    field = xb.view(np.uint32) & bf16._F32_EXP  # the exponent field, in place
     tiled = (nb, th, tc, tw)
     # The shared exponent is the largest exponent field of the tile: floor(log2(amax)) + 127,
     # 0 for an all-zero tile (E = -127), 0xFF when the tile holds a NaN or an inf.

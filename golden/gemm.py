@@ -17,14 +17,12 @@ Two implementations of the same contract, chosen per call:
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from . import bf16
-from .bfp import EXP_BIAS, EXP_NAN, BFPTensor, Format, quantize
+from .bfp import _WORKERS, EXP_BIAS, EXP_NAN, BFPTensor, Format, _run_chunks, quantize
 
 __all__ = ["gemm", "epilogue", "partial_sums", "normalize", "OUTPUTS"]
 
@@ -147,23 +145,19 @@ def _fast_path_ok(a: BFPTensor, b: BFPTensor, tk: int, c: np.ndarray | None) -> 
 _FAST_BLOCK_BYTES = 1 << 20
 _FAST_BLOCK_COLS = 1024
 _FAST_PARALLEL_MIN = 1 << 20  # K-tile products (elements) below which one thread is faster
-_WORKERS = max(1, min(4, os.cpu_count() or 1))
-_pool: ThreadPoolExecutor | None = None
 _blas: ThreadpoolController | None = None
 
 
 def _run_blocks(work, blocks, parallel: bool) -> None:
-    global _pool, _blas
+    """``work`` on ``blocks``, shared out to ``bfp``'s thread per core with single-threaded BLAS."""
+    global _blas
     if not parallel or _WORKERS == 1:
         work(blocks)
         return
-    if _pool is None:
-        _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="hbfp-gemm")
+    if _blas is None:
         _blas = ThreadpoolController()
     with _blas.limit(limits=1, user_api="blas"):
-        futures = [_pool.submit(work, blocks[i::_WORKERS]) for i in range(_WORKERS)]
-        for f in futures:
-            f.result()
+        _run_chunks(work, blocks, parallel=True)
 
 
 def _scaled(t: BFPTensor, padded: tuple[int, int]) -> np.ndarray:
