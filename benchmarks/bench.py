@@ -10,11 +10,12 @@
   routes runs in HBFP8: linear layers, matrix products, convolutions swapped in by
   ``convert``);
 - the golden model's HBFP8 ``gemm`` (operands already quantized) against NumPy's fp32
-  ``matmul`` at 512^3 and 1024^3 (best of interleaved calls), and with the quantization of both
-  operands;
-- ``quantize`` throughput per rounding mode, the NumPy model (which ``hbfp.golden.kernels``
-  runs for CPU tensors) and the kernels' torch operations (what runs on a GPU), in elements
-  per second;
+  ``matmul`` at 512^3 and 1024^3 (best of interleaved calls), with the quantization of both
+  operands, and without the compiled kernels (``hbfp.golden.native.disabled()``: the portable
+  path of NumPy BLAS products per K-tile);
+- ``quantize`` throughput per rounding mode: the compiled kernel (which ``hbfp.golden.quantize``
+  and ``hbfp.golden.kernels.quantize`` run for a CPU matrix), the NumPy model's bands (without
+  it) and the kernels' torch operations (what runs on a GPU), in elements per second;
 - the peak memory the golden model allocates (NumPy's allocations, ``tracemalloc``) for a
   1024^3 and a 4096x4096x1024 product, quantization of the operands included, against the
   bytes of its fp32 operands and result.
@@ -35,7 +36,7 @@ from threadpoolctl import threadpool_info
 
 from hbfp import host
 from hbfp.golden import HBFP8, MXINT8, quantize
-from hbfp.golden import kernels
+from hbfp.golden import kernels, native
 from hbfp.golden.gemm import gemm
 
 
@@ -149,11 +150,16 @@ def bench_gemm(n: int, repeats: int, rng) -> dict:
     a = rng.standard_normal((n, n)).astype(np.float32)
     b = rng.standard_normal((n, n)).astype(np.float32)
     qa, qb = quantize(a, HBFP8), quantize(b, HBFP8)
-    return best_of({
-        "fp32": lambda: np.matmul(a, b),
-        "hbfp8": lambda: gemm(qa, qb),
-        "hbfp8+q": lambda: gemm(quantize(a, HBFP8), quantize(b, HBFP8)),
-    }, repeats, alternate=True)
+
+    def portable():
+        with native.disabled():
+            gemm(qa, qb)
+
+    fns = {"fp32": lambda: np.matmul(a, b), "hbfp8": lambda: gemm(qa, qb),
+           "hbfp8+q": lambda: gemm(quantize(a, HBFP8), quantize(b, HBFP8))}
+    if native.available():
+        fns["portable"] = portable
+    return best_of(fns, repeats, alternate=True)
 
 
 def bench_quantize(shape, repeats: int, rng) -> dict:
@@ -161,9 +167,15 @@ def bench_quantize(shape, repeats: int, rng) -> dict:
     xt = torch.from_numpy(x)
     fmts = {"HBFP8 nearest_even": HBFP8, "HBFP8 toward_zero": HBFP8.with_rounding("toward_zero"),
             "HBFP8 stochastic": HBFP8.with_rounding("stochastic"), "MXINT8 nearest_even": MXINT8}
+    def bands(f):
+        with native.disabled():
+            quantize(x, f, seed=1)
+
     fns = {}
     for name, f in fmts.items():
-        fns[(name, "numpy")] = lambda f=f: quantize(x, f, seed=1)
+        if native.available():
+            fns[(name, "native")] = lambda f=f: quantize(x, f, seed=1)
+        fns[(name, "numpy")] = lambda f=f: bands(f)
         fns[(name, "torch")] = lambda f=f: kernels.quantize(xt, f, seed=1, impl="torch")
     return best_of(fns, repeats)
 
@@ -206,23 +218,31 @@ def main(argv=None) -> int:
             line += f" {t['hbfp8 wire'] * 1e3:>9.2f}ms {t['hbfp8 wire'] / t['fp32']:>6.1f}x"
         print(line)
 
-    print("\nHBFP8 gemm (24x24 tiles, fp32 accumulation in K-tile order) vs numpy fp32 matmul, interleaved")
-    print(f"{'size':>10} {'fp32 matmul':>12} {'hbfp8 gemm':>12} {'ratio':>7} {'gemm+quantize':>14} {'ratio':>7}")
+    print(f"\ncompiled kernels (hbfp.golden.native): {'loaded' if native.available() else native.why()}")
+    print("\nHBFP8 gemm (24x24 tiles, fp32 accumulation in K-tile order) vs numpy fp32 matmul, interleaved;"
+          "\n'portable': the same gemm without the compiled kernels (NumPy BLAS per K-tile)")
+    print(f"{'size':>10} {'fp32 matmul':>12} {'hbfp8 gemm':>12} {'ratio':>7} {'gemm+quantize':>14} {'ratio':>7}"
+          f" {'portable':>10} {'ratio':>7}")
     for n in args.sizes:
         t = bench_gemm(n, args.repeats, rng)
-        print(f"{f'{n}^3':>10} {t['fp32'] * 1e3:>10.2f}ms {t['hbfp8'] * 1e3:>10.2f}ms {t['hbfp8'] / t['fp32']:>6.2f}x"
-              f" {t['hbfp8+q'] * 1e3:>12.2f}ms {t['hbfp8+q'] / t['fp32']:>6.2f}x")
+        line = (f"{f'{n}^3':>10} {t['fp32'] * 1e3:>10.2f}ms {t['hbfp8'] * 1e3:>10.2f}ms "
+                f"{t['hbfp8'] / t['fp32']:>6.2f}x {t['hbfp8+q'] * 1e3:>12.2f}ms {t['hbfp8+q'] / t['fp32']:>6.2f}x")
+        if "portable" in t:
+            line += f" {t['portable'] * 1e3:>8.2f}ms {t['portable'] / t['fp32']:>6.2f}x"
+        print(line)
 
     shape = tuple(args.quantize_shape)
-    print(f"\nquantize throughput ({shape[0]}x{shape[1]} fp32), M elements/s: the NumPy model (what "
-          "hbfp.golden.kernels.quantize runs for a CPU tensor) and the kernels' torch operations")
+    print(f"\nquantize throughput ({shape[0]}x{shape[1]} fp32), M elements/s: the compiled kernel (what "
+          "hbfp.golden.quantize and hbfp.golden.kernels.quantize run for a CPU matrix), the NumPy model's "
+          "bands (without it) and the kernels' torch operations (what runs on a GPU)")
     q = bench_quantize(shape, args.repeats, rng)
-    print(f"{'format and rounding':>22} {'numpy':>9} {'torch ops':>9}")
+    impls = [i for i in ("native", "numpy", "torch") if any(k[1] == i for k in q)]
+    print(f"{'format and rounding':>22}" + "".join(f" {i:>9}" for i in impls))
     for name in dict.fromkeys(k for k, _ in q):
-        print(f"{name:>22} {shape[0] * shape[1] / q[(name, 'numpy')] / 1e6:>9.1f} "
-              f"{shape[0] * shape[1] / q[(name, 'torch')] / 1e6:>9.1f}")
+        print(f"{name:>22}" + "".join(f" {shape[0] * shape[1] / q[(name, i)] / 1e6:>9.1f}" for i in impls))
 
-    print("\npeak memory of the golden model's product (quantize both operands, then gemm)")
+    print("\npeak memory of the golden model's product (quantize both operands, then gemm; NumPy's "
+          "allocations, and the compiled kernel's packing buffers: at most 1 MiB + 6 x K floats per thread)")
     for m, k, n in args.memory or [(1024, 1024, 1024), (4096, 4096, 1024)]:
         peak, data = peak_memory(m, k, n, rng)
         print(f"{f'{m}x{k}x{n}':>16}: {peak / 2**20:8.1f} MiB allocated at the peak, {peak / data:.2f}x the "

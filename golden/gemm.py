@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from . import bf16
+from . import bf16, native
 from .bfp import _WORKERS, EXP_BIAS, EXP_NAN, BFPTensor, Format, _run_chunks, quantize
 
 __all__ = ["gemm", "epilogue", "partial_sums", "normalize", "OUTPUTS"]
@@ -179,6 +179,10 @@ def _accumulate_fast(a: BFPTensor, b: BFPTensor, acc: np.ndarray, tk: int, kt_co
     m, n = acc.shape
     if m == 0 or n == 0:
         return acc  # no outputs (and no block of them to size)
+    if native.available():
+        # The same additions in the same order, compiled for this CPU (golden/native.c).
+        native.gemm_codes(a.codes, a.exponents, a.fmt, b.codes, b.exponents, b.fmt, acc)
+        return acc
     kp = kt_count * tk
     ma = a.exponents.shape[0] * a.fmt.tile[0]
     nb = b.exponents.shape[1] * b.fmt.tile[1]

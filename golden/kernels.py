@@ -28,6 +28,7 @@ import torch
 
 from . import activations as _activations
 from . import bf16 as _bf16
+from . import native as _native
 from .bfp import EXP_BIAS, EXP_NAN, MIX32_MULTIPLIERS, RANDOM_BITS, SEED_SALT, BFPTensor, Format, mix32 as _mix32_np
 from .gemm import _MAX_EXP, _MIN_NORMAL_EXP
 
@@ -301,9 +302,15 @@ def _add_in_order(p: torch.Tensor, acc: torch.Tensor) -> None:
         acc += p[j]
 
 
-#: ``gemm``'s products when no ``impl`` is given (measured by ``make bench``: the batched fp32
-#: products were the faster on the development machine's CPU for a training step's shapes).
-DEFAULT_IMPL = "fp32"
+#: ``gemm``'s products when no ``impl`` is given: the compiled kernel (golden/native.c) for CPU
+#: tensors where it builds, else the batched fp32 products (measured by ``make bench``: of the
+#: torch paths, the faster on the development machine's CPU for a training step's shapes).
+DEFAULT_IMPL = "native"
+IMPLS = ("native", "fp32", "int8", "numpy")
+
+
+def _native_applies(ca: torch.Tensor) -> bool:
+    return ca.device.type == "cpu" and _native.available()
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,6 +369,21 @@ def _accumulate_int8(ca, ea, cb, eb, fa: Format, fb: Format, acc: torch.Tensor) 
         _add_in_order(p, acc[r0:min(m, r1)])
 
 
+def _accumulate_fp32(af: torch.Tensor, bf: torch.Tensor, acc: torch.Tensor, tk: int, kt: int) -> None:
+    """``acc`` += every K-tile's p in K-tile order: A as (KT, M, tk), B as (KT, tk, N), every
+    K-tile's p of a block of rows in one batched product (exact), then the additions in order."""
+    m, n = acc.shape
+    a3 = af.view(m, kt, tk).transpose(0, 1)
+    b3 = bf.reshape(kt, tk, n)
+    rows = max(1, min(m, _BLOCK_ELEMENTS // max(kt * n, 1)))
+    p = torch.empty((kt, rows, n), dtype=torch.float32, device=acc.device)
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        pb = p[:, : r1 - r0]
+        torch.bmm(a3[:, r0:r1], b3, out=pb)
+        _add_in_order(pb, acc[r0:r1])
+
+
 def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], fa: Format, fb: Format, *,
          c: torch.Tensor | None = None, bias: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
     """The fp32 sums ``C + A @ B + bias`` of ``hbfp.golden.gemm.gemm`` (before its epilogue):
@@ -372,15 +394,20 @@ def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tens
     codes, ``torch._int_mm``, then scaled by the tiles' powers of two: int8 codes on a CPU
     whose torch has it, VNNI or AMX), ``"fp32"`` (batched fp32 products of the codes scaled
     into fp32 operands), ``"numpy"`` (the NumPy model on the same memory, CPU tensors only)
-    or None: ``DEFAULT_IMPL`` where it applies, else fp32. All give the same bits."""
+    ``"native"`` (the K-tile loop compiled for this CPU, ``hbfp.golden.native``: CPU tensors
+    where a C compiler built it) or None: ``DEFAULT_IMPL`` where it applies, else fp32. All
+    give the same bits."""
     if impl is None:
-        impl = DEFAULT_IMPL if DEFAULT_IMPL != "int8" or _int8_applies(a[0], b[0]) else "fp32"
+        applies = {"native": _native_applies, "int8": lambda ca: _int8_applies(ca, b[0])}.get(DEFAULT_IMPL)
+        impl = DEFAULT_IMPL if applies is None or applies(a[0]) else "fp32"
     if impl == "numpy":
         return _gemm_numpy(a, b, fa, fb, c, bias)
-    if impl not in ("int8", "fp32"):
-        raise ValueError(f"impl must be 'int8', 'fp32', 'numpy' or None, got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
     if impl == "int8" and not _int8_applies(a[0], b[0]):
         raise ValueError("impl='int8' takes int8 codes on a CPU whose torch has _int_mm")
+    if impl == "native" and not _native_applies(a[0]):
+        raise ValueError(f"impl='native' takes CPU tensors and the compiled kernels ({_native.why() or 'not a CPU tensor'})")
     (ca, ea), (cb, eb) = a, b
     m, k = ca.shape
     k2, n = cb.shape
@@ -400,27 +427,22 @@ def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tens
                           c=None if c is None else c.cpu().numpy(),
                           bias=None if bias is None else bias.to(torch.float32).cpu().numpy())
         return torch.from_numpy(acc).to(dev)
-    acc = torch.zeros((m, n), dtype=torch.float32, device=dev) if c is None else c.clone()
-    if kt and m and n:
+    if kt and m and n and impl == "native":
+        # acc + 0 (or +0), then the K-tiles, in one pass of the compiled kernel
+        acc = torch.empty((m, n), dtype=torch.float32) if c is None else c.clone()
+        _native.gemm_codes(ca.numpy(), ea.numpy(), fa, cb.numpy(), eb.numpy(), fb, acc.numpy(), zero=c is None)
+    else:
+        acc = torch.zeros((m, n), dtype=torch.float32, device=dev) if c is None else c.clone()
+    if kt and m and n and impl != "native":
         acc += 0.0  # -0 + p and +0 + p agree (golden.gemm); a NaN of C stays NaN
     if kt and m and n and impl == "int8":
         _accumulate_int8(ca, ea, cb, eb, fa, fb, acc)
-    elif kt and m and n:
+    elif kt and m and n and impl != "native":
         ma = ea.shape[0] * fa.tile[0]
         nb = eb.shape[1] * fb.tile[1]
         af = _scaled(ca, ea, fa, ma, kt * tk)[:m]
         bf = _scaled(cb, eb, fb, kt * tk, nb)[:, :n]
-        # K-tile-major: A as (KT, M, tk), B as (KT, tk, N); every K-tile's p of a block of
-        # rows in one batched product (exact), then added to the accumulator in K-tile order.
-        a3 = af.view(m, kt, tk).transpose(0, 1)
-        b3 = bf.reshape(kt, tk, n)
-        rows = max(1, min(m, _BLOCK_ELEMENTS // max(kt * n, 1)))
-        p = torch.empty((kt, rows, n), dtype=torch.float32, device=dev)
-        for r0 in range(0, m, rows):
-            r1 = min(m, r0 + rows)
-            pb = p[:, : r1 - r0]
-            torch.bmm(a3[:, r0:r1], b3, out=pb)
-            _add_in_order(pb, acc[r0:r1])
+        _accumulate_fp32(af, bf, acc, tk, kt)
     # A NaN tile on either side makes every output it meets NaN.
     nan_a, nan_b = ea == EXP_NAN, eb == EXP_NAN
     if bool(nan_a.any()) or bool(nan_b.any()):

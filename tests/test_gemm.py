@@ -10,6 +10,7 @@ from hypothesis.extra.numpy import arrays
 
 from hbfp.golden import HBFP8, HBFP16, MXINT8, BFPTensor, Format, bf16, quantize
 from hbfp.golden import gemm as gemm_mod
+from hbfp.golden import native
 from hbfp.golden.compare import describe_difference, same_bits
 from hbfp.golden.gemm import gemm
 
@@ -25,9 +26,22 @@ def reference_gemm(a: BFPTensor, b: BFPTensor, c=None, bias=None):
     return np.array(out, dtype=np.float32).reshape(a.shape[0], b.shape[1])
 
 
-@pytest.fixture(params=["fast", "exact"])
+class _NoNative:
+    """Stands in for hbfp.golden.native in gemm's namespace: the fast path through NumPy's BLAS."""
+
+    @staticmethod
+    def available():
+        return False
+
+
+@pytest.fixture(params=["native", "blas", "exact"])
 def path(request, monkeypatch):
-    """Run a test once as gemm chooses, once with the fast path forbidden."""
+    """Run a test once as gemm chooses (the fast path compiled for this CPU), once with the fast
+    path through NumPy's BLAS, once with the fast path forbidden."""
+    if request.param == "native" and not native.available():
+        pytest.skip(f"the compiled kernels are not available: {native.why()}")
+    if request.param == "blas":
+        monkeypatch.setattr(gemm_mod, "native", _NoNative)
     if request.param == "exact":
         monkeypatch.setattr(gemm_mod, "_fast_path_ok", lambda *args: False)
     return request.param
@@ -114,6 +128,9 @@ def test_fast_and_exact_paths_agree_on_larger_products(monkeypatch):
     a, b = quantize(random_matrix(rng, (200, 300), 10)), quantize(random_matrix(rng, (300, 170), 10))
     c = random_matrix(rng, (200, 170))
     fast = gemm(a, b, c=c)
+    with monkeypatch.context() as mp:
+        mp.setattr(gemm_mod, "native", _NoNative)
+        assert same_bits(fast, gemm(a, b, c=c))
     monkeypatch.setattr(gemm_mod, "_fast_path_ok", lambda *args: False)
     assert same_bits(fast, gemm(a, b, c=c))
 
@@ -121,6 +138,7 @@ def test_fast_and_exact_paths_agree_on_larger_products(monkeypatch):
 def test_fast_path_blocks_and_workers_do_not_change_bits(monkeypatch):
     rng = np.random.default_rng(4)
     a, b = quantize(random_matrix(rng, (150, 200))), quantize(random_matrix(rng, (200, 130)))
+    monkeypatch.setattr(gemm_mod, "native", _NoNative)  # the BLAS path's blocks
     base = gemm(a, b)
     monkeypatch.setattr(gemm_mod, "_FAST_BLOCK_BYTES", 4 * 9 * 7 * 13)
     monkeypatch.setattr(gemm_mod, "_FAST_BLOCK_COLS", 13)

@@ -99,7 +99,22 @@ CASES = [  # m, k, n, format, exponent decades, with C, with bias
 ]
 
 
-IMPLS = ["fp32", "numpy"] + (["int8"] if K._int_mm_works() else [])
+IMPLS = ["fp32", "numpy"] + (["int8"] if K._int_mm_works() else []) + (["native"] if K._native_applies(torch.zeros(1)) else [])
+
+
+class _NoNative:
+    @staticmethod
+    def available():
+        return False
+
+
+@pytest.fixture(autouse=True)
+def golden_without_native(monkeypatch):
+    """The NumPy model's products through NumPy's BLAS, so that the compiled kernel (impl
+    "native") is held against code that shares nothing with it."""
+    from hbfp.golden import gemm as gemm_mod
+
+    monkeypatch.setattr(gemm_mod, "native", _NoNative)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

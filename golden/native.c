@@ -1,0 +1,329 @@
+/* The golden product's hot loop in C (hbfp.golden.native builds this on first use).
+
+   hbfp_gemm_codes: acc[i][j] += p_0, then p_1, ... for every K-tile t in order, where p_t is
+   the sum over k in tile t of a[i][k] * b[k][j], the operands' codes times their tile's power
+   of two (gemm._scaled). Under gemm._fast_path_ok's preconditions every product and every
+   partial sum of a K-tile is exact in fp32 whatever the order, so p_t is exact; the only
+   rounding is acc + p_t, one fp32 addition per K-tile, as the contract says (docs/numerics.md,
+   section 3). Multiplies fuse into adds (-ffp-contract=fast) only inside p_t, where all is exact.
+
+   Layout (the usual register-blocked GEMM): B's scaled codes are packed per panel of NR
+   columns over all of K (K x NR, contiguous, zero past n and k), a block of panels at a time,
+   so a panel streams from L2 while an MR-row panel of A (packed the same way) stays in L1; the
+   MR x NR outputs stay in registers over all K-tiles, so the accumulator is read and written
+   once. */
+
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+#define NR (2 * VW)
+#define MR 6
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+
+/* An operand as stored: integer codes with any strides (a transposed view included) and
+   one E8M0 exponent code per tile, its code step 2**(E - 127 - frac_bits). */
+typedef struct {
+    const void *codes;
+    int code_bytes;           /* 1, 2 or 4: int8, int16 or int32 codes */
+    long rs, cs;              /* strides of the codes, in elements */
+    const unsigned char *exps;
+    long ers, ecs;            /* strides of the exponent codes */
+    long th, tw;              /* the tile */
+    int frac_bits;
+} operand;
+
+/* A tile's power of two, as gemm._scaled makes it: 0 for a NaN tile (code 0xFF, its outputs
+   are replaced) and for exponent code 0 (nothing nonzero there under the fast path's
+   preconditions), else 2**(E - 127 - frac_bits) clamped to fp32's normal range. */
+static float tile_scale(const operand *x, long tr, long tc)
+{
+    int e = x->exps[tr * x->ers + tc * x->ecs];
+    if (e == 0 || e == 0xFF)
+        return 0.0f;
+    int s = e - 127 - x->frac_bits;
+    if (s < -126)
+        s = -126;
+    if (s > 127)
+        s = 127;
+    union { unsigned u; float f; } v = {(unsigned)(s + 127) << 23};
+    return v.f;
+}
+
+static inline float code_at(const operand *x, long i, long j)
+{
+    long o = i * x->rs + j * x->cs;
+    switch (x->code_bytes) {
+    case 1: return (float)((const signed char *)x->codes)[o];
+    case 2: return (float)((const short *)x->codes)[o];
+    default: return (float)((const int *)x->codes)[o];
+    }
+}
+
+/* Scaled codes of rows [i0, i0+rows) of A (m x k), K columns [k0, k0+kc) (k0 at a tile
+   boundary), as an MR-row panel: ap[kk*MR + r], zero past row m or column k. Reads along
+   whichever axis is contiguous. */
+static void pack_a(const operand *a, long i0, int rows, long k0, long kc, long k, float *ap)
+{
+    memset(ap, 0, (size_t)(kc * MR) * sizeof(float));
+    long kend = k0 + kc < k ? k0 + kc : k;
+    for (long t0 = k0; t0 < kend; t0 += a->tw) {
+        long t1 = t0 + a->tw < kend ? t0 + a->tw : kend;
+        float s[MR];
+        for (int r = 0; r < rows; r++)
+            s[r] = tile_scale(a, (i0 + r) / a->th, t0 / a->tw);
+        if (a->cs == 1) {
+            for (int r = 0; r < rows; r++)
+                for (long kk = t0; kk < t1; kk++)
+                    ap[(kk - k0) * MR + r] = code_at(a, i0 + r, kk) * s[r];
+        } else {
+            for (long kk = t0; kk < t1; kk++)
+                for (int r = 0; r < rows; r++)
+                    ap[(kk - k0) * MR + r] = code_at(a, i0 + r, kk) * s[r];
+        }
+    }
+}
+
+/* Scaled codes of B (k x n), K rows [k0, k0+kc) (k0 at a tile boundary), columns [j0, j0+nc),
+   in panels of NR columns: panel q holds bp[q*kc*NR + kk*NR + c] for column j0 + q*NR + c,
+   zero past n or k. */
+static void pack_b(const operand *b, long k0, long kc, long k, long j0, long nc, long n, float *bp)
+{
+    long j1 = j0 + nc < n ? j0 + nc : n;
+    long kend = k0 + kc < k ? k0 + kc : k;
+    memset(bp, 0, (size_t)(((nc + NR - 1) / NR) * kc * NR) * sizeof(float));
+    for (long t0 = k0; t0 < kend; t0 += b->th) {
+        long t1 = t0 + b->th < kend ? t0 + b->th : kend;
+        for (long c0 = j0; c0 < j1; c0 += NR) {
+            long c1 = c0 + NR < j1 ? c0 + NR : j1;
+            float s[NR];
+            for (long j = c0; j < c1; j++)
+                s[j - c0] = tile_scale(b, t0 / b->th, j / b->tw);
+            float *dst = bp + ((c0 - j0) / NR) * kc * NR - k0 * NR;
+            if (b->cs == 1) {
+                for (long kk = t0; kk < t1; kk++)
+                    for (long j = c0; j < c1; j++)
+                        dst[kk * NR + (j - c0)] = code_at(b, kk, j) * s[j - c0];
+            } else {
+                for (long j = c0; j < c1; j++)
+                    for (long kk = t0; kk < t1; kk++)
+                        dst[kk * NR + (j - c0)] = code_at(b, kk, j) * s[j - c0];
+            }
+        }
+    }
+}
+
+/* rows x NR outputs: c (row stride ldc, w valid columns) = (zero ? +0 : c + 0) + every K-tile's p
+   in order (c + 0: a -0 starts as +0, as gemm's acc += 0 makes it). */
+#define DEFINE_MICRO(R)                                                                      \
+static void micro_##R(const float *ap, const float *bp, float *c, long ldc, int w, long kt,  \
+                      long tk, int zero)                                                     \
+{                                                                                            \
+    vf c0[R], c1[R];                                                                         \
+    float tmp[NR] __attribute__((aligned(64)));                                              \
+    for (int r = 0; r < R; r++) {                                                            \
+        memset(tmp, 0, sizeof tmp);                                                          \
+        if (!zero)                                                                           \
+            memcpy(tmp, c + r * ldc, (size_t)w * sizeof(float));                             \
+        memcpy(&c0[r], tmp, sizeof(vf));                                                     \
+        memcpy(&c1[r], tmp + VW, sizeof(vf));                                                \
+        c0[r] += 0.0f;                                                                       \
+        c1[r] += 0.0f;                                                                       \
+    }                                                                                        \
+    const float *bk = bp;                                                                    \
+    for (long t = 0; t < kt; t++) {                                                          \
+        vf p0[R], p1[R];                                                                     \
+        for (int r = 0; r < R; r++) {                                                        \
+            p0[r] = (vf){0};                                                                 \
+            p1[r] = (vf){0};                                                                 \
+        }                                                                                    \
+        for (long k = 0; k < tk; k++, bk += NR, ap += MR) {                                  \
+            vf b0 = *(const vf *)bk, b1 = *(const vf *)(bk + VW);                            \
+            for (int r = 0; r < R; r++) {                                                    \
+                float x = ap[r];                                                             \
+                p0[r] += x * b0;                                                             \
+                p1[r] += x * b1;                                                             \
+            }                                                                                \
+        }                                                                                    \
+        for (int r = 0; r < R; r++) {                                                        \
+            c0[r] += p0[r];                                                                  \
+            c1[r] += p1[r];                                                                  \
+        }                                                                                    \
+    }                                                                                        \
+    for (int r = 0; r < R; r++) {                                                            \
+        memcpy(tmp, &c0[r], sizeof(vf));                                                     \
+        memcpy(tmp + VW, &c1[r], sizeof(vf));                                                \
+        memcpy(c + r * ldc, tmp, (size_t)w * sizeof(float));                                 \
+    }                                                                                        \
+}
+
+DEFINE_MICRO(1)
+DEFINE_MICRO(2)
+DEFINE_MICRO(3)
+DEFINE_MICRO(4)
+DEFINE_MICRO(5)
+DEFINE_MICRO(6)
+
+typedef void (*micro_fn)(const float *, const float *, float *, long, int, long, long, int);
+static const micro_fn MICRO[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6};
+
+int hbfp_native_abi(void) { return 4; }
+
+/* Blocking (the usual GEMM's): a block of KC rows of B (whole K-tiles) by NC columns is packed
+   for a core's L2, a block of MC rows of A by KC for its L1/L2, one NR-column panel of B
+   (KC x NR) stays in L1 while the MR-row panels of A pass it. The outputs are read and written
+   once per KC block; K-tiles stay in order because the KC blocks go in order. */
+#define KC_TARGET 256
+#define MC 96
+#define NC 512
+
+static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+/* acc (m x n, row stride ldc) = (zero ? +0 : acc + 0) + every K-tile's exact sum of A (m x k)
+   and B (k x n), K-tile by K-tile (tk = A's tile columns = B's tile rows; K padded with zero
+   codes to whole tiles). Returns 0, or -1 if out of memory. */
+int hbfp_gemm_codes(const void *a_codes, int a_bytes, long a_rs, long a_cs, const unsigned char *a_exps, long a_ers,
+                    long a_ecs, long a_th, long a_tw, int a_frac, const void *b_codes, int b_bytes, long b_rs,
+                    long b_cs, const unsigned char *b_exps, long b_ers, long b_ecs, long b_th, long b_tw, int b_frac,
+                    float *acc, long ldc, long m, long n, long k, int zero)
+{
+    operand a = {a_codes, a_bytes, a_rs, a_cs, a_exps, a_ers, a_ecs, a_th, a_tw, a_frac};
+    operand b = {b_codes, b_bytes, b_rs, b_cs, b_exps, b_ers, b_ecs, b_th, b_tw, b_frac};
+    long tk = a_tw, kp = (k + tk - 1) / tk * tk;
+    if (m <= 0 || n <= 0)
+        return 0;
+    long kc = KC_TARGET / tk * tk;
+    if (kc < tk)
+        kc = tk;
+    if (kp == 0)
+        kp = kc = tk; /* no K-tile: one pass of zero codes gives +0 or acc + 0 */
+    if (kc > kp)
+        kc = kp;
+    float *bp = alloc64((size_t)(kc * NC) * sizeof(float));
+    float *ap = alloc64((size_t)(kc * MC) * sizeof(float));
+    if (!bp || !ap) {
+        free(bp);
+        free(ap);
+        return -1;
+    }
+    for (long j0 = 0; j0 < n; j0 += NC) {
+        long w = n - j0 < NC ? n - j0 : NC;
+        for (long k0 = 0; k0 < kp; k0 += kc) {
+            long kcur = kp - k0 < kc ? kp - k0 : kc;
+            pack_b(&b, k0, kcur, k, j0, w, n, bp);
+            for (long i0 = 0; i0 < m; i0 += MC) {
+                long mb = m - i0 < MC ? m - i0 : MC;
+                for (long ir = 0; ir < mb; ir += MR) {
+                    int rows = mb - ir < MR ? (int)(mb - ir) : MR;
+                    pack_a(&a, i0 + ir, rows, k0, kcur, k, ap + (ir / MR) * kcur * MR);
+                }
+                for (long q = 0; q * NR < w; q++) {
+                    long c0 = j0 + q * NR;
+                    int cw = n - c0 < NR ? (int)(n - c0) : NR;
+                    for (long ir = 0; ir < mb; ir += MR) {
+                        int rows = mb - ir < MR ? (int)(mb - ir) : MR;
+                        MICRO[rows](ap + (ir / MR) * kcur * MR, bp + q * kcur * NR, acc + (i0 + ir) * ldc + c0, ldc,
+                                    cw, kcur / tk, tk, zero && k0 == 0);
+                    }
+                }
+            }
+        }
+    }
+    free(bp);
+    free(ap);
+    return 0;
+}
+
+/* ---- quantize (bfp.quantize of a matrix, bit for bit) ------------------------------------ */
+
+static inline unsigned mix32(unsigned x)
+{
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
+}
+
+static inline unsigned f32_bits(float f)
+{
+    unsigned u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* Tile-row bands [band0, band1) of x (m x n, strides rs, cs) to codes (row stride ldq; 1, 2 or
+   4 bytes) and E8M0 exponents (row stride lde): per tile the largest exponent field (0xFF: a
+   NaN tile, its codes 0); per element of a live tile y = x * 2**(frac + 127 - E), exact in
+   double, subnormals read as zero, rounded (0: nearest even, 1: toward zero, 2: stochastic
+   with the 16 random bits mix32(position ^ key) >> 16 of its tile-major stream position), then
+   saturated to +-qmax. */
+void hbfp_quantize(const float *x, long rs, long cs, long m, long n, long th, long tw, int mbits, int rounding,
+                   unsigned key, void *codes, int code_bytes, long ldq, unsigned char *exps, long lde, long band0,
+                   long band1)
+{
+    long tc = (n + tw - 1) / tw;
+    int frac = mbits - 2;
+    long qmax = (1L << (mbits - 1)) - 1;
+    for (long b = band0; b < band1; b++) {
+        long r0 = b * th, rows = m - r0 < th ? m - r0 : th;
+        for (long t = 0; t < tc; t++) {
+            long c0 = t * tw, cols = n - c0 < tw ? n - c0 : tw;
+            unsigned emax = 0;
+            for (long r = 0; r < rows; r++) {
+                const float *xr = x + (r0 + r) * rs + c0 * cs;
+                for (long c = 0; c < cols; c++) {
+                    unsigned e = (f32_bits(xr[c * cs]) >> 23) & 0xFF;
+                    emax = e > emax ? e : emax;
+                }
+            }
+            exps[b * lde + t] = (unsigned char)emax;
+            int live = emax != 0 && emax != 0xFF;
+            /* 2**(frac + 127 - E): within double's normal range for every E. */
+            double scale = 1.0;
+            int shift = frac + 127 - (int)emax;
+            union { unsigned long long u; double d; } sv = {(unsigned long long)(shift + 1023) << 52};
+            if (live)
+                scale = sv.d;
+            for (long r = 0; r < rows; r++) {
+                const float *xr = x + (r0 + r) * rs + c0 * cs;
+                unsigned pos = (unsigned)((((unsigned long long)(b * tc + t) * th + r) * tw) & 0xFFFFFFFFull);
+                for (long c = 0; c < cols; c++) {
+                    long q = 0;
+                    float v = xr[c * cs];
+                    if (live && ((f32_bits(v) >> 23) & 0xFF) != 0) {
+                        double y = (double)v * scale;
+                        if (rounding == 0) {
+                            q = (long)__builtin_rint(y);
+                        } else if (rounding == 1) {
+                            q = (long)y; /* conversion truncates toward zero */
+                        } else {
+                            double a = y < 0 ? -y : y;
+                            long mag = (long)(a * 65536.0); /* floor of a nonnegative */
+                            long rnd = (long)(mix32((pos + (unsigned)c) ^ key) >> 16);
+                            q = (mag + rnd) >> 16;
+                            if (y < 0)
+                                q = -q;
+                        }
+                        q = q > qmax ? qmax : q < -qmax ? -qmax : q;
+                    }
+                    long o = (r0 + r) * ldq + c0 + c;
+                    if (code_bytes == 1)
+                        ((signed char *)codes)[o] = (signed char)q;
+                    else if (code_bytes == 2)
+                        ((short *)codes)[o] = (short)q;
+                    else
+                        ((int *)codes)[o] = (int)q;
+                }
+            }
+        }
+    }
+}

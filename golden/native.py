@@ -1,0 +1,260 @@
+"""The golden product's hot loop compiled for this CPU (``native.c``), with the portable path
+as the fallback.
+
+On first use the C source is compiled with the system's C compiler (``$CC``, else ``cc``) for
+the machine it runs on (``-O3 -march=native``) into a cache directory (``$HBFP_CACHE``, else
+``~/.cache/hbfp``), keyed by the source, the flags and the CPU, and loaded with ctypes; later
+processes load the cached library. ``HBFP_NATIVE=0`` turns it off. Without a compiler (or if
+the build fails) ``available()`` is False, ``why()`` says why, and the callers keep their
+NumPy/torch path: the two give the same bits (tests/test_kernels.py holds them equal).
+
+``gemm_codes(a_codes, a_exps, fa, b_codes, b_exps, fb, acc)``: ``acc += p`` for every K-tile's
+exact sum ``p`` in K-tile order (``gemm._accumulate_fast``'s arithmetic) of two stored operands
+(codes and exponents as they are, no scaled copies), shared out over ``bfp``'s thread per core.
+``quantize(x, fmt, key)``: ``bfp.quantize`` of an fp32 matrix, every rounding, by tile-row bands
+over the same threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["available", "why", "disabled", "gemm_codes", "quantize", "library_path"]
+
+_SOURCE = Path(__file__).with_name("native.c")
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
+_ABI = 4
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_why: str | None = None
+_tried = False
+
+
+def _cpu_key() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("flags", "model name", "Features", "CPU part"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("HBFP_CACHE") or Path.home() / ".cache" / "hbfp")
+
+
+def library_path() -> Path:
+    """Where this machine's build of ``native.c`` is (or will be) cached."""
+    cc = os.environ.get("CC", "cc")
+    h = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), cc.encode(), " ".join(_FLAGS).encode(), _cpu_key().encode(),
+                 platform.machine().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return _cache_dir() / f"hbfp_native-{h.hexdigest()[:16]}.so"
+
+
+def _build(path: Path) -> None:
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise OSError(f"no C compiler ({cc!r} is not on PATH; set CC)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Build next to the target and rename: processes that build at once never see half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise OSError(f"{cc} failed on {_SOURCE.name}: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _why, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            if os.environ.get("HBFP_NATIVE", "1") == "0":
+                raise OSError("turned off by HBFP_NATIVE=0")
+            path = library_path()
+            if not path.exists():
+                _build(path)
+            lib = ctypes.CDLL(str(path))
+            if lib.hbfp_native_abi() != _ABI:
+                raise OSError(f"{path} has ABI {lib.hbfp_native_abi()}, expected {_ABI}")
+            f = lib.hbfp_gemm_codes
+            f.restype = ctypes.c_int
+            side = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                    ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+            f.argtypes = [*side, *side, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                          ctypes.c_int]
+            f = lib.hbfp_quantize
+            f.restype = None
+            f.argtypes = [ctypes.c_void_p, *[ctypes.c_long] * 6, ctypes.c_int, ctypes.c_int, ctypes.c_uint32,
+                          ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                          ctypes.c_long]
+            _lib = lib
+        except OSError as e:
+            _why = str(e)
+        _tried = True
+    return _lib
+
+
+_off = 0  # depth of ``disabled()`` contexts
+
+
+def available() -> bool:
+    """Whether the compiled kernels are loaded (building them on first call) and not turned off
+    by ``disabled()``."""
+    return _off == 0 and _load() is not None
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within the context, callers take their portable path (NumPy and torch operations), as
+    without a compiler; for comparisons in one process (``make bench``)."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
+
+
+def why() -> str | None:
+    """Why the compiled kernels are not available (None when they are)."""
+    _load()
+    return _why
+
+
+def _matrix(x: np.ndarray, name: str, dtypes) -> tuple[int, int]:
+    """Strides of a matrix in elements (a transposed view is fine; no copy)."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype not in dtypes:
+        raise ValueError(f"{name} must be a matrix of {', '.join(str(np.dtype(d)) for d in dtypes)}, "
+                         f"got {getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+    rs, cs = (st // x.itemsize for st in x.strides)
+    if any(st % x.itemsize or st < 0 for st in x.strides):
+        raise ValueError(f"{name} has strides {x.strides} that are not whole, nonnegative elements")
+    return rs, cs
+
+
+_CODES = (np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32))
+
+# Work of a call (multiply-adds) below which one thread does it all.
+_PARALLEL_MACS = 1 << 21
+
+
+def gemm_codes(a_codes: np.ndarray, a_exps: np.ndarray, fa, b_codes: np.ndarray, b_exps: np.ndarray, fb,
+               acc: np.ndarray, *, zero: bool = False) -> None:
+    """``acc = acc + 0`` (``+0`` if ``zero``: ``acc``'s values are not read), then ``+= p_0``,
+    then ``p_1``, ...: ``p_t`` the exact sum over K-tile ``t`` of A @ B, A and
+    B stored as codes (int8/int16/int32, any strides) and E8M0 exponents (uint8, one per tile)
+    in formats ``fa``, ``fb`` (``gemm._accumulate_fast``'s arithmetic, exact under
+    ``gemm._fast_path_ok``; NaN tiles count as zeros: the caller replaces their outputs).
+    ``acc``: m x n float32 with contiguous rows. Shared out over ``bfp``'s thread per core."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are not available: {_why}")
+    (m, k), (k2, n) = a_codes.shape, b_codes.shape
+    th, tk = fa.tile
+    tk2, tw = fb.tile
+    if k != k2 or tk != tk2:
+        raise ValueError(f"gemm_codes: A {a_codes.shape} with tile {fa.tile} and B {b_codes.shape} with tile "
+                         f"{fb.tile} do not agree along K")
+    if acc.shape != (m, n):
+        raise ValueError(f"gemm_codes: acc has shape {acc.shape}, the product {(m, n)}")
+    for name, e, rows, cols in (("a", a_exps, -(-m // th), -(-k // tk)), ("b", b_exps, -(-k // tk), -(-n // tw))):
+        _matrix(e, f"{name}_exps", (np.dtype(np.uint8),))
+        if e.shape != (rows, cols):
+            raise ValueError(f"gemm_codes: {name}_exps has shape {e.shape}, its tiles {(rows, cols)}")
+    ars, acs = _matrix(a_codes, "a_codes", _CODES)
+    brs, bcs = _matrix(b_codes, "b_codes", _CODES)
+    aers, aecs = _matrix(a_exps, "a_exps", (np.dtype(np.uint8),))
+    bers, becs = _matrix(b_exps, "b_exps", (np.dtype(np.uint8),))
+    crs, ccs = _matrix(acc, "acc", (np.dtype(np.float32),))
+    if n > 1 and ccs != 1:
+        raise ValueError("acc must have contiguous rows")
+    if not acc.flags.writeable:
+        raise ValueError("acc must be writeable")
+    if m == 0 or n == 0:
+        return
+    ai, bi = a_codes.itemsize, b_codes.itemsize
+    pa, pb, pc = a_codes.ctypes.data, b_codes.ctypes.data, acc.ctypes.data
+    pae, pbe = a_exps.ctypes.data, b_exps.ctypes.data
+    fra, frb = fa.frac_bits, fb.frac_bits
+
+    def run(r0, r1, c0, c1):
+        # Rows from r0 and columns from c0, both at tile boundaries.
+        rc = lib.hbfp_gemm_codes(pa + ai * r0 * ars, ai, ars, acs, pae + (r0 // th) * aers, aers, aecs, th, tk, fra,
+                                 pb + bi * c0 * bcs, bi, brs, bcs, pbe + (c0 // tw) * becs, bers, becs, tk, tw, frb,
+                                 pc + 4 * (r0 * crs + c0), crs, r1 - r0, c1 - c0, k, int(zero))
+        if rc != 0:
+            raise MemoryError("hbfp_gemm_codes could not allocate its packing buffers")
+
+    from .bfp import _WORKERS, _run_chunks
+
+    workers = _WORKERS if m * n * k >= _PARALLEL_MACS else 1
+    if workers > 1 and n >= 64 * workers:  # columns to each worker: no packing of B done twice
+        step = -(-n // (workers * tw)) * tw
+        parts = [(0, m, c, min(n, c + step)) for c in range(0, n, step)]
+    elif workers > 1 and m >= 2 * th:
+        step = -(-m // (workers * th)) * th
+        parts = [(r, min(m, r + step), 0, n) for r in range(0, m, step)]
+    else:
+        parts = [(0, m, 0, n)]
+    _run_chunks(lambda mine: [run(*p) for p in mine], parts, parallel=len(parts) > 1)
+
+
+_ROUNDINGS = {"nearest_even": 0, "toward_zero": 1, "stochastic": 2}
+# Elements of a call below which one thread quantizes them all.
+_PARALLEL_ELEMENTS = 1 << 17
+
+
+def quantize(x: np.ndarray, fmt, key: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """``bfp.quantize`` of an fp32 matrix ``x`` (any strides): ``(codes, exponents)`` as its
+    BFPTensor holds them. ``key``: the stochastic generator's key (``bfp._key(seed)``)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are not available: {_why}")
+    rs, cs = _matrix(x, "x", (np.dtype(np.float32),))
+    if fmt.rounding == "stochastic" and key is None:
+        raise ValueError("stochastic rounding needs the generator's key")
+    m, n = x.shape
+    th, tw = fmt.tile
+    tr, tc = -(-m // th), -(-n // tw)
+    codes = np.empty((m, n), dtype=fmt.code_dtype)
+    exps = np.empty((tr, tc), dtype=np.uint8)
+    if codes.size == 0:
+        exps[...] = 0
+        return codes, exps
+    args = (x.ctypes.data, rs, cs, m, n, th, tw, fmt.mantissa_bits, _ROUNDINGS[fmt.rounding], int(key or 0),
+            codes.ctypes.data, codes.itemsize, n, exps.ctypes.data, tc)
+
+    from .bfp import _WORKERS, _run_chunks
+
+    if x.size < _PARALLEL_ELEMENTS or _WORKERS == 1 or tr == 1:
+        lib.hbfp_quantize(*args, 0, tr)
+        return codes, exps
+    step = -(-tr // _WORKERS)
+    parts = [(b, min(tr, b + step)) for b in range(0, tr, step)]
+    _run_chunks(lambda mine: [lib.hbfp_quantize(*args, b0, b1) for b0, b1 in mine], parts, parallel=True)
+    return codes, exps
