@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #if defined(__AVX512F__)
 #define VW 16
 #elif defined(__AVX__)
@@ -57,16 +59,6 @@ static float tile_scale(const operand *x, long tr, long tc)
     return v.f;
 }
 
-static inline float code_at(const operand *x, long i, long j)
-{
-    long o = i * x->rs + j * x->cs;
-    switch (x->code_bytes) {
-    case 1: return (float)((const signed char *)x->codes)[o];
-    case 2: return (float)((const short *)x->codes)[o];
-    default: return (float)((const int *)x->codes)[o];
-    }
-}
-
 /* Scaled codes of rows [i0, i0+rows) of A (m x k), K columns [k0, k0+kc) (k0 at a tile
    boundary), as an MR-row panel: ap[kk*MR + r], zero past row m or column k. Reads along
    whichever axis is contiguous. */
@@ -79,15 +71,26 @@ static void pack_a(const operand *a, long i0, int rows, long k0, long kc, long k
         float s[MR];
         for (int r = 0; r < rows; r++)
             s[r] = tile_scale(a, (i0 + r) / a->th, t0 / a->tw);
-        if (a->cs == 1) {
-            for (int r = 0; r < rows; r++)
-                for (long kk = t0; kk < t1; kk++)
-                    ap[(kk - k0) * MR + r] = code_at(a, i0 + r, kk) * s[r];
-        } else {
-            for (long kk = t0; kk < t1; kk++)
-                for (int r = 0; r < rows; r++)
-                    ap[(kk - k0) * MR + r] = code_at(a, i0 + r, kk) * s[r];
+#define PACK_A(T)                                                                            \
+        {                                                                                    \
+            const T *x = (const T *)a->codes + i0 * a->rs;                                   \
+            if (a->cs == 1) {                                                                \
+                for (int r = 0; r < rows; r++)                                               \
+                    for (long kk = t0; kk < t1; kk++)                                        \
+                        ap[(kk - k0) * MR + r] = (float)x[r * a->rs + kk] * s[r];            \
+            } else {                                                                         \
+                for (long kk = t0; kk < t1; kk++)                                            \
+                    for (int r = 0; r < rows; r++)                                           \
+                        ap[(kk - k0) * MR + r] = (float)x[r * a->rs + kk * a->cs] * s[r];    \
+            }                                                                                \
         }
+        if (a->code_bytes == 1)
+            PACK_A(signed char)
+        else if (a->code_bytes == 2)
+            PACK_A(short)
+        else
+            PACK_A(int)
+#undef PACK_A
     }
 }
 
@@ -107,15 +110,27 @@ static void pack_b(const operand *b, long k0, long kc, long k, long j0, long nc,
             for (long j = c0; j < c1; j++)
                 s[j - c0] = tile_scale(b, t0 / b->th, j / b->tw);
             float *dst = bp + ((c0 - j0) / NR) * kc * NR - k0 * NR;
-            if (b->cs == 1) {
-                for (long kk = t0; kk < t1; kk++)
-                    for (long j = c0; j < c1; j++)
-                        dst[kk * NR + (j - c0)] = code_at(b, kk, j) * s[j - c0];
-            } else {
-                for (long j = c0; j < c1; j++)
-                    for (long kk = t0; kk < t1; kk++)
-                        dst[kk * NR + (j - c0)] = code_at(b, kk, j) * s[j - c0];
+#define PACK_B(T)                                                                            \
+            {                                                                                \
+                const T *x = (const T *)b->codes + c0 * b->cs;                               \
+                long w = c1 - c0;                                                            \
+                if (b->cs == 1) {                                                            \
+                    for (long kk = t0; kk < t1; kk++)                                        \
+                        for (long j = 0; j < w; j++)                                         \
+                            dst[kk * NR + j] = (float)x[kk * b->rs + j] * s[j];              \
+                } else {                                                                     \
+                    for (long j = 0; j < w; j++)                                             \
+                        for (long kk = t0; kk < t1; kk++)                                    \
+                            dst[kk * NR + j] = (float)x[kk * b->rs + j * b->cs] * s[j];      \
+                }                                                                            \
             }
+            if (b->code_bytes == 1)
+                PACK_B(signed char)
+            else if (b->code_bytes == 2)
+                PACK_B(short)
+            else
+                PACK_B(int)
+#undef PACK_B
         }
     }
 }
@@ -174,7 +189,7 @@ DEFINE_MICRO(6)
 typedef void (*micro_fn)(const float *, const float *, float *, long, int, long, long, int);
 static const micro_fn MICRO[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6};
 
-int hbfp_native_abi(void) { return 4; }
+int hbfp_native_abi(void) { return 6; }
 
 /* Blocking (the usual GEMM's): a block of KC rows of B (whole K-tiles) by NC columns is packed
    for a core's L2, a block of MC rows of A by KC for its L1/L2, one NR-column panel of B
@@ -186,18 +201,12 @@ int hbfp_native_abi(void) { return 4; }
 
 static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
-/* acc (m x n, row stride ldc) = (zero ? +0 : acc + 0) + every K-tile's exact sum of A (m x k)
-   and B (k x n), K-tile by K-tile (tk = A's tile columns = B's tile rows; K padded with zero
-   codes to whole tiles). Returns 0, or -1 if out of memory. */
-int hbfp_gemm_codes(const void *a_codes, int a_bytes, long a_rs, long a_cs, const unsigned char *a_exps, long a_ers,
-                    long a_ecs, long a_th, long a_tw, int a_frac, const void *b_codes, int b_bytes, long b_rs,
-                    long b_cs, const unsigned char *b_exps, long b_ers, long b_ecs, long b_th, long b_tw, int b_frac,
-                    float *acc, long ldc, long m, long n, long k, int zero)
+/* Outputs [r0, r1) x [c0, c1) of one thread: see hbfp_gemm_codes. */
+static int gemm_block(const operand *a, const operand *b, float *acc, long ldc, long r0, long r1, long c0, long c1,
+                      long k, int zero)
 {
-    operand a = {a_codes, a_bytes, a_rs, a_cs, a_exps, a_ers, a_ecs, a_th, a_tw, a_frac};
-    operand b = {b_codes, b_bytes, b_rs, b_cs, b_exps, b_ers, b_ecs, b_th, b_tw, b_frac};
-    long tk = a_tw, kp = (k + tk - 1) / tk * tk;
-    if (m <= 0 || n <= 0)
+    long tk = a->tw, kp = (k + tk - 1) / tk * tk;
+    if (r1 <= r0 || c1 <= c0)
         return 0;
     long kc = KC_TARGET / tk * tk;
     if (kc < tk)
@@ -213,23 +222,23 @@ int hbfp_gemm_codes(const void *a_codes, int a_bytes, long a_rs, long a_cs, cons
         free(ap);
         return -1;
     }
-    for (long j0 = 0; j0 < n; j0 += NC) {
-        long w = n - j0 < NC ? n - j0 : NC;
+    for (long j0 = c0; j0 < c1; j0 += NC) {
+        long w = c1 - j0 < NC ? c1 - j0 : NC;
         for (long k0 = 0; k0 < kp; k0 += kc) {
             long kcur = kp - k0 < kc ? kp - k0 : kc;
-            pack_b(&b, k0, kcur, k, j0, w, n, bp);
-            for (long i0 = 0; i0 < m; i0 += MC) {
-                long mb = m - i0 < MC ? m - i0 : MC;
+            pack_b(b, k0, kcur, k, j0, w, c1, bp);
+            for (long i0 = r0; i0 < r1; i0 += MC) {
+                long mb = r1 - i0 < MC ? r1 - i0 : MC;
                 for (long ir = 0; ir < mb; ir += MR) {
                     int rows = mb - ir < MR ? (int)(mb - ir) : MR;
-                    pack_a(&a, i0 + ir, rows, k0, kcur, k, ap + (ir / MR) * kcur * MR);
+                    pack_a(a, i0 + ir, rows, k0, kcur, k, ap + (ir / MR) * kcur * MR);
                 }
                 for (long q = 0; q * NR < w; q++) {
-                    long c0 = j0 + q * NR;
-                    int cw = n - c0 < NR ? (int)(n - c0) : NR;
+                    long cc = j0 + q * NR;
+                    int cw = c1 - cc < NR ? (int)(c1 - cc) : NR;
                     for (long ir = 0; ir < mb; ir += MR) {
                         int rows = mb - ir < MR ? (int)(mb - ir) : MR;
-                        MICRO[rows](ap + (ir / MR) * kcur * MR, bp + q * kcur * NR, acc + (i0 + ir) * ldc + c0, ldc,
+                        MICRO[rows](ap + (ir / MR) * kcur * MR, bp + q * kcur * NR, acc + (i0 + ir) * ldc + cc, ldc,
                                     cw, kcur / tk, tk, zero && k0 == 0);
                     }
                 }
@@ -239,6 +248,45 @@ int hbfp_gemm_codes(const void *a_codes, int a_bytes, long a_rs, long a_cs, cons
     free(bp);
     free(ap);
     return 0;
+}
+
+/* Multiply-adds below which one thread does the whole product. */
+#define PARALLEL_MACS (1L << 21)
+
+/* acc (m x n, row stride ldc) = (zero ? +0 : acc + 0) + every K-tile's exact sum of A (m x k)
+   and B (k x n), K-tile by K-tile (tk = A's tile columns = B's tile rows; K padded with zero
+   codes to whole tiles). Shared out over `threads` OpenMP threads (0: as many as OpenMP's default
+   for a product of PARALLEL_MACS or more, else one) (the same runtime and threads as
+   torch's when torch is loaded, so no thread of one spins while the other works): columns to
+   each thread where there are enough, else rows. Returns 0, or -1 if out of memory. */
+int hbfp_gemm_codes(const void *a_codes, int a_bytes, long a_rs, long a_cs, const unsigned char *a_exps, long a_ers,
+                    long a_ecs, long a_th, long a_tw, int a_frac, const void *b_codes, int b_bytes, long b_rs,
+                    long b_cs, const unsigned char *b_exps, long b_ers, long b_ecs, long b_th, long b_tw, int b_frac,
+                    float *acc, long ldc, long m, long n, long k, int zero, int threads)
+{
+    operand a = {a_codes, a_bytes, a_rs, a_cs, a_exps, a_ers, a_ecs, a_th, a_tw, a_frac};
+    operand b = {b_codes, b_bytes, b_rs, b_cs, b_exps, b_ers, b_ecs, b_th, b_tw, b_frac};
+    if (m <= 0 || n <= 0)
+        return 0;
+    if (threads <= 0)
+        threads = m * n * (k > 0 ? k : 1) >= PARALLEL_MACS ? omp_get_max_threads() : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+        long t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long r0 = 0, r1 = m, c0 = 0, c1 = n;
+        if (n >= 64 * nt) {
+            long step = (n + nt * NR - 1) / (nt * NR) * NR;
+            c0 = t * step < n ? t * step : n;
+            c1 = c0 + step < n ? c0 + step : n;
+        } else {
+            long step = (m + nt - 1) / nt;
+            r0 = t * step < m ? t * step : m;
+            r1 = r0 + step < m ? r0 + step : m;
+        }
+        failed |= gemm_block(&a, &b, acc, ldc, r0, r1, c0, c1, k, zero) != 0;
+    }
+    return failed ? -1 : 0;
 }
 
 /* ---- quantize (bfp.quantize of a matrix, bit for bit) ------------------------------------ */
@@ -266,64 +314,125 @@ static inline unsigned f32_bits(float f)
    double, subnormals read as zero, rounded (0: nearest even, 1: toward zero, 2: stochastic
    with the 16 random bits mix32(position ^ key) >> 16 of its tile-major stream position), then
    saturated to +-qmax. */
-void hbfp_quantize(const float *x, long rs, long cs, long m, long n, long th, long tw, int mbits, int rounding,
-                   unsigned key, void *codes, int code_bytes, long ldq, unsigned char *exps, long lde, long band0,
-                   long band1)
+#define QUANTIZE_ROW(T)                                                                      \
+    {                                                                                        \
+        T *out = (T *)codes + (r0 + r) * ldq;                                                \
+        if (rounding == 0) {                                                                 \
+            for (long c = 0; c < n; c++) {                                                   \
+                float v = xr[c];                                                             \
+                double y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (double)v * sc[c] : 0.0; \
+                double q = __builtin_rint(y);                                                \
+                q = q > qmax ? qmax : q < -qmax ? -qmax : q;                                 \
+                out[c] = (T)q;                                                               \
+            }                                                                                \
+        } else if (rounding == 1) {                                                          \
+            for (long c = 0; c < n; c++) {                                                   \
+                float v = xr[c];                                                             \
+                double y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (double)v * sc[c] : 0.0; \
+                double q = __builtin_trunc(y);                                               \
+                q = q > qmax ? qmax : q < -qmax ? -qmax : q;                                 \
+                out[c] = (T)q;                                                               \
+            }                                                                                \
+        } else {                                                                             \
+            unsigned base = band_pos + (unsigned)(r * tw);                                   \
+            for (long c = 0; c < n; c++) {                                                   \
+                float v = xr[c];                                                             \
+                double y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (double)v * sc[c] : 0.0; \
+                double a = y < 0 ? -y : y;                                                   \
+                long long mag = (long long)(a * 65536.0); /* floor of a nonnegative */      \
+                long long rnd = (long long)(mix32((base + posc[c]) ^ key) >> 16);           \
+                long long q = (mag + rnd) >> 16;                                             \
+                q = q > qmax ? qmax : q;                                                     \
+                out[c] = (T)(y < 0 ? -q : q);                                                \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+/* Tile-row bands [band0, band1) of x (m x n, row stride rs, consecutive columns) to codes (row
+   stride ldq; 1, 2 or 4 bytes) and E8M0 exponents (row stride lde): per tile the largest
+   exponent field (0xFF: a NaN tile, its codes 0); per element of a live tile
+   y = x * 2**(frac + 127 - E), exact in double, subnormals read as zero, rounded (0: nearest
+   even, 1: toward zero, 2: stochastic with the 16 random bits mix32(position ^ key) >> 16 of
+   its tile-major stream position), then saturated to +-qmax. A band goes row by row over all
+   its columns, each column with its tile's scale (0 outside live tiles): long loops with no
+   branches on the data, which vectorize. Returns 0, or -1 if out of memory. */
+static int quantize_bands(const float *x, long rs, long m, long n, long th, long tw, int mbits, int rounding,
+                          unsigned key, void *codes, int code_bytes, long ldq, unsigned char *exps, long lde,
+                          long band0, long band1)
 {
     long tc = (n + tw - 1) / tw;
     int frac = mbits - 2;
-    long qmax = (1L << (mbits - 1)) - 1;
+    double qmax = (double)((1LL << (mbits - 1)) - 1);
+    unsigned *colmax = malloc((size_t)n * sizeof(unsigned));
+    unsigned *posc = malloc((size_t)n * sizeof(unsigned));
+    double *sc = malloc((size_t)n * sizeof(double));
+    if (!colmax || !posc || !sc) {
+        free(colmax);
+        free(posc);
+        free(sc);
+        return -1;
+    }
+    /* A column's stream position within its band, less the row's: tile-major, row-major in a tile. */
+    for (long c = 0; c < n; c++)
+        posc[c] = (unsigned)((unsigned long long)(c / tw) * (unsigned long long)(th * tw) + (unsigned long long)(c % tw));
     for (long b = band0; b < band1; b++) {
         long r0 = b * th, rows = m - r0 < th ? m - r0 : th;
-        for (long t = 0; t < tc; t++) {
-            long c0 = t * tw, cols = n - c0 < tw ? n - c0 : tw;
-            unsigned emax = 0;
-            for (long r = 0; r < rows; r++) {
-                const float *xr = x + (r0 + r) * rs + c0 * cs;
-                for (long c = 0; c < cols; c++) {
-                    unsigned e = (f32_bits(xr[c * cs]) >> 23) & 0xFF;
-                    emax = e > emax ? e : emax;
-                }
-            }
-            exps[b * lde + t] = (unsigned char)emax;
-            int live = emax != 0 && emax != 0xFF;
-            /* 2**(frac + 127 - E): within double's normal range for every E. */
-            double scale = 1.0;
-            int shift = frac + 127 - (int)emax;
-            union { unsigned long long u; double d; } sv = {(unsigned long long)(shift + 1023) << 52};
-            if (live)
-                scale = sv.d;
-            for (long r = 0; r < rows; r++) {
-                const float *xr = x + (r0 + r) * rs + c0 * cs;
-                unsigned pos = (unsigned)((((unsigned long long)(b * tc + t) * th + r) * tw) & 0xFFFFFFFFull);
-                for (long c = 0; c < cols; c++) {
-                    long q = 0;
-                    float v = xr[c * cs];
-                    if (live && ((f32_bits(v) >> 23) & 0xFF) != 0) {
-                        double y = (double)v * scale;
-                        if (rounding == 0) {
-                            q = (long)__builtin_rint(y);
-                        } else if (rounding == 1) {
-                            q = (long)y; /* conversion truncates toward zero */
-                        } else {
-                            double a = y < 0 ? -y : y;
-                            long mag = (long)(a * 65536.0); /* floor of a nonnegative */
-                            long rnd = (long)(mix32((pos + (unsigned)c) ^ key) >> 16);
-                            q = (mag + rnd) >> 16;
-                            if (y < 0)
-                                q = -q;
-                        }
-                        q = q > qmax ? qmax : q < -qmax ? -qmax : q;
-                    }
-                    long o = (r0 + r) * ldq + c0 + c;
-                    if (code_bytes == 1)
-                        ((signed char *)codes)[o] = (signed char)q;
-                    else if (code_bytes == 2)
-                        ((short *)codes)[o] = (short)q;
-                    else
-                        ((int *)codes)[o] = (int)q;
-                }
+        unsigned band_pos = (unsigned)(((unsigned long long)b * (unsigned long long)(tc * th * tw)) & 0xFFFFFFFFull);
+        memset(colmax, 0, (size_t)n * sizeof(unsigned));
+        for (long r = 0; r < rows; r++) {
+            const float *xr = x + (r0 + r) * rs;
+            for (long c = 0; c < n; c++) {
+                unsigned e = (f32_bits(xr[c]) >> 23) & 0xFF;
+                colmax[c] = e > colmax[c] ? e : colmax[c];
             }
         }
+        for (long t = 0; t < tc; t++) {
+            long c0 = t * tw, c1 = c0 + tw < n ? c0 + tw : n;
+            unsigned emax = 0;
+            for (long c = c0; c < c1; c++)
+                emax = colmax[c] > emax ? colmax[c] : emax;
+            exps[b * lde + t] = (unsigned char)emax;
+            /* 2**(frac + 127 - E): within double's normal range for every E; 0 outside live tiles */
+            union { unsigned long long u; double d; } sv = {(unsigned long long)(frac + 127 - (int)emax + 1023) << 52};
+            double s = emax != 0 && emax != 0xFF ? sv.d : 0.0;
+            for (long c = c0; c < c1; c++)
+                sc[c] = s;
+        }
+        for (long r = 0; r < rows; r++) {
+            const float *xr = x + (r0 + r) * rs;
+            if (code_bytes == 1)
+                QUANTIZE_ROW(signed char)
+            else if (code_bytes == 2)
+                QUANTIZE_ROW(short)
+            else
+                QUANTIZE_ROW(int)
+        }
     }
+    free(colmax);
+    free(posc);
+    free(sc);
+    return 0;
+}
+
+/* Elements below which one thread quantizes the whole matrix. */
+#define PARALLEL_ELEMENTS (1L << 17)
+
+/* quantize_bands over all tile-row bands, shared out by bands over `threads` OpenMP threads (0:
+   OpenMP's default for PARALLEL_ELEMENTS or more, else one). */
+int hbfp_quantize(const float *x, long rs, long m, long n, long th, long tw, int mbits, int rounding, unsigned key,
+                  void *codes, int code_bytes, long ldq, unsigned char *exps, long lde, int threads)
+{
+    long tr = (m + th - 1) / th;
+    if (threads <= 0)
+        threads = m * n >= PARALLEL_ELEMENTS && tr > 1 ? omp_get_max_threads() : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+        long t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long step = (tr + nt - 1) / nt;
+        long b0 = t * step < tr ? t * step : tr, b1 = b0 + step < tr ? b0 + step : tr;
+        failed |= quantize_bands(x, rs, m, n, th, tw, mbits, rounding, key, codes, code_bytes, ldq, exps, lde, b0,
+                                 b1) != 0;
+    }
+    return failed ? -1 : 0;
 }

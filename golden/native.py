@@ -10,9 +10,11 @@ NumPy/torch path: the two give the same bits (tests/test_kernels.py holds them e
 
 ``gemm_codes(a_codes, a_exps, fa, b_codes, b_exps, fb, acc)``: ``acc += p`` for every K-tile's
 exact sum ``p`` in K-tile order (``gemm._accumulate_fast``'s arithmetic) of two stored operands
-(codes and exponents as they are, no scaled copies), shared out over ``bfp``'s thread per core.
-``quantize(x, fmt, key)``: ``bfp.quantize`` of an fp32 matrix, every rounding, by tile-row bands
-over the same threads.
+(codes and exponents as they are, no scaled copies). ``quantize(x, fmt, key)``: ``bfp.quantize``
+of an fp32 matrix, every rounding. Both share their work out over OpenMP threads: the library
+is built with ``-fopenmp``, and the dynamic linker gives it the OpenMP runtime already loaded
+(torch's, when torch came first), so the threads that run torch's operations run these too
+instead of spinning beside them.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ import numpy as np
 __all__ = ["available", "why", "disabled", "gemm_codes", "quantize", "library_path"]
 
 _SOURCE = Path(__file__).with_name("native.c")
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fPIC", "-shared", "-std=c11")
-_ABI = 4
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+_ABI = 6
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -106,12 +108,11 @@ def _load() -> ctypes.CDLL | None:
             side = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                     ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
             f.argtypes = [*side, *side, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                          ctypes.c_int]
+                          ctypes.c_int, ctypes.c_int]
             f = lib.hbfp_quantize
-            f.restype = None
-            f.argtypes = [ctypes.c_void_p, *[ctypes.c_long] * 6, ctypes.c_int, ctypes.c_int, ctypes.c_uint32,
-                          ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
-                          ctypes.c_long]
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.c_void_p, *[ctypes.c_long] * 5, ctypes.c_int, ctypes.c_int, ctypes.c_uint32,
+                          ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
             _lib = lib
         except OSError as e:
             _why = str(e)
@@ -159,18 +160,17 @@ def _matrix(x: np.ndarray, name: str, dtypes) -> tuple[int, int]:
 
 _CODES = (np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32))
 
-# Work of a call (multiply-adds) below which one thread does it all.
-_PARALLEL_MACS = 1 << 21
-
 
 def gemm_codes(a_codes: np.ndarray, a_exps: np.ndarray, fa, b_codes: np.ndarray, b_exps: np.ndarray, fb,
-               acc: np.ndarray, *, zero: bool = False) -> None:
+               acc: np.ndarray, *, zero: bool = False, threads: int = 0) -> None:
     """``acc = acc + 0`` (``+0`` if ``zero``: ``acc``'s values are not read), then ``+= p_0``,
     then ``p_1``, ...: ``p_t`` the exact sum over K-tile ``t`` of A @ B, A and
     B stored as codes (int8/int16/int32, any strides) and E8M0 exponents (uint8, one per tile)
     in formats ``fa``, ``fb`` (``gemm._accumulate_fast``'s arithmetic, exact under
     ``gemm._fast_path_ok``; NaN tiles count as zeros: the caller replaces their outputs).
-    ``acc``: m x n float32 with contiguous rows. Shared out over ``bfp``'s thread per core."""
+    ``acc``: m x n float32 with contiguous rows. ``threads``: OpenMP threads to share it out
+    over (0: OpenMP's default for products of 2**21 multiply-adds or more, else one; the
+    result is the same for any number)."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the native kernels are not available: {_why}")
@@ -197,44 +197,26 @@ def gemm_codes(a_codes: np.ndarray, a_exps: np.ndarray, fa, b_codes: np.ndarray,
         raise ValueError("acc must be writeable")
     if m == 0 or n == 0:
         return
-    ai, bi = a_codes.itemsize, b_codes.itemsize
-    pa, pb, pc = a_codes.ctypes.data, b_codes.ctypes.data, acc.ctypes.data
-    pae, pbe = a_exps.ctypes.data, b_exps.ctypes.data
-    fra, frb = fa.frac_bits, fb.frac_bits
-
-    def run(r0, r1, c0, c1):
-        # Rows from r0 and columns from c0, both at tile boundaries.
-        rc = lib.hbfp_gemm_codes(pa + ai * r0 * ars, ai, ars, acs, pae + (r0 // th) * aers, aers, aecs, th, tk, fra,
-                                 pb + bi * c0 * bcs, bi, brs, bcs, pbe + (c0 // tw) * becs, bers, becs, tk, tw, frb,
-                                 pc + 4 * (r0 * crs + c0), crs, r1 - r0, c1 - c0, k, int(zero))
-        if rc != 0:
-            raise MemoryError("hbfp_gemm_codes could not allocate its packing buffers")
-
-    from .bfp import _WORKERS, _run_chunks
-
-    workers = _WORKERS if m * n * k >= _PARALLEL_MACS else 1
-    if workers > 1 and n >= 64 * workers:  # columns to each worker: no packing of B done twice
-        step = -(-n // (workers * tw)) * tw
-        parts = [(0, m, c, min(n, c + step)) for c in range(0, n, step)]
-    elif workers > 1 and m >= 2 * th:
-        step = -(-m // (workers * th)) * th
-        parts = [(r, min(m, r + step), 0, n) for r in range(0, m, step)]
-    else:
-        parts = [(0, m, 0, n)]
-    _run_chunks(lambda mine: [run(*p) for p in mine], parts, parallel=len(parts) > 1)
+    rc = lib.hbfp_gemm_codes(a_codes.ctypes.data, a_codes.itemsize, ars, acs, a_exps.ctypes.data, aers, aecs, th, tk,
+                             fa.frac_bits, b_codes.ctypes.data, b_codes.itemsize, brs, bcs, b_exps.ctypes.data, bers,
+                             becs, tk, tw, fb.frac_bits, acc.ctypes.data, crs, m, n, k, int(zero), threads)
+    if rc != 0:
+        raise MemoryError("hbfp_gemm_codes could not allocate its packing buffers")
 
 
 _ROUNDINGS = {"nearest_even": 0, "toward_zero": 1, "stochastic": 2}
-# Elements of a call below which one thread quantizes them all.
-_PARALLEL_ELEMENTS = 1 << 17
 
 
-def quantize(x: np.ndarray, fmt, key: int | None) -> tuple[np.ndarray, np.ndarray]:
+def quantize(x: np.ndarray, fmt, key: int | None, *, threads: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``bfp.quantize`` of an fp32 matrix ``x`` (any strides): ``(codes, exponents)`` as its
-    BFPTensor holds them. ``key``: the stochastic generator's key (``bfp._key(seed)``)."""
+    BFPTensor holds them. ``key``: the stochastic generator's key (``bfp._key(seed)``).
+    ``threads``: OpenMP threads (0: the default from 2**17 elements, else one)."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"the native kernels are not available: {_why}")
+    _matrix(x, "x", (np.dtype(np.float32),))
+    if x.shape[1] > 1 and x.strides[1] != 4:
+        x = np.ascontiguousarray(x)  # rows of consecutive values vectorize (a copy is cheaper than strided reads)
     rs, cs = _matrix(x, "x", (np.dtype(np.float32),))
     if fmt.rounding == "stochastic" and key is None:
         raise ValueError("stochastic rounding needs the generator's key")
@@ -246,15 +228,8 @@ def quantize(x: np.ndarray, fmt, key: int | None) -> tuple[np.ndarray, np.ndarra
     if codes.size == 0:
         exps[...] = 0
         return codes, exps
-    args = (x.ctypes.data, rs, cs, m, n, th, tw, fmt.mantissa_bits, _ROUNDINGS[fmt.rounding], int(key or 0),
-            codes.ctypes.data, codes.itemsize, n, exps.ctypes.data, tc)
-
-    from .bfp import _WORKERS, _run_chunks
-
-    if x.size < _PARALLEL_ELEMENTS or _WORKERS == 1 or tr == 1:
-        lib.hbfp_quantize(*args, 0, tr)
-        return codes, exps
-    step = -(-tr // _WORKERS)
-    parts = [(b, min(tr, b + step)) for b in range(0, tr, step)]
-    _run_chunks(lambda mine: [lib.hbfp_quantize(*args, b0, b1) for b0, b1 in mine], parts, parallel=True)
+    rc = lib.hbfp_quantize(x.ctypes.data, rs, m, n, th, tw, fmt.mantissa_bits, _ROUNDINGS[fmt.rounding],
+                           int(key or 0), codes.ctypes.data, codes.itemsize, n, exps.ctypes.data, tc, threads)
+    if rc != 0:
+        raise MemoryError("hbfp_quantize could not allocate its column tables")
     return codes, exps

@@ -93,15 +93,15 @@ def test_transposed_operands_and_a_strided_accumulator():
         assert (rest == 7.0).all()
 
 
+@pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("split", ["columns", "rows"])
-def test_the_split_over_threads_keeps_the_bits(monkeypatch, split):
+def test_the_split_over_threads_keeps_the_bits(split, threads):
     rng = np.random.default_rng(7)
     m, n = (40, 700) if split == "columns" else (90, 30)
     qa, qb = operands(rng, m, 120, n)
     acc = np.zeros((m, n), np.float32)
     want = reference(qa, qb, acc)
-    monkeypatch.setattr(native, "_PARALLEL_MACS", 0)
-    run(qa, qb, acc)
+    native.gemm_codes(qa.codes, qa.exponents, qa.fmt, qb.codes, qb.exponents, qb.fmt, acc, threads=threads)
     assert same(acc, want)
 
 
@@ -167,11 +167,11 @@ def test_quantize_equals_the_numpy_bands(monkeypatch, fmt, rounding):
                 want = quantize(view, fmt, seed=shape[0])
             assert got.codes.dtype == want.codes.dtype
             assert np.array_equal(got.codes, want.codes) and np.array_equal(got.exponents, want.exponents)
-    monkeypatch.setattr(native, "_PARALLEL_ELEMENTS", 0)
-    got = quantize(x, fmt, seed=3)
+    key = None if fmt.rounding != "stochastic" else int(bfp._key(3))
+    codes, exps = native.quantize(x, fmt, key, threads=2)
     monkeypatch.setattr(bfp, "native", _NoNative)
     want = quantize(x, fmt, seed=3)
-    assert np.array_equal(got.codes, want.codes) and np.array_equal(got.exponents, want.exponents)
+    assert np.array_equal(codes, want.codes) and np.array_equal(exps, want.exponents)
 
 
 def _in_subprocess(env_extra, tmp_path):

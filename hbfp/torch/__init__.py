@@ -140,8 +140,17 @@ def _quantized(device, x: torch.Tensor):
         return x
     from hbfp.golden import kernels
 
+    fmt = device.format()
     with torch._C.DisableTorchFunction():
-        return kernels.quantize(x.detach(), device.format())
+        x = x.detach()
+        if (x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous() and fmt.tile[0] == fmt.tile[1]
+                and fmt.rounding != "stochastic"):
+            # A transposed view (a Linear's weight as in x out): square tiles hold the same
+            # elements either way and the rounding is elementwise, so the stored matrix's codes
+            # and exponents, transposed, are the view's own (no transposed copy to quantize).
+            codes, exps = kernels.quantize(x.t(), fmt)
+            return codes.t(), exps.t()
+        return kernels.quantize(x, fmt)
 
 
 class HbfpMatmul(torch.autograd.Function):
