@@ -156,8 +156,15 @@ def quantize(x: torch.Tensor, fmt: Format, *, seed: int | None = None,
 
 
 def requantize(codes: torch.Tensor, exponents: torch.Tensor, src: Format, fmt: Format, *,
-               seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``bfp.requantize``: narrower mantissas on the same tiles and exponents."""
+               seed: int | None = None, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bfp.requantize``: narrower mantissas on the same tiles and exponents. ``impl``:
+    ``"torch"`` (torch operations where the tensors are), ``"numpy"`` (on a CPU tensor's
+    memory; nearest even and toward zero) or None: NumPy where it applies, else torch."""
+    if impl not in (None, "torch", "numpy"):
+        raise ValueError(f"impl must be 'torch', 'numpy' or None, got {impl!r}")
+    numpy_applies = codes.device.type == "cpu" and fmt.rounding != "stochastic"
+    if impl == "numpy" and not numpy_applies:
+        raise ValueError("impl='numpy' takes CPU tensors and a rounding other than stochastic")
     if fmt.tile != src.tile:
         raise ValueError(f"requantize keeps the tiles: {src.tile} != {fmt.tile}")
     shift = src.mantissa_bits - fmt.mantissa_bits
@@ -165,6 +172,13 @@ def requantize(codes: torch.Tensor, exponents: torch.Tensor, src: Format, fmt: F
         raise ValueError("requantize narrows mantissas; it cannot widen them")
     if fmt.rounding == "stochastic" and seed is None:
         raise ValueError("stochastic rounding needs a seed (quantize(..., seed=N)) to be reproducible")
+    if numpy_applies and impl != "torch":
+        # NumPy on the CPU tensor's memory: the same exact halving and rounding, a few times
+        # faster than torch's small operations
+        y = np.ldexp(codes.numpy().astype(np.float64), -shift)
+        q = np.rint(y) if fmt.rounding == "nearest_even" else np.trunc(y)
+        q = np.clip(q, -fmt.qmax, fmt.qmax).astype(fmt.code_dtype)
+        return torch.from_numpy(q), exponents.clone()
     y = torch.ldexp(codes.to(torch.float64), torch.tensor(float(-shift), dtype=torch.float64, device=codes.device))
     rand = None
     if fmt.rounding == "stochastic":
@@ -181,6 +195,8 @@ def _scale_exponents(exponents: torch.Tensor, fmt: Format) -> torch.Tensor:
 def dequantize(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format) -> torch.Tensor:
     """``BFPTensor.dequantize``: fp32 values by the device rules (``bf16.round_f32``: RNE,
     a result below 2**-126 a zero of its sign, overflow to inf); NaN tiles give NaN."""
+    if codes.device.type == "cpu" and _native.available() and codes.dim() == 2:
+        return torch.from_numpy(_native.dequantize(codes.numpy(), exponents.numpy(), fmt))
     th, tw = fmt.tile
     m, n = codes.shape
     tr, tc = exponents.shape
@@ -222,6 +238,10 @@ def _live_range(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format) -> tu
     if exponents.device.type == "cpu":
         # NumPy on the same memory: a few microseconds where torch's small operations cost tens
         e = exponents.numpy()
+        if e.size:
+            lo, hi = int(e.min()), int(e.max())
+            if lo != 0 and hi != EXP_NAN:  # the common case: every tile live
+                return lo - EXP_BIAS - fmt.frac_bits, hi - EXP_BIAS - fmt.frac_bits
         live = (e != 0) & (e != EXP_NAN)
         if not live.all() and (e == 0).any():
             from .gemm import _tiles_with_codes
@@ -382,6 +402,21 @@ def _accumulate_int8(ca, ea, cb, eb, fa: Format, fb: Format, acc: torch.Tensor) 
         _add_in_order(p, acc[r0:min(m, r1)])
 
 
+def _native_gemm(ca, ea, fa: Format, cb, eb, fb: Format, acc: torch.Tensor, *, zero: bool) -> None:
+    """``native.gemm_codes`` on CPU tensors' memory (no NumPy views): shapes and tiles checked
+    by ``gemm``, dtypes and layout here."""
+    for name, t in (("A's codes", ca), ("B's codes", cb)):
+        if t.dtype not in (torch.int8, torch.int16, torch.int32):
+            raise TypeError(f"{name} must be int8, int16 or int32, got {t.dtype}")
+    for name, t in (("A's exponents", ea), ("B's exponents", eb)):
+        if t.dtype != torch.uint8 or t.dim() != 2:
+            raise TypeError(f"{name} must be a uint8 matrix, got {t.dtype} {tuple(t.shape)}")
+    (m, k), n = ca.shape, cb.shape[1]
+    _native.gemm_raw((ca.data_ptr(), ca.element_size(), *ca.stride(), ea.data_ptr(), *ea.stride()), fa,
+                     (cb.data_ptr(), cb.element_size(), *cb.stride(), eb.data_ptr(), *eb.stride()), fb,
+                     acc.data_ptr(), acc.stride(0), m, n, k, zero=zero)
+
+
 def _accumulate_fp32(af: torch.Tensor, bf: torch.Tensor, acc: torch.Tensor, tk: int, kt: int) -> None:
     """``acc`` += every K-tile's p in K-tile order: A as (KT, M, tk), B as (KT, tk, N), every
     K-tile's p of a block of rows in one batched product (exact), then the additions in order."""
@@ -442,8 +477,9 @@ def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tens
         return torch.from_numpy(acc).to(dev)
     if kt and m and n and impl == "native":
         # acc + 0 (or +0), then the K-tiles, in one pass of the compiled kernel
-        acc = torch.empty((m, n), dtype=torch.float32) if c is None else c.clone()
-        _native.gemm_codes(ca.numpy(), ea.numpy(), fa, cb.numpy(), eb.numpy(), fb, acc.numpy(), zero=c is None)
+        # (NumPy's empty: torch's deterministic mode would fill a torch.empty first)
+        acc = torch.from_numpy(np.empty((m, n), dtype=np.float32)) if c is None else c.clone()
+        _native_gemm(ca, ea, fa, cb, eb, fb, acc, zero=c is None)
     else:
         acc = torch.zeros((m, n), dtype=torch.float32, device=dev) if c is None else c.clone()
     if kt and m and n and impl != "native":
@@ -457,8 +493,14 @@ def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tens
         bf = _scaled(cb, eb, fb, kt * tk, nb)[:, :n]
         _accumulate_fp32(af, bf, acc, tk, kt)
     # A NaN tile on either side makes every output it meets NaN.
-    nan_a, nan_b = ea == EXP_NAN, eb == EXP_NAN
-    if bool(nan_a.any()) or bool(nan_b.any()):
+    if dev.type == "cpu":
+        nan_a, nan_b = ea.numpy() == EXP_NAN, eb.numpy() == EXP_NAN
+        any_nan = bool(nan_a.any()) or bool(nan_b.any())
+        nan_a, nan_b = torch.from_numpy(nan_a), torch.from_numpy(nan_b)
+    else:
+        nan_a, nan_b = ea == EXP_NAN, eb == EXP_NAN
+        any_nan = bool(nan_a.any()) or bool(nan_b.any())
+    if any_nan:
         rows_nan = nan_a.any(dim=1).repeat_interleave(fa.tile[0])[:m]
         cols_nan = nan_b.any(dim=0).repeat_interleave(fb.tile[1])[:n]
         acc = torch.where(rows_nan[:, None] | cols_nan[None, :], torch.full((), float("nan"), device=dev), acc)

@@ -9,7 +9,7 @@
 
    Layout (the usual register-blocked GEMM): B's scaled codes are packed per panel of NR
    columns over all of K (K x NR, contiguous, zero past n and k), a block of panels at a time,
-   so a panel streams from L2 while an MR-row panel of A (packed the same way) stays in L1; the
+   so a panel streams from L2 while an MR-row panel of A (packed row by row) stays in L1; the
    MR x NR outputs stay in registers over all K-tiles, so the accumulator is read and written
    once. */
 
@@ -29,6 +29,8 @@
 #define MR 6
 
 typedef float vf __attribute__((vector_size(VW * 4)));
+/* The same vector at any float's address (the accumulator's rows). */
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 
 /* An operand as stored: integer codes with any strides (a transposed view included) and
    one E8M0 exponent code per tile, its code step 2**(E - 127 - frac_bits). */
@@ -59,10 +61,51 @@ static float tile_scale(const operand *x, long tr, long tc)
     return v.f;
 }
 
+typedef signed char i8;
+typedef short i16;
+typedef int i32;
+typedef i8 v16i8 __attribute__((vector_size(16)));
+typedef float v16f __attribute__((vector_size(64)));
+typedef i8 v8i8 __attribute__((vector_size(8)));
+typedef float v8f __attribute__((vector_size(32)));
+
+/* d[i] = (float)x[i] * s for a run of codes: int8 runs 16 and 8 at a time (widening conversions). */
+static inline void convert_run_i8(const i8 *restrict x, float *restrict d, long n, float s)
+{
+    long i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16i8 c;
+        memcpy(&c, x + i, sizeof c);
+        v16f f = __builtin_convertvector(c, v16f) * s;
+        memcpy(d + i, &f, sizeof f);
+    }
+    for (; i + 8 <= n; i += 8) {
+        v8i8 c;
+        memcpy(&c, x + i, sizeof c);
+        v8f f = __builtin_convertvector(c, v8f) * s;
+        memcpy(d + i, &f, sizeof f);
+    }
+    for (; i < n; i++)
+        d[i] = (float)x[i] * s;
+}
+
+static inline void convert_run_i16(const i16 *restrict x, float *restrict d, long n, float s)
+{
+    for (long i = 0; i < n; i++)
+        d[i] = (float)x[i] * s;
+}
+
+static inline void convert_run_i32(const i32 *restrict x, float *restrict d, long n, float s)
+{
+    for (long i = 0; i < n; i++)
+        d[i] = (float)x[i] * s;
+}
+
 /* Scaled codes of rows [i0, i0+rows) of A (m x k), K columns [k0, k0+kc) (k0 at a tile
-   boundary), as an MR-row panel: ap[kk*MR + r], zero past row m or column k. Reads along
-   whichever axis is contiguous. */
-static void pack_a(const operand *a, long i0, int rows, long k0, long kc, long k, float *ap)
+   boundary), as an MR-row panel, zero past row m or column k: row by row, ap[r*kc + kk], when
+   A's rows are contiguous (long runs convert at once), else K-step by K-step, ap[kk*MR + r]
+   (a transposed A: the MR codes of a K-step are adjacent). */
+static void pack_a(const operand *a, long i0, int rows, long k0, long kc, long k, float *restrict ap)
 {
     memset(ap, 0, (size_t)(kc * MR) * sizeof(float));
     long kend = k0 + kc < k ? k0 + kc : k;
@@ -73,23 +116,37 @@ static void pack_a(const operand *a, long i0, int rows, long k0, long kc, long k
             s[r] = tile_scale(a, (i0 + r) / a->th, t0 / a->tw);
 #define PACK_A(T)                                                                            \
         {                                                                                    \
-            const T *x = (const T *)a->codes + i0 * a->rs;                                   \
-            if (a->cs == 1) {                                                                \
-                for (int r = 0; r < rows; r++)                                               \
-                    for (long kk = t0; kk < t1; kk++)                                        \
-                        ap[(kk - k0) * MR + r] = (float)x[r * a->rs + kk] * s[r];            \
+            const T *restrict x = (const T *)a->codes + i0 * a->rs;                          \
+            long rs = a->rs, cs = a->cs;                                                     \
+            if (cs == 1) {                                                                   \
+                for (int r = 0; r < rows; r++) {                                             \
+                    const T *restrict xr = x + r * rs;                                       \
+                    float *restrict dr = ap + r * kc - k0;                                   \
+                    float sr = s[r];                                                         \
+                    convert_run_##T(xr + t0, dr + t0, t1 - t0, sr);                          \
+                }                                                                            \
+            } else if (sizeof(T) == 1 && rs == 1 && rows == MR) {                            \
+                /* a K-step's MR codes are adjacent bytes: converted 8 at a time (the 2 past    \
+                   MR land in the next K-step's slot, written after, or in the slack) */       \
+                v8f sv = {s[0], s[1], s[2], s[3], s[4], s[5], 0.0f, 0.0f};                   \
+                for (long kk = t0; kk < t1; kk++) {                                          \
+                    v8i8 cv = {0};                                                           \
+                    memcpy(&cv, (const i8 *)x + kk * cs, MR);                                \
+                    v8f f = __builtin_convertvector(cv, v8f) * sv;                           \
+                    memcpy(ap + (kk - k0) * MR, &f, sizeof f);                               \
+                }                                                                            \
             } else {                                                                         \
                 for (long kk = t0; kk < t1; kk++)                                            \
                     for (int r = 0; r < rows; r++)                                           \
-                        ap[(kk - k0) * MR + r] = (float)x[r * a->rs + kk * a->cs] * s[r];    \
+                        ap[(kk - k0) * MR + r] = (float)x[r * rs + kk * cs] * s[r];          \
             }                                                                                \
         }
         if (a->code_bytes == 1)
-            PACK_A(signed char)
+            PACK_A(i8)
         else if (a->code_bytes == 2)
-            PACK_A(short)
+            PACK_A(i16)
         else
-            PACK_A(int)
+            PACK_A(i32)
 #undef PACK_A
     }
 }
@@ -97,7 +154,7 @@ static void pack_a(const operand *a, long i0, int rows, long k0, long kc, long k
 /* Scaled codes of B (k x n), K rows [k0, k0+kc) (k0 at a tile boundary), columns [j0, j0+nc),
    in panels of NR columns: panel q holds bp[q*kc*NR + kk*NR + c] for column j0 + q*NR + c,
    zero past n or k. */
-static void pack_b(const operand *b, long k0, long kc, long k, long j0, long nc, long n, float *bp)
+static void pack_b(const operand *b, long k0, long kc, long k, long j0, long nc, long n, float *restrict bp)
 {
     long j1 = j0 + nc < n ? j0 + nc : n;
     long kend = k0 + kc < k ? k0 + kc : k;
@@ -109,27 +166,33 @@ static void pack_b(const operand *b, long k0, long kc, long k, long j0, long nc,
             float s[NR];
             for (long j = c0; j < c1; j++)
                 s[j - c0] = tile_scale(b, t0 / b->th, j / b->tw);
-            float *dst = bp + ((c0 - j0) / NR) * kc * NR - k0 * NR;
+            float *restrict dst = bp + ((c0 - j0) / NR) * kc * NR - k0 * NR;
 #define PACK_B(T)                                                                            \
             {                                                                                \
-                const T *x = (const T *)b->codes + c0 * b->cs;                               \
-                long w = c1 - c0;                                                            \
-                if (b->cs == 1) {                                                            \
-                    for (long kk = t0; kk < t1; kk++)                                        \
+                const T *restrict x = (const T *)b->codes + c0 * b->cs;                      \
+                long w = c1 - c0, rs = b->rs, cs = b->cs;                                    \
+                if (cs == 1) {                                                               \
+                    for (long kk = t0; kk < t1; kk++) {                                      \
+                        const T *restrict xk = x + kk * rs;                                  \
+                        float *restrict dk = dst + kk * NR;                                  \
                         for (long j = 0; j < w; j++)                                         \
-                            dst[kk * NR + j] = (float)x[kk * b->rs + j] * s[j];              \
+                            dk[j] = (float)xk[j] * s[j];                                     \
+                    }                                                                        \
                 } else {                                                                     \
-                    for (long j = 0; j < w; j++)                                             \
+                    for (long j = 0; j < w; j++) {                                           \
+                        const T *restrict xj = x + j * cs;                                   \
+                        float sj = s[j];                                                     \
                         for (long kk = t0; kk < t1; kk++)                                    \
-                            dst[kk * NR + j] = (float)x[kk * b->rs + j * b->cs] * s[j];      \
+                            dst[kk * NR + j] = (float)xj[kk * rs] * sj;                      \
+                    }                                                                        \
                 }                                                                            \
             }
             if (b->code_bytes == 1)
-                PACK_B(signed char)
+                PACK_B(i8)
             else if (b->code_bytes == 2)
-                PACK_B(short)
+                PACK_B(i16)
             else
-                PACK_B(int)
+                PACK_B(i32)
 #undef PACK_B
         }
     }
@@ -138,19 +201,25 @@ static void pack_b(const operand *b, long k0, long kc, long k, long j0, long nc,
 /* rows x NR outputs: c (row stride ldc, w valid columns) = (zero ? +0 : c + 0) + every K-tile's p
    in order (c + 0: a -0 starts as +0, as gemm's acc += 0 makes it). */
 #define DEFINE_MICRO(R)                                                                      \
-static void micro_##R(const float *ap, const float *bp, float *c, long ldc, int w, long kt,  \
-                      long tk, int zero)                                                     \
+static void micro_##R(const float *ap, long ars, long aks, const float *bp, float *c, long ldc, \
+                      int w, long kt, long tk, long kv, int zero)                            \
 {                                                                                            \
     vf c0[R], c1[R];                                                                         \
     float tmp[NR] __attribute__((aligned(64)));                                              \
     for (int r = 0; r < R; r++) {                                                            \
-        memset(tmp, 0, sizeof tmp);                                                          \
-        if (!zero)                                                                           \
+        if (zero) {                                                                          \
+            c0[r] = c1[r] = (vf){0};                                                         \
+        } else if (w == NR) {                                                                \
+            c0[r] = *(const vfu *)(c + r * ldc) + 0.0f;                                      \
+            c1[r] = *(const vfu *)(c + r * ldc + VW) + 0.0f;                                 \
+        } else {                                                                             \
+            memset(tmp, 0, sizeof tmp);                                                      \
             memcpy(tmp, c + r * ldc, (size_t)w * sizeof(float));                             \
-        memcpy(&c0[r], tmp, sizeof(vf));                                                     \
-        memcpy(&c1[r], tmp + VW, sizeof(vf));                                                \
-        c0[r] += 0.0f;                                                                       \
-        c1[r] += 0.0f;                                                                       \
+            memcpy(&c0[r], tmp, sizeof(vf));                                                 \
+            memcpy(&c1[r], tmp + VW, sizeof(vf));                                            \
+            c0[r] += 0.0f;                                                                   \
+            c1[r] += 0.0f;                                                                   \
+        }                                                                                    \
     }                                                                                        \
     const float *bk = bp;                                                                    \
     for (long t = 0; t < kt; t++) {                                                          \
@@ -159,10 +228,16 @@ static void micro_##R(const float *ap, const float *bp, float *c, long ldc, int 
             p0[r] = (vf){0};                                                                 \
             p1[r] = (vf){0};                                                                 \
         }                                                                                    \
-        for (long k = 0; k < tk; k++, bk += NR, ap += MR) {                                  \
-            vf b0 = *(const vf *)bk, b1 = *(const vf *)(bk + VW);                            \
+        /* the K-tile's rows up to the kv that hold codes: the zero codes of K's padding add   \
+           only zero products, and p (from +0, exact) stays the same without them */          \
+        long kn = kv - t * tk < tk ? kv - t * tk : tk;                                       \
+        const float *bt = bk, *at = ap;                                                      \
+        bk += tk * NR;                                                                       \
+        ap += tk * aks;                                                                      \
+        for (long k = 0; k < kn; k++, bt += NR, at += aks) {                                 \
+            vf b0 = *(const vf *)bt, b1 = *(const vf *)(bt + VW);                            \
             for (int r = 0; r < R; r++) {                                                    \
-                float x = ap[r];                                                             \
+                float x = at[r * ars];                                                        \
                 p0[r] += x * b0;                                                             \
                 p1[r] += x * b1;                                                             \
             }                                                                                \
@@ -173,11 +248,74 @@ static void micro_##R(const float *ap, const float *bp, float *c, long ldc, int 
         }                                                                                    \
     }                                                                                        \
     for (int r = 0; r < R; r++) {                                                            \
-        memcpy(tmp, &c0[r], sizeof(vf));                                                     \
-        memcpy(tmp + VW, &c1[r], sizeof(vf));                                                \
-        memcpy(c + r * ldc, tmp, (size_t)w * sizeof(float));                                 \
+        if (w == NR) {                                                                       \
+            *(vfu *)(c + r * ldc) = c0[r];                                                   \
+            *(vfu *)(c + r * ldc + VW) = c1[r];                                              \
+        } else {                                                                             \
+            memcpy(tmp, &c0[r], sizeof(vf));                                                 \
+            memcpy(tmp + VW, &c1[r], sizeof(vf));                                            \
+            memcpy(c + r * ldc, tmp, (size_t)w * sizeof(float));                             \
+        }                                                                                    \
     }                                                                                        \
 }
+
+#define DEFINE_MICRO_NARROW(R)                                                                      \
+static void narrow_##R(const float *ap, long ars, long aks, const float *bp, float *c, long ldc,\
+                      int w, long kt, long tk, long kv, int zero)                            \
+{                                                                                            \
+    vf c0[R];                                                                                \
+    float tmp[NR] __attribute__((aligned(64)));                                              \
+    for (int r = 0; r < R; r++) {                                                            \
+        if (zero) {                                                                          \
+            c0[r] = (vf){0};                                                                 \
+        } else if (w == VW) {                                                                \
+            c0[r] = *(const vfu *)(c + r * ldc) + 0.0f;                                      \
+        } else {                                                                             \
+            memset(tmp, 0, sizeof tmp);                                                      \
+            memcpy(tmp, c + r * ldc, (size_t)w * sizeof(float));                             \
+            memcpy(&c0[r], tmp, sizeof(vf));                                                 \
+            c0[r] += 0.0f;                                                                   \
+        }                                                                                    \
+    }                                                                                        \
+    const float *bk = bp;                                                                    \
+    for (long t = 0; t < kt; t++) {                                                          \
+        vf p0[R];                                                                            \
+        for (int r = 0; r < R; r++) {                                                        \
+            p0[r] = (vf){0};                                                                 \
+        }                                                                                    \
+        /* the K-tile's rows up to the kv that hold codes: the zero codes of K's padding add   \
+           only zero products, and p (from +0, exact) stays the same without them */          \
+        long kn = kv - t * tk < tk ? kv - t * tk : tk;                                       \
+        const float *bt = bk, *at = ap;                                                      \
+        bk += tk * NR;                                                                       \
+        ap += tk * aks;                                                                      \
+        for (long k = 0; k < kn; k++, bt += NR, at += aks) {                                 \
+            vf b0 = *(const vf *)bt;                                                         \
+            for (int r = 0; r < R; r++) {                                                    \
+                float x = at[r * ars];                                                        \
+                p0[r] += x * b0;                                                             \
+            }                                                                                \
+        }                                                                                    \
+        for (int r = 0; r < R; r++) {                                                        \
+            c0[r] += p0[r];                                                                  \
+        }                                                                                    \
+    }                                                                                        \
+    for (int r = 0; r < R; r++) {                                                            \
+        if (w == VW) {                                                                       \
+            *(vfu *)(c + r * ldc) = c0[r];                                                   \
+        } else {                                                                             \
+            memcpy(tmp, &c0[r], sizeof(vf));                                                 \
+            memcpy(c + r * ldc, tmp, (size_t)w * sizeof(float));                             \
+        }                                                                                    \
+    }                                                                                        \
+}
+
+DEFINE_MICRO_NARROW(1)
+DEFINE_MICRO_NARROW(2)
+DEFINE_MICRO_NARROW(3)
+DEFINE_MICRO_NARROW(4)
+DEFINE_MICRO_NARROW(5)
+DEFINE_MICRO_NARROW(6)
 
 DEFINE_MICRO(1)
 DEFINE_MICRO(2)
@@ -186,10 +324,11 @@ DEFINE_MICRO(4)
 DEFINE_MICRO(5)
 DEFINE_MICRO(6)
 
-typedef void (*micro_fn)(const float *, const float *, float *, long, int, long, long, int);
+typedef void (*micro_fn)(const float *, long, long, const float *, float *, long, int, long, long, long, int);
 static const micro_fn MICRO[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6};
+static const micro_fn NARROW[MR + 1] = {0, narrow_1, narrow_2, narrow_3, narrow_4, narrow_5, narrow_6};
 
-int hbfp_native_abi(void) { return 6; }
+int hbfp_native_abi(void) { return 8; }
 
 /* Blocking (the usual GEMM's): a block of KC rows of B (whole K-tiles) by NC columns is packed
    for a core's L2, a block of MC rows of A by KC for its L1/L2, one NR-column panel of B
@@ -216,7 +355,7 @@ static int gemm_block(const operand *a, const operand *b, float *acc, long ldc, 
     if (kc > kp)
         kc = kp;
     float *bp = alloc64((size_t)(kc * NC) * sizeof(float));
-    float *ap = alloc64((size_t)(kc * MC) * sizeof(float));
+    float *ap = alloc64((size_t)(kc * MC + 8) * sizeof(float)); /* + slack for pack_a's 8-wide stores */
     if (!bp || !ap) {
         free(bp);
         free(ap);
@@ -226,6 +365,8 @@ static int gemm_block(const operand *a, const operand *b, float *acc, long ldc, 
         long w = c1 - j0 < NC ? c1 - j0 : NC;
         for (long k0 = 0; k0 < kp; k0 += kc) {
             long kcur = kp - k0 < kc ? kp - k0 : kc;
+            /* A's panel row by row where its rows are contiguous, else K-step by K-step */
+            long ars = a->cs == 1 ? kcur : 1, aks = a->cs == 1 ? 1 : MR;
             pack_b(b, k0, kcur, k, j0, w, c1, bp);
             for (long i0 = r0; i0 < r1; i0 += MC) {
                 long mb = r1 - i0 < MC ? r1 - i0 : MC;
@@ -238,8 +379,8 @@ static int gemm_block(const operand *a, const operand *b, float *acc, long ldc, 
                     int cw = c1 - cc < NR ? (int)(c1 - cc) : NR;
                     for (long ir = 0; ir < mb; ir += MR) {
                         int rows = mb - ir < MR ? (int)(mb - ir) : MR;
-                        MICRO[rows](ap + (ir / MR) * kcur * MR, bp + q * kcur * NR, acc + (i0 + ir) * ldc + cc, ldc,
-                                    cw, kcur / tk, tk, zero && k0 == 0);
+                        (cw <= VW ? NARROW : MICRO)[rows](ap + (ir / MR) * kcur * MR, ars, aks, bp + q * kcur * NR, acc + (i0 + ir) * ldc + cc,
+                                    ldc, cw, kcur / tk, tk, (k < k0 + kcur ? k : k0 + kcur) - k0, zero && k0 == 0);
                     }
                 }
             }
@@ -257,8 +398,9 @@ static int gemm_block(const operand *a, const operand *b, float *acc, long ldc, 
    and B (k x n), K-tile by K-tile (tk = A's tile columns = B's tile rows; K padded with zero
    codes to whole tiles). Shared out over `threads` OpenMP threads (0: as many as OpenMP's default
    for a product of PARALLEL_MACS or more, else one) (the same runtime and threads as
-   torch's when torch is loaded, so no thread of one spins while the other works): columns to
-   each thread where there are enough, else rows. Returns 0, or -1 if out of memory. */
+   torch's when torch is loaded, so no thread of one spins while the other works): a share of
+   the rows to each thread (each packs all of B), or of the columns where they outnumber the rows
+   (each packs all of A). Returns 0, or -1 if out of memory. */
 int hbfp_gemm_codes(const void *a_codes, int a_bytes, long a_rs, long a_cs, const unsigned char *a_exps, long a_ers,
                     long a_ecs, long a_th, long a_tw, int a_frac, const void *b_codes, int b_bytes, long b_rs,
                     long b_cs, const unsigned char *b_exps, long b_ers, long b_ecs, long b_th, long b_tw, int b_frac,
@@ -275,7 +417,7 @@ int hbfp_gemm_codes(const void *a_codes, int a_bytes, long a_rs, long a_cs, cons
     {
         long t = omp_get_thread_num(), nt = omp_get_num_threads();
         long r0 = 0, r1 = m, c0 = 0, c1 = n;
-        if (n >= 64 * nt) {
+        if (n > m && n >= 64 * nt) {
             long step = (n + nt * NR - 1) / (nt * NR) * NR;
             c0 = t * step < n ? t * step : n;
             c1 = c0 + step < n ? c0 + step : n;
@@ -308,42 +450,61 @@ static inline unsigned f32_bits(float f)
     return u;
 }
 
-/* Tile-row bands [band0, band1) of x (m x n, strides rs, cs) to codes (row stride ldq; 1, 2 or
-   4 bytes) and E8M0 exponents (row stride lde): per tile the largest exponent field (0xFF: a
-   NaN tile, its codes 0); per element of a live tile y = x * 2**(frac + 127 - E), exact in
-   double, subnormals read as zero, rounded (0: nearest even, 1: toward zero, 2: stochastic
-   with the 16 random bits mix32(position ^ key) >> 16 of its tile-major stream position), then
-   saturated to +-qmax. */
-#define QUANTIZE_ROW(T)                                                                      \
+/* One row of a band (see quantize_bands), in precision F (float or double) with scales SC. */
+#define QUANTIZE_ROW(T, F, SC, RINT, TRUNC)                                                  \
     {                                                                                        \
         T *out = (T *)codes + (r0 + r) * ldq;                                                \
+        const F fmax = (F)qmax;                                                              \
         if (rounding == 0) {                                                                 \
             for (long c = 0; c < n; c++) {                                                   \
                 float v = xr[c];                                                             \
-                double y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (double)v * sc[c] : 0.0; \
-                double q = __builtin_rint(y);                                                \
-                q = q > qmax ? qmax : q < -qmax ? -qmax : q;                                 \
+                F y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (F)v * SC[c] : (F)0;       \
+                F q = RINT(y);                                                               \
+                q = q > fmax ? fmax : q < -fmax ? -fmax : q;                                 \
                 out[c] = (T)q;                                                               \
             }                                                                                \
         } else if (rounding == 1) {                                                          \
             for (long c = 0; c < n; c++) {                                                   \
                 float v = xr[c];                                                             \
-                double y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (double)v * sc[c] : 0.0; \
-                double q = __builtin_trunc(y);                                               \
-                q = q > qmax ? qmax : q < -qmax ? -qmax : q;                                 \
+                F y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (F)v * SC[c] : (F)0;       \
+                F q = TRUNC(y);                                                              \
+                q = q > fmax ? fmax : q < -fmax ? -fmax : q;                                 \
                 out[c] = (T)q;                                                               \
             }                                                                                \
         } else {                                                                             \
             unsigned base = band_pos + (unsigned)(r * tw);                                   \
             for (long c = 0; c < n; c++) {                                                   \
                 float v = xr[c];                                                             \
-                double y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (double)v * sc[c] : 0.0; \
-                double a = y < 0 ? -y : y;                                                   \
-                long long mag = (long long)(a * 65536.0); /* floor of a nonnegative */      \
-                long long rnd = (long long)(mix32((base + posc[c]) ^ key) >> 16);           \
-                long long q = (mag + rnd) >> 16;                                             \
-                q = q > qmax ? qmax : q;                                                     \
-                out[c] = (T)(y < 0 ? -q : q);                                                \
+                F y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (F)v * SC[c] : (F)0;       \
+                F a = y < 0 ? -y : y;                                                        \
+                unsigned mag = (unsigned)(a * (F)65536); /* floor of a nonnegative < 2**31 */ \
+                unsigned q = (mag + (mix32((base + posc[c]) ^ key) >> 16)) >> 16;           \
+                q = q > (unsigned)qmax ? (unsigned)qmax : q;                                 \
+                out[c] = (T)(y < 0 ? -(int)q : (int)q);                                      \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+/* A band of one tile column over contiguous rows: len values from xb under one scale S. */
+#define QUANTIZE_FLAT(T, F, S, RINT, TRUNC)                                                  \
+    {                                                                                        \
+        T *out = (T *)codes + r0 * ldq;                                                      \
+        const F fmax = (F)qmax, sc_ = S;                                                     \
+        if (rounding == 0) {                                                                 \
+            for (long i = 0; i < len; i++) {                                                 \
+                float v = xb[i];                                                             \
+                F y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (F)v * sc_ : (F)0;         \
+                F q = RINT(y);                                                               \
+                q = q > fmax ? fmax : q < -fmax ? -fmax : q;                                 \
+                out[i] = (T)q;                                                               \
+            }                                                                                \
+        } else {                                                                             \
+            for (long i = 0; i < len; i++) {                                                 \
+                float v = xb[i];                                                             \
+                F y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (F)v * sc_ : (F)0;         \
+                F q = TRUNC(y);                                                              \
+                q = q > fmax ? fmax : q < -fmax ? -fmax : q;                                 \
+                out[i] = (T)q;                                                               \
             }                                                                                \
         }                                                                                    \
     }
@@ -351,8 +512,8 @@ static inline unsigned f32_bits(float f)
 /* Tile-row bands [band0, band1) of x (m x n, row stride rs, consecutive columns) to codes (row
    stride ldq; 1, 2 or 4 bytes) and E8M0 exponents (row stride lde): per tile the largest
    exponent field (0xFF: a NaN tile, its codes 0); per element of a live tile
-   y = x * 2**(frac + 127 - E), exact in double, subnormals read as zero, rounded (0: nearest
-   even, 1: toward zero, 2: stochastic with the 16 random bits mix32(position ^ key) >> 16 of
+   y = x * 2**(frac + 127 - E), exact (in fp32 when every live tile's scale is a normal fp32,
+   else in double), subnormals read as zero, rounded (0: nearest even, 1: toward zero, 2: stochastic with the 16 random bits mix32(position ^ key) >> 16 of
    its tile-major stream position), then saturated to +-qmax. A band goes row by row over all
    its columns, each column with its tile's scale (0 outside live tiles): long loops with no
    branches on the data, which vectorize. Returns 0, or -1 if out of memory. */
@@ -366,19 +527,53 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
     unsigned *colmax = malloc((size_t)n * sizeof(unsigned));
     unsigned *posc = malloc((size_t)n * sizeof(unsigned));
     double *sc = malloc((size_t)n * sizeof(double));
-    if (!colmax || !posc || !sc) {
+    float *scf = malloc((size_t)n * sizeof(float));
+    if (!colmax || !posc || !sc || !scf) {
         free(colmax);
         free(posc);
         free(sc);
+        free(scf);
         return -1;
     }
     /* A column's stream position within its band, less the row's: tile-major, row-major in a tile. */
     for (long c = 0; c < n; c++)
         posc[c] = (unsigned)((unsigned long long)(c / tw) * (unsigned long long)(th * tw) + (unsigned long long)(c % tw));
-    for (long b = band0; b < band1; b++) {
+    /* One tile column over contiguous rows (a narrow matrix): a band is one run of rows * n
+       values under one scale, quantized as a whole (nearest even and toward zero). */
+    int flat = tc == 1 && rs == n && ldq == n && rounding != 2;
+    for (long b = band0; b < band1 && flat; b++) {
+        long r0 = b * th, len = (m - r0 < th ? m - r0 : th) * n;
+        const float *xb = x + r0 * rs;
+        unsigned emax = 0;
+        for (long i = 0; i < len; i++) {
+            unsigned e = (f32_bits(xb[i]) >> 23) & 0xFF;
+            emax = e > emax ? e : emax;
+        }
+        exps[b * lde] = (unsigned char)emax;
+        int live = emax != 0 && emax != 0xFF, shift = frac + 127 - (int)emax;
+        union { unsigned long long u; double d; } sv = {(unsigned long long)(shift + 1023) << 52};
+        double sd = live ? sv.d : 0.0;
+        float sf = (float)sd;
+        int in_f32 = !live || (shift >= -126 && shift <= 127);
+        if (in_f32) {
+            if (code_bytes == 1)
+                QUANTIZE_FLAT(signed char, float, sf, __builtin_rintf, __builtin_truncf)
+            else if (code_bytes == 2)
+                QUANTIZE_FLAT(short, float, sf, __builtin_rintf, __builtin_truncf)
+            else
+                QUANTIZE_FLAT(int, float, sf, __builtin_rintf, __builtin_truncf)
+        } else if (code_bytes == 1)
+            QUANTIZE_FLAT(signed char, double, sd, __builtin_rint, __builtin_trunc)
+        else if (code_bytes == 2)
+            QUANTIZE_FLAT(short, double, sd, __builtin_rint, __builtin_trunc)
+        else
+            QUANTIZE_FLAT(int, double, sd, __builtin_rint, __builtin_trunc)
+    }
+    for (long b = band0; b < band1 && !flat; b++) {
         long r0 = b * th, rows = m - r0 < th ? m - r0 : th;
         unsigned band_pos = (unsigned)(((unsigned long long)b * (unsigned long long)(tc * th * tw)) & 0xFFFFFFFFull);
         memset(colmax, 0, (size_t)n * sizeof(unsigned));
+        int narrow = 1; /* every live tile's scale a normal fp32: the rows in fp32 */
         for (long r = 0; r < rows; r++) {
             const float *xr = x + (r0 + r) * rs;
             for (long c = 0; c < n; c++) {
@@ -394,23 +589,37 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
             exps[b * lde + t] = (unsigned char)emax;
             /* 2**(frac + 127 - E): within double's normal range for every E; 0 outside live tiles */
             union { unsigned long long u; double d; } sv = {(unsigned long long)(frac + 127 - (int)emax + 1023) << 52};
-            double s = emax != 0 && emax != 0xFF ? sv.d : 0.0;
-            for (long c = c0; c < c1; c++)
+            int live = emax != 0 && emax != 0xFF;
+            double s = live ? sv.d : 0.0;
+            /* fp32 holds the scale, and then x * scale exactly (a product below 2**-126 rounds
+               to no code in any mode either way), when 2**-126 <= scale <= 2**127 */
+            narrow &= !live || (frac + 127 - (int)emax >= -126 && frac + 127 - (int)emax <= 127);
+            for (long c = c0; c < c1; c++) {
                 sc[c] = s;
+                scf[c] = (float)s;
+            }
         }
         for (long r = 0; r < rows; r++) {
             const float *xr = x + (r0 + r) * rs;
-            if (code_bytes == 1)
-                QUANTIZE_ROW(signed char)
+            if (narrow) {
+                if (code_bytes == 1)
+                    QUANTIZE_ROW(signed char, float, scf, __builtin_rintf, __builtin_truncf)
+                else if (code_bytes == 2)
+                    QUANTIZE_ROW(short, float, scf, __builtin_rintf, __builtin_truncf)
+                else
+                    QUANTIZE_ROW(int, float, scf, __builtin_rintf, __builtin_truncf)
+            } else if (code_bytes == 1)
+                QUANTIZE_ROW(signed char, double, sc, __builtin_rint, __builtin_trunc)
             else if (code_bytes == 2)
-                QUANTIZE_ROW(short)
+                QUANTIZE_ROW(short, double, sc, __builtin_rint, __builtin_trunc)
             else
-                QUANTIZE_ROW(int)
+                QUANTIZE_ROW(int, double, sc, __builtin_rint, __builtin_trunc)
         }
     }
     free(colmax);
     free(posc);
     free(sc);
+    free(scf);
     return 0;
 }
 
@@ -435,4 +644,119 @@ int hbfp_quantize(const float *x, long rs, long m, long n, long th, long tw, int
                                  b1) != 0;
     }
     return failed ? -1 : 0;
+}
+
+/* ---- im2col (the patches of a convolution as a matrix) ----------------------------------- */
+
+/* x: N x C x H x W fp32 (contiguous) to out: (N*OH*OW) x (C*KH*KW), row-major, the row of
+   output position (n, oh, ow) holding x[n, c, oh*sh - ph + i*dh, ow*sw - pw + j*dw] at column
+   (c*KH + i)*KW + j, zero outside the image: torch's unfold, transposed, as one matrix. */
+void hbfp_im2col(const float *x, long n, long c, long h, long w, long kh, long kw, long sh, long sw, long ph, long pw,
+                 long dh, long dw, long oh, long ow, float *out)
+{
+    long ckk = c * kh * kw;
+    /* An image's patches (OH*OW rows of CKK) at a time, column by column: for a kernel offset
+       (i, j) the output positions whose source lies inside the image are a range of z per row,
+       read along the image's row. */
+#pragma omp parallel for if (n * oh * ow * ckk >= (1L << 17)) schedule(static)
+    for (long b = 0; b < n; b++) {
+        float *blk = out + b * oh * ow * ckk;
+        for (long ch = 0; ch < c; ch++) {
+            const float *img = x + (b * c + ch) * h * w;
+            for (long i = 0; i < kh; i++) {
+                for (long j = 0; j < kw; j++) {
+                    long col = (ch * kh + i) * kw + j;
+                    long off = j * dw - pw; /* xx = z * sw + off */
+                    long zlo = off >= 0 ? 0 : (-off + sw - 1) / sw;
+                    long zhi = w - off <= 0 ? 0 : (w - off + sw - 1) / sw; /* first z with xx >= w */
+                    if (zhi > ow)
+                        zhi = ow;
+                    if (zlo > zhi)
+                        zlo = zhi;
+                    for (long y = 0; y < oh; y++) {
+                        long yy = y * sh - ph + i * dh;
+                        float *dst = blk + y * ow * ckk + col;
+                        if (yy < 0 || yy >= h) {
+                            for (long z = 0; z < ow; z++)
+                                dst[z * ckk] = 0.0f;
+                            continue;
+                        }
+                        const float *src = img + yy * w + off;
+                        for (long z = 0; z < zlo; z++)
+                            dst[z * ckk] = 0.0f;
+                        for (long z = zlo; z < zhi; z++)
+                            dst[z * ckk] = src[z * sw];
+                        for (long z = zhi; z < ow; z++)
+                            dst[z * ckk] = 0.0f;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* The adjoint of hbfp_im2col (torch's fold of the transposed patches): cols
+   ((N*OH*OW) x (C*KH*KW), row-major) summed into out (N x C x H x W), every pixel starting at
+   +0 and adding its terms in ascending (c, i, j), the order of torch's col2im, so the sums have
+   its bits. */
+void hbfp_col2im(const float *cols, long n, long c, long h, long w, long kh, long kw, long sh, long sw, long ph,
+                 long pw, long dh, long dw, long oh, long ow, float *out)
+{
+    long ckk = c * kh * kw;
+#pragma omp parallel for if (n * oh * ow * ckk >= (1L << 17)) schedule(static)
+    for (long b = 0; b < n * c; b++) {
+        long bn = b / c, ch = b % c;
+        float *img = out + b * h * w;
+        for (long p = 0; p < h * w; p++)
+            img[p] = 0.0f;
+        for (long i = 0; i < kh; i++) {
+            for (long j = 0; j < kw; j++) {
+                long col = (ch * kh + i) * kw + j;
+                for (long y = 0; y < oh; y++) {
+                    long yy = y * sh - ph + i * dh;
+                    if (yy < 0 || yy >= h)
+                        continue;
+                    const float *src = cols + (bn * oh + y) * ow * ckk + col;
+                    for (long z = 0; z < ow; z++) {
+                        long xx = z * sw - pw + j * dw;
+                        if (xx >= 0 && xx < w)
+                            img[yy * w + xx] += src[z * ckk];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* ---- dequantize (BFPTensor.dequantize to fp32, the device rules) ------------------------- */
+
+/* codes (m x n, row stride ldq; 1, 2 or 4 bytes) and exponents (row stride lde) to out (m x n,
+   contiguous): code * 2**(E - 127 - frac) exact in double, rounded to fp32 (RNE; overflow to
+   inf), a value below 2**-126 - 2**-151 in magnitude a zero of its sign; NaN tiles give NaN. */
+void hbfp_dequantize(const void *codes, int code_bytes, long m, long n, long ldq, const unsigned char *exps, long lde,
+                     long th, long tw, int frac, float *out)
+{
+    const double edge = 0x1p-126 - 0x1p-151;
+    for (long i = 0; i < m; i++) {
+        float *o = out + i * n;
+        for (long c0 = 0; c0 < n; c0 += tw) {
+            long c1 = c0 + tw < n ? c0 + tw : n;
+            int e = exps[(i / th) * lde + c0 / tw];
+            if (e == 0xFF) {
+                for (long j = c0; j < c1; j++)
+                    o[j] = __builtin_nanf("");
+                continue;
+            }
+            union { unsigned long long u; double d; } sv = {(unsigned long long)(e - 127 - frac + 1023) << 52};
+            double s = sv.d;
+            for (long j = c0; j < c1; j++) {
+                long o_ = i * ldq + j;
+                double q = code_bytes == 1 ? ((const signed char *)codes)[o_]
+                         : code_bytes == 2 ? ((const short *)codes)[o_] : ((const int *)codes)[o_];
+                double v = q * s;
+                float f = (float)v;
+                o[j] = (v < 0 ? -v : v) < edge ? __builtin_copysignf(0.0f, f) : f;
+            }
+        }
+    }
 }

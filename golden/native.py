@@ -32,11 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["available", "why", "disabled", "gemm_codes", "quantize", "library_path"]
+__all__ = ["available", "why", "disabled", "gemm_codes", "gemm_raw", "quantize", "dequantize", "im2col", "col2im", "library_path"]
 
 _SOURCE = Path(__file__).with_name("native.c")
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
-_ABI = 6
+_ABI = 8
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -113,6 +113,13 @@ def _load() -> ctypes.CDLL | None:
             f.restype = ctypes.c_int
             f.argtypes = [ctypes.c_void_p, *[ctypes.c_long] * 5, ctypes.c_int, ctypes.c_int, ctypes.c_uint32,
                           ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+            f = lib.hbfp_dequantize
+            f.restype = None
+            f.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_long] * 3, ctypes.c_void_p, *[ctypes.c_long] * 3,
+                          ctypes.c_int, ctypes.c_void_p]
+            for f in (lib.hbfp_im2col, lib.hbfp_col2im):
+                f.restype = None
+                f.argtypes = [ctypes.c_void_p, *[ctypes.c_long] * 14, ctypes.c_void_p]
             _lib = lib
         except OSError as e:
             _why = str(e)
@@ -197,9 +204,24 @@ def gemm_codes(a_codes: np.ndarray, a_exps: np.ndarray, fa, b_codes: np.ndarray,
         raise ValueError("acc must be writeable")
     if m == 0 or n == 0:
         return
-    rc = lib.hbfp_gemm_codes(a_codes.ctypes.data, a_codes.itemsize, ars, acs, a_exps.ctypes.data, aers, aecs, th, tk,
-                             fa.frac_bits, b_codes.ctypes.data, b_codes.itemsize, brs, bcs, b_exps.ctypes.data, bers,
-                             becs, tk, tw, fb.frac_bits, acc.ctypes.data, crs, m, n, k, int(zero), threads)
+    gemm_raw((a_codes.ctypes.data, a_codes.itemsize, ars, acs, a_exps.ctypes.data, aers, aecs), fa,
+             (b_codes.ctypes.data, b_codes.itemsize, brs, bcs, b_exps.ctypes.data, bers, becs), fb,
+             acc.ctypes.data, crs, m, n, k, zero=zero, threads=threads)
+
+
+def gemm_raw(a: tuple, fa, b: tuple, fb, acc: int, ldc: int, m: int, n: int, k: int, *, zero: bool = False,
+             threads: int = 0) -> None:
+    """``gemm_codes`` on raw memory, unchecked: for a caller that holds the operands in other
+    arrays (``hbfp.golden.kernels``: torch tensors) and has checked them. ``a``, ``b``: (codes
+    address, bytes per code, row and column strides in codes, exponents address, their row and
+    column strides); ``acc``: the accumulator's address, ``ldc`` its row stride in floats."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are not available: {_why}")
+    th, tk = fa.tile
+    tw = fb.tile[1]
+    rc = lib.hbfp_gemm_codes(*a, th, tk, fa.frac_bits, *b, tk, tw, fb.frac_bits, acc, ldc, m, n, k, int(zero),
+                             threads)
     if rc != 0:
         raise MemoryError("hbfp_gemm_codes could not allocate its packing buffers")
 
@@ -233,3 +255,76 @@ def quantize(x: np.ndarray, fmt, key: int | None, *, threads: int = 0) -> tuple[
     if rc != 0:
         raise MemoryError("hbfp_quantize could not allocate its column tables")
     return codes, exps
+
+
+def dequantize(codes: np.ndarray, exps: np.ndarray, fmt) -> np.ndarray:
+    """``BFPTensor.dequantize`` to float32 (the device rules: RNE, a result below 2**-126 a zero
+    of its sign, overflow to inf; NaN tiles give NaN) of a matrix's codes (rows contiguous) and
+    exponents."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are not available: {_why}")
+    rs, cs = _matrix(codes, "codes", _CODES)
+    if codes.shape[1] > 1 and cs != 1:
+        codes = np.ascontiguousarray(codes)
+        rs = codes.shape[1]
+    exps = np.ascontiguousarray(exps)
+    m, n = codes.shape
+    th, tw = fmt.tile
+    if exps.dtype != np.uint8 or exps.shape != (-(-m // th), -(-n // tw)):
+        raise ValueError(f"dequantize: exponents {exps.dtype} {exps.shape} do not match codes {codes.shape} in "
+                         f"tiles {fmt.tile}")
+    out = np.empty((m, n), dtype=np.float32)
+    if out.size:
+        lib.hbfp_dequantize(codes.ctypes.data, codes.itemsize, m, n, rs, exps.ctypes.data, exps.shape[1], th, tw,
+                            fmt.frac_bits, out.ctypes.data)
+    return out
+
+
+def _conv_geometry(shape, kernel, stride, padding, dilation) -> tuple:
+    n, c, h, w = shape
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, padding, dilation
+    if min(kh, kw, sh, sw, dh, dw) < 1 or min(ph, pw) < 0:
+        raise ValueError(f"convolution geometry: kernel {kernel}, stride {stride}, padding {padding}, "
+                         f"dilation {dilation}")
+    oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    if oh < 1 or ow < 1:
+        raise ValueError(f"no convolution output for input {tuple(shape)}, kernel {kernel}, stride {stride}, "
+                         f"padding {padding}, dilation {dilation}")
+    return (n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow)
+
+
+def im2col(x: np.ndarray, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
+           dilation: tuple[int, int]) -> np.ndarray:
+    """The patches of a convolution of ``x`` (N x C x H x W float32, contiguous) as one matrix,
+    (N * OH * OW) x (C * KH * KW): torch's ``unfold`` transposed to rows of output positions,
+    zero padding."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are not available: {_why}")
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 4 or not x.flags.c_contiguous:
+        raise ValueError("im2col takes a contiguous N x C x H x W float32 array")
+    g = _conv_geometry(x.shape, kernel, stride, padding, dilation)
+    out = np.empty((g[0] * g[12] * g[13], g[1] * g[4] * g[5]), dtype=np.float32)
+    lib.hbfp_im2col(x.ctypes.data, *g, out.ctypes.data)
+    return out
+
+
+def col2im(cols: np.ndarray, shape: tuple[int, int, int, int], kernel: tuple[int, int], stride: tuple[int, int],
+           padding: tuple[int, int], dilation: tuple[int, int]) -> np.ndarray:
+    """The adjoint of ``im2col``: the patches' values (a contiguous float32 matrix as ``im2col``
+    gives it) summed back onto an N x C x H x W image ``shape``, bit for bit as torch's ``fold``
+    of the transposed patches sums them."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are not available: {_why}")
+    g = _conv_geometry(shape, kernel, stride, padding, dilation)
+    want = (g[0] * g[12] * g[13], g[1] * g[4] * g[5])
+    if (not isinstance(cols, np.ndarray) or cols.dtype != np.float32 or cols.shape != want
+            or not cols.flags.c_contiguous):
+        raise ValueError(f"col2im takes a contiguous {want[0]} x {want[1]} float32 matrix, got "
+                         f"{getattr(cols, 'dtype', type(cols).__name__)} {getattr(cols, 'shape', '')}")
+    out = np.empty(tuple(shape), dtype=np.float32)
+    lib.hbfp_col2im(cols.ctypes.data, *g, out.ctypes.data)
+    return out

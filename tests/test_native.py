@@ -49,6 +49,7 @@ def run(qa, qb, acc):
 
 
 SHAPES = [(1, 24, 1), (5, 48, 31), (6, 24, 32), (7, 72, 33), (13, 240, 64), (100, 250, 70), (64, 500, 600),
+          (40, 9, 16), (30, 50, 48), (9, 4096, 16),
           (3, 24 * 400, 40)]  # the last: packed B over all of K needs several column blocks
 
 
@@ -151,7 +152,7 @@ def test_quantize_equals_the_numpy_bands(monkeypatch, fmt, rounding):
     a strided input, both the single-thread and the banded split."""
     fmt = fmt.with_rounding(rounding)
     rng = np.random.default_rng(fmt.mantissa_bits)
-    for shape in [(1, 1), (50, 70), (24, 24), (97, 33), (300, 500)]:
+    for shape in [(1, 1), (50, 70), (24, 24), (97, 33), (300, 500), (300, 16), (50, 9)]:
         with np.errstate(over="ignore"):
             x = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-40, 40, shape)).astype(np.float32)
         x[rng.random(shape) < 0.05] = 0.0

@@ -302,6 +302,36 @@ class Linear(torch.nn.Linear):
         return _linear(x, self.weight, self.bias, self.device_handle or default_device())
 
 
+class _Patches(torch.autograd.Function):
+    """The patches of a convolution as one matrix, (N*OH*OW) x (C*KH*KW): ``F.unfold`` with its
+    columns as rows, gathered in one pass by the compiled kernel (``hbfp.golden.native.im2col``;
+    ``F.unfold`` and a transposed copy without it). The backward sums the gradient back onto the
+    image as ``unfold``'s own backward (``F.fold``) does, in its order (``native.col2im``), so
+    gradients keep their bits."""
+
+    @staticmethod
+    def forward(ctx, x, kernel, stride, padding, dilation):
+        from hbfp.golden import native
+
+        n = x.shape[0]
+        ctx.geometry = (n, x.shape[1], tuple(x.shape[-2:]), kernel, stride, padding, dilation)
+        if x.device.type == "cpu" and x.dtype == torch.float32 and native.available():
+            return torch.from_numpy(native.im2col(x.detach().contiguous().numpy(), kernel, stride, padding, dilation))
+        cols = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+        return cols.transpose(1, 2).reshape(n * cols.shape[2], cols.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        from hbfp.golden import native
+
+        n, c, size, kernel, stride, padding, dilation = ctx.geometry
+        if grad.device.type == "cpu" and grad.dtype == torch.float32 and native.available():
+            g = native.col2im(grad.contiguous().numpy(), (n, c, *size), kernel, stride, padding, dilation)
+            return torch.from_numpy(g), None, None, None, None
+        cols = grad.reshape(n, grad.shape[0] // n, grad.shape[1]).transpose(1, 2)
+        return F.fold(cols, size, kernel, dilation=dilation, padding=padding, stride=stride), None, None, None, None
+
+
 class Conv2d(torch.nn.Conv2d):
     """``torch.nn.Conv2d`` as an im2col product in HBFP (groups=1, zero padding)."""
 
@@ -316,11 +346,10 @@ class Conv2d(torch.nn.Conv2d):
         kh, kw = self.kernel_size
         if isinstance(self.padding, str):
             raise ValueError("hbfp.torch.Conv2d takes numeric padding")
-        cols = F.unfold(x, self.kernel_size, dilation=self.dilation, padding=self.padding, stride=self.stride)
         oh = (h + 2 * self.padding[0] - self.dilation[0] * (kh - 1) - 1) // self.stride[0] + 1
         ow = (w + 2 * self.padding[1] - self.dilation[1] * (kw - 1) - 1) // self.stride[1] + 1
         # (N*OH*OW, C*KH*KW) @ (C*KH*KW, OUT)
-        patches = cols.transpose(1, 2).reshape(n * oh * ow, -1)
+        patches = _Patches.apply(x, self.kernel_size, self.stride, self.padding, self.dilation)
         device = self.device_handle or default_device()
         y = matmul(patches, _matrix(self.weight).t(), device, stored=_stored_operand(self.weight, device))
         if self.bias is not None:
