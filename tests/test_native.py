@@ -194,3 +194,48 @@ def test_without_a_compiler_the_portable_path_gives_the_same_bits(tmp_path):
     assert no_cc[0] == "False" and "no-such-compiler-hbfp" in no_cc[1]
     assert on[2] == off[2] == no_cc[2]
     assert any(p.name.startswith("hbfp_native-") for p in (tmp_path / "on").iterdir())
+
+
+CONVS = [((64, 16, 8, 8), (3, 3), (1, 1), (1, 1), (1, 1)), ((3, 5, 11, 9), (3, 2), (2, 1), (2, 0), (1, 2)),
+         ((2, 3, 7, 7), (5, 5), (2, 2), (2, 2), (1, 1)), ((1, 2, 9, 9), (3, 3), (3, 3), (0, 0), (2, 2)),
+         ((2, 2, 5, 5), (3, 3), (1, 1), (4, 4), (1, 1)), ((1, 1, 4, 4), (2, 2), (3, 3), (1, 1), (3, 3))]
+
+
+@pytest.mark.parametrize("shape, kernel, stride, padding, dilation", CONVS)
+def test_im2col_and_col2im_equal_torchs_unfold_and_fold(shape, kernel, stride, padding, dilation):
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[2]))
+    cols = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+    want = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+    got = native.im2col(x.numpy(), kernel, stride, padding, dilation)
+    assert np.array_equal(got, want.numpy())
+    g = (torch.randn(*want.shape, generator=torch.Generator().manual_seed(1)) * 1e3).contiguous()
+    folded = F.fold(g.reshape(shape[0], -1, g.shape[1]).transpose(1, 2), shape[2:], kernel, dilation=dilation,
+                    padding=padding, stride=stride)
+    back = native.col2im(g.numpy(), shape, kernel, stride, padding, dilation)
+    assert same(back, folded.numpy())  # the same additions in the same order
+
+
+def test_conv_geometry_and_layout_are_checked():
+    x = np.zeros((1, 1, 4, 4), np.float32)
+    with pytest.raises(ValueError, match="no convolution output"):
+        native.im2col(x, (5, 5), (1, 1), (0, 0), (1, 1))
+    with pytest.raises(ValueError, match="contiguous"):
+        native.im2col(x.astype(np.float64), (3, 3), (1, 1), (1, 1), (1, 1))
+    with pytest.raises(ValueError, match="16 x 9"):
+        native.col2im(np.zeros((16, 8), np.float32), (1, 1, 4, 4), (3, 3), (1, 1), (1, 1), (1, 1))
+
+
+@pytest.mark.parametrize("fmt", [HBFP8, HBFP16, MXINT8, Format(6, (3, 5))])
+def test_dequantize_equals_the_numpy_model(fmt):
+    rng = np.random.default_rng(11)
+    with np.errstate(over="ignore"):
+        x = (rng.standard_normal((61, 70)) * 10.0 ** rng.uniform(-40, 40, (61, 70))).astype(np.float32)
+    x[0, :3] = [np.nan, np.float32(2.0**-125), np.float32(3e38)]
+    t = quantize(x, fmt)
+    t.exponents[1 % t.exponents.shape[0], 0] = 2  # values at the bottom of fp32's range: flushed
+    t.exponents[2 % t.exponents.shape[0], 0] = 0  # codes under exponent code 0: below 2**-126
+    got = native.dequantize(t.codes, t.exponents, fmt)
+    assert same(got, t.dequantize())
+    assert same(native.dequantize(np.asfortranarray(t.codes), t.exponents, fmt), t.dequantize())

@@ -1,5 +1,7 @@
 """hbfp.torch against the golden model: forward and both backward products bit for bit."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -309,3 +311,23 @@ def test_training_runs_equal_through_the_wire_and_in_process():
     assert direct[0] == wire[0]
     assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(direct[1], wire[1]))
     assert direct[2].macs == wire[2].macs and direct[2].cycles == wire[2].cycles and direct[2].bytes_sent < 100
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_convolution_patches_keep_unfolds_bits_forward_and_backward(compiled):
+    from hbfp.golden import native
+
+    if compiled and not native.available():
+        pytest.skip(f"no compiled kernels: {native.why()}")
+    F = torch.nn.functional
+    for shape, k, s, p, d in [((8, 16, 8, 8), (3, 3), (1, 1), (1, 1), (1, 1)), ((3, 5, 11, 9), (3, 2), (2, 1), (2, 0), (1, 2))]:
+        x1 = torch.randn(*shape, requires_grad=True)
+        x2 = x1.detach().clone().requires_grad_()
+        cols = F.unfold(x1, k, dilation=d, padding=p, stride=s)
+        want = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+        with contextlib.nullcontext() if compiled else native.disabled():
+            got = ht._Patches.apply(x2, k, s, p, d)
+            g = torch.randn_like(want) * 100
+            want.backward(g)
+            got.backward(g)
+        assert torch.equal(got, want) and torch.equal(x2.grad, x1.grad)
