@@ -244,9 +244,18 @@ def _live_range(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format) -> tu
                 return lo - EXP_BIAS - fmt.frac_bits, hi - EXP_BIAS - fmt.frac_bits
         live = (e != 0) & (e != EXP_NAN)
         if not live.all() and (e == 0).any():
-            from .gemm import _tiles_with_codes
+            if _native.available():
+                # (only the tiles of exponent code 0 are read, and only to the first nonzero code)
+                m, n = codes.shape
+                if _native.dead_tiles_hold_codes((codes.data_ptr(), codes.element_size(), *codes.stride()), m, n,
+                                                 (exponents.data_ptr(), *exponents.stride()), fmt.tile):
+                    from .gemm import _tiles_with_codes
 
-            live |= (e == 0) & _tiles_with_codes(BFPTensor(codes.numpy(), e, fmt))
+                    live |= (e == 0) & _tiles_with_codes(BFPTensor(codes.numpy(), e, fmt))
+            else:
+                from .gemm import _tiles_with_codes
+
+                live |= (e == 0) & _tiles_with_codes(BFPTensor(codes.numpy(), e, fmt))
         if not live.any():
             return None
         s = e[live]

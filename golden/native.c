@@ -17,6 +17,9 @@
 #include <string.h>
 
 #include <omp.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -64,27 +67,26 @@ static float tile_scale(const operand *x, long tr, long tc)
 typedef signed char i8;
 typedef short i16;
 typedef int i32;
-typedef i8 v16i8 __attribute__((vector_size(16)));
-typedef float v16f __attribute__((vector_size(64)));
-typedef i8 v8i8 __attribute__((vector_size(8)));
-typedef float v8f __attribute__((vector_size(32)));
 
-/* d[i] = (float)x[i] * s for a run of codes: int8 runs 16 and 8 at a time (widening conversions). */
+/* d[i] = (float)x[i] * s for a run of int8 codes: 16 (AVX-512) or 8 (AVX2) at a time with the
+   widening instructions (GCC's generic vectors convert bytes one by one). */
 static inline void convert_run_i8(const i8 *restrict x, float *restrict d, long n, float s)
 {
     long i = 0;
+#if defined(__AVX512F__)
+    __m512 sv = _mm512_set1_ps(s);
     for (; i + 16 <= n; i += 16) {
-        v16i8 c;
-        memcpy(&c, x + i, sizeof c);
-        v16f f = __builtin_convertvector(c, v16f) * s;
-        memcpy(d + i, &f, sizeof f);
+        __m128i c = _mm_loadu_si128((const __m128i *)(x + i));
+        _mm512_storeu_ps(d + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), sv));
     }
+#endif
+#if defined(__AVX2__)
+    __m256 sv8 = _mm256_set1_ps(s);
     for (; i + 8 <= n; i += 8) {
-        v8i8 c;
-        memcpy(&c, x + i, sizeof c);
-        v8f f = __builtin_convertvector(c, v8f) * s;
-        memcpy(d + i, &f, sizeof f);
+        __m128i c = _mm_loadl_epi64((const __m128i *)(x + i));
+        _mm256_storeu_ps(d + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), sv8));
     }
+#endif
     for (; i < n; i++)
         d[i] = (float)x[i] * s;
 }
@@ -124,16 +126,6 @@ static void pack_a(const operand *a, long i0, int rows, long k0, long kc, long k
                     float *restrict dr = ap + r * kc - k0;                                   \
                     float sr = s[r];                                                         \
                     convert_run_##T(xr + t0, dr + t0, t1 - t0, sr);                          \
-                }                                                                            \
-            } else if (sizeof(T) == 1 && rs == 1 && rows == MR) {                            \
-                /* a K-step's MR codes are adjacent bytes: converted 8 at a time (the 2 past    \
-                   MR land in the next K-step's slot, written after, or in the slack) */       \
-                v8f sv = {s[0], s[1], s[2], s[3], s[4], s[5], 0.0f, 0.0f};                   \
-                for (long kk = t0; kk < t1; kk++) {                                          \
-                    v8i8 cv = {0};                                                           \
-                    memcpy(&cv, (const i8 *)x + kk * cs, MR);                                \
-                    v8f f = __builtin_convertvector(cv, v8f) * sv;                           \
-                    memcpy(ap + (kk - k0) * MR, &f, sizeof f);                               \
                 }                                                                            \
             } else {                                                                         \
                 for (long kk = t0; kk < t1; kk++)                                            \
@@ -328,7 +320,7 @@ typedef void (*micro_fn)(const float *, long, long, const float *, float *, long
 static const micro_fn MICRO[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6};
 static const micro_fn NARROW[MR + 1] = {0, narrow_1, narrow_2, narrow_3, narrow_4, narrow_5, narrow_6};
 
-int hbfp_native_abi(void) { return 8; }
+int hbfp_native_abi(void) { return 9; }
 
 /* Blocking (the usual GEMM's): a block of KC rows of B (whole K-tiles) by NC columns is packed
    for a core's L2, a block of MC rows of A by KC for its L1/L2, one NR-column panel of B
@@ -355,7 +347,7 @@ static int gemm_block(const operand *a, const operand *b, float *acc, long ldc, 
     if (kc > kp)
         kc = kp;
     float *bp = alloc64((size_t)(kc * NC) * sizeof(float));
-    float *ap = alloc64((size_t)(kc * MC + 8) * sizeof(float)); /* + slack for pack_a's 8-wide stores */
+    float *ap = alloc64((size_t)(kc * MC) * sizeof(float));
     if (!bp || !ap) {
         free(bp);
         free(ap);
@@ -759,4 +751,30 @@ void hbfp_dequantize(const void *codes, int code_bytes, long m, long n, long ldq
             }
         }
     }
+}
+
+/* ---- a precondition of the product's fast path ------------------------------------------ */
+
+/* Whether any tile of exponent code 0 holds a nonzero code (codes m x n with strides rs, cs;
+   1, 2 or 4 bytes; exponents with strides ers, ecs; tiles th x tw): such codes are values below
+   2**-126, outside what the compiled product computes. Only those tiles are read. */
+int hbfp_dead_tiles_hold_codes(const void *codes, int code_bytes, long rs, long cs, long m, long n,
+                               const unsigned char *exps, long ers, long ecs, long th, long tw)
+{
+    long tr = (m + th - 1) / th, tc = (n + tw - 1) / tw;
+    for (long a = 0; a < tr; a++)
+        for (long b = 0; b < tc; b++) {
+            if (exps[a * ers + b * ecs] != 0)
+                continue;
+            long r1 = (a + 1) * th < m ? (a + 1) * th : m, c1 = (b + 1) * tw < n ? (b + 1) * tw : n;
+            for (long i = a * th; i < r1; i++)
+                for (long j = b * tw; j < c1; j++) {
+                    long o = i * rs + j * cs;
+                    long v = code_bytes == 1 ? ((const signed char *)codes)[o]
+                           : code_bytes == 2 ? ((const short *)codes)[o] : ((const int *)codes)[o];
+                    if (v != 0)
+                        return 1;
+                }
+        }
+    return 0;
 }

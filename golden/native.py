@@ -32,11 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["available", "why", "disabled", "gemm_codes", "gemm_raw", "quantize", "dequantize", "im2col", "col2im", "library_path"]
+__all__ = ["available", "why", "disabled", "gemm_codes", "gemm_raw", "dead_tiles_hold_codes", "quantize", "dequantize", "im2col", "col2im", "library_path"]
 
 _SOURCE = Path(__file__).with_name("native.c")
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
-_ABI = 8
+_ABI = 9
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -113,6 +113,9 @@ def _load() -> ctypes.CDLL | None:
             f.restype = ctypes.c_int
             f.argtypes = [ctypes.c_void_p, *[ctypes.c_long] * 5, ctypes.c_int, ctypes.c_int, ctypes.c_uint32,
                           ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+            f = lib.hbfp_dead_tiles_hold_codes
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_long] * 4, ctypes.c_void_p, *[ctypes.c_long] * 4]
             f = lib.hbfp_dequantize
             f.restype = None
             f.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_long] * 3, ctypes.c_void_p, *[ctypes.c_long] * 3,
@@ -224,6 +227,16 @@ def gemm_raw(a: tuple, fa, b: tuple, fb, acc: int, ldc: int, m: int, n: int, k: 
                              threads)
     if rc != 0:
         raise MemoryError("hbfp_gemm_codes could not allocate its packing buffers")
+
+
+def dead_tiles_hold_codes(codes: tuple, m: int, n: int, exps: tuple, tile: tuple[int, int]) -> bool:
+    """Whether a tile of exponent code 0 holds a nonzero code, on raw memory (unchecked, as
+    ``gemm_raw``): ``codes`` = (address, bytes per code, row stride, column stride), ``exps`` =
+    (address, row stride, column stride). Reads only those tiles."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the native kernels are not available: {_why}")
+    return bool(lib.hbfp_dead_tiles_hold_codes(*codes, m, n, *exps, *tile))
 
 
 _ROUNDINGS = {"nearest_even": 0, "toward_zero": 1, "stochastic": 2}

@@ -239,3 +239,23 @@ def test_dequantize_equals_the_numpy_model(fmt):
     got = native.dequantize(t.codes, t.exponents, fmt)
     assert same(got, t.dequantize())
     assert same(native.dequantize(np.asfortranarray(t.codes), t.exponents, fmt), t.dequantize())
+
+
+def test_dead_tiles_hold_codes_reads_the_tiles_of_exponent_code_zero():
+    rng = np.random.default_rng(12)
+    t = quantize(rng.standard_normal((50, 70)).astype(np.float32), HBFP8)
+    codes, exps = t.codes.copy(), t.exponents.copy()
+
+    def check(c, e):
+        return native.dead_tiles_hold_codes((c.ctypes.data, c.itemsize, c.strides[0] // c.itemsize,
+                                             c.strides[1] // c.itemsize), *c.shape,
+                                            (e.ctypes.data, e.strides[0], e.strides[1]), (24, 24))
+
+    assert not check(codes, exps)
+    exps[2, 1] = 0  # a tile of exponent code 0 whose codes are nonzero (rows 48..49, columns 24..47)
+    assert check(codes, exps)
+    codes[48:, 24:48] = 0
+    assert not check(codes, exps)
+    codes[49, 47] = -1
+    assert check(codes, exps)
+    assert check(np.ascontiguousarray(codes.T).T, exps)  # a transposed layout reads the same codes
