@@ -242,7 +242,7 @@ def main(argv=None) -> int:
         print(f"{name:>22}" + "".join(f" {shape[0] * shape[1] / q[(name, i)] / 1e6:>9.1f}" for i in impls))
 
     print("\npeak memory of the golden model's product (quantize both operands, then gemm; NumPy's "
-          "allocations, and the compiled kernel's packing buffers: at most 1 MiB + 6 x K floats per thread)")
+          "allocations; the compiled kernel packs at most 0.6 MiB of operands per thread besides)")
     for m, k, n in args.memory or [(1024, 1024, 1024), (4096, 4096, 1024)]:
         peak, data = peak_memory(m, k, n, rng)
         print(f"{f'{m}x{k}x{n}':>16}: {peak / 2**20:8.1f} MiB allocated at the peak, {peak / data:.2f}x the "

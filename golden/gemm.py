@@ -5,14 +5,15 @@ by the two tile exponents into fp32 (RNE/FTZ), accumulated in fp32 in ascending 
 then the bias, the activation and the output format (``epilogue``: the last two, on their
 own, for a host that applies what a device left out).
 
-Two implementations of the same contract, chosen per call:
+Two paths of the same contract, chosen per call:
 - ``_accumulate_exact``: integer partial sums through float64 BLAS (exact below 2**53),
   explicit rounding and flushing after every step. Correct for every input.
-- ``_accumulate_fast``: the codes are scaled into fp32 operands and each K-tile's product
-  is one fp32 BLAS call whose result, under checked preconditions, *is* ``p`` exactly (all
+- ``_accumulate_fast``: the codes scaled by their tiles' powers of two are exact fp32
+  operands, each K-tile's product of them *is* ``p`` exactly under checked preconditions (all
   partial sums are integers times one power of two, below 2**24), and every sum stays a
   multiple of 2**-126 so that no flush can ever be needed. Used when those preconditions
-  hold, which is the ordinary case in training.
+  hold, which is the ordinary case in training: compiled for this CPU where a C compiler is
+  present (``hbfp.golden.native``), else one fp32 BLAS call per K-tile.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ hold them equal to it bit for bit (tests/test_kernels.py).
 - ``gemm(a, b, ...)``: the product's fp32 sums (``C + A @ B + bias``; docs/numerics.md, section
   3): each K-tile's exact integer sum times its two tiles' powers of two is one fp32 product of
   scaled codes (exact under ``bfp``'s preconditions, checked here as ``gemm._fast_path_ok``
-  checks them), added to the accumulator in K-tile order; inputs outside those preconditions
-  go through the NumPy model.
+  checks them), added to the accumulator in K-tile order: on a CPU by the compiled kernel
+  (``hbfp.golden.native``, on the tensors' memory), elsewhere by batched torch products;
+  inputs outside those preconditions go through the NumPy model.
 - ``epilogue(acc, activation, out, seed)``: the activation as a table of the bf16 unit over
   all 65,536 inputs (``activations.get``), then fp32, bf16 patterns or a BFP output.
 
