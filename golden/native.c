@@ -390,9 +390,8 @@ static int gemm_block(const operand *a, const operand *b, float *acc, long ldc, 
    and B (k x n), K-tile by K-tile (tk = A's tile columns = B's tile rows; K padded with zero
    codes to whole tiles). Shared out over `threads` OpenMP threads (0: as many as OpenMP's default
    for a product of PARALLEL_MACS or more, else one) (the same runtime and threads as
-   torch's when torch is loaded, so no thread of one spins while the other works): a share of
-   the rows to each thread (each packs all of B), or of the columns where they outnumber the rows
-   (each packs all of A). Returns 0, or -1 if out of memory. */
+   torch's when torch is loaded, so no thread of one spins while the other works), in shares of
+   rows or columns that threads take as they come free. Returns 0, or -1 if out of memory. */
 int hbfp_gemm_codes(const void *a_codes, int a_bytes, long a_rs, long a_cs, const unsigned char *a_exps, long a_ers,
                     long a_ecs, long a_th, long a_tw, int a_frac, const void *b_codes, int b_bytes, long b_rs,
                     long b_cs, const unsigned char *b_exps, long b_ers, long b_ecs, long b_th, long b_tw, int b_frac,
@@ -405,20 +404,30 @@ int hbfp_gemm_codes(const void *a_codes, int a_bytes, long a_rs, long a_cs, cons
     if (threads <= 0)
         threads = m * n * (k > 0 ? k : 1) >= PARALLEL_MACS ? omp_get_max_threads() : 1;
     int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
-    {
-        long t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long r0 = 0, r1 = m, c0 = 0, c1 = n;
-        if (n > m && n >= 64 * nt) {
-            long step = (n + nt * NR - 1) / (nt * NR) * NR;
-            c0 = t * step < n ? t * step : n;
-            c1 = c0 + step < n ? c0 + step : n;
-        } else {
-            long step = (m + nt - 1) / nt;
-            r0 = t * step < m ? t * step : m;
-            r1 = r0 + step < m ? r0 + step : m;
-        }
-        failed |= gemm_block(&a, &b, acc, ldc, r0, r1, c0, c1, k, zero) != 0;
+    /* Up to four shares per thread, taken as threads come free: a thread that the system
+       deschedules (or that shares its core with another pool's spinning thread) holds up
+       one share, not half the product. Shares of columns where they outnumber the rows
+       (each share packs its rows of A again), else of rows (each packs B again). */
+    int by_cols = n > m && n >= 64 * threads;
+    long parts = threads == 1 ? 1 : 4L * threads, step;
+    if (by_cols) {
+        step = (n + parts * NR - 1) / (parts * NR) * NR;
+        if (step < 4 * NR)
+            step = 4 * NR;
+        parts = (n + step - 1) / step;
+    } else {
+        step = (m + parts * MR - 1) / (parts * MR) * MR;
+        if (step < MC && m > MC)
+            step = MC;
+        parts = (m + step - 1) / step;
+    }
+#pragma omp parallel for num_threads(threads) if (threads > 1 && parts > 1) schedule(dynamic, 1) reduction(| : failed)
+    for (long p = 0; p < parts; p++) {
+        long lo = p * step, hi = lo + step;
+        if (by_cols)
+            failed |= gemm_block(&a, &b, acc, ldc, 0, m, lo, hi < n ? hi : n, k, zero) != 0;
+        else
+            failed |= gemm_block(&a, &b, acc, ldc, lo, hi < m ? hi : m, 0, n, k, zero) != 0;
     }
     return failed ? -1 : 0;
 }
@@ -618,7 +627,7 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
 /* Elements below which one thread quantizes the whole matrix. */
 #define PARALLEL_ELEMENTS (1L << 17)
 
-/* quantize_bands over all tile-row bands, shared out by bands over `threads` OpenMP threads (0:
+/* quantize_bands over all tile-row bands, shared out in shares of bands over `threads` OpenMP threads (0:
    OpenMP's default for PARALLEL_ELEMENTS or more, else one). */
 int hbfp_quantize(const float *x, long rs, long m, long n, long th, long tw, int mbits, int rounding, unsigned key,
                   void *codes, int code_bytes, long ldq, unsigned char *exps, long lde, int threads)
@@ -627,11 +636,12 @@ int hbfp_quantize(const float *x, long rs, long m, long n, long th, long tw, int
     if (threads <= 0)
         threads = m * n >= PARALLEL_ELEMENTS && tr > 1 ? omp_get_max_threads() : 1;
     int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
-    {
-        long t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long step = (tr + nt - 1) / nt;
-        long b0 = t * step < tr ? t * step : tr, b1 = b0 + step < tr ? b0 + step : tr;
+    /* up to four shares of bands per thread, taken as threads come free (see hbfp_gemm_codes) */
+    long parts = threads == 1 ? 1 : 4L * threads, step = (tr + parts - 1) / parts;
+    parts = (tr + step - 1) / step;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && parts > 1) schedule(dynamic, 1) reduction(| : failed)
+    for (long p = 0; p < parts; p++) {
+        long b0 = p * step, b1 = b0 + step < tr ? b0 + step : tr;
         failed |= quantize_bands(x, rs, m, n, th, tw, mbits, rounding, key, codes, code_bytes, ldq, exps, lde, b0,
                                  b1) != 0;
     }
