@@ -7,7 +7,7 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test bench accuracy sim sim-full fuzz verilog fpga fpga-report clean distclean venv
+.PHONY: demo test bench scaleout accuracy sim sim-full fuzz verilog fpga fpga-report clean distclean venv
 
 venv: $(STAMP)
 
@@ -62,6 +62,11 @@ verilog: $(STAMP)
 ## the wire), golden gemm against NumPy's fp32 matmul, quantize throughput, peak memory
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py
+
+## scaleout: data-parallel training on 2 ranks (torch.distributed, gloo) with fp32, HBFP8 and
+## MXINT8 gradient exchanges: the digits MLP and CNN, 10 epochs; one table of accuracy and bytes
+scaleout: $(STAMP)
+	$(PY) benchmarks/scaleout.py
 
 ## accuracy: measure the bf16 activation units over all inputs; rewrites docs/activations.md
 accuracy: $(STAMP)

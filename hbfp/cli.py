@@ -330,29 +330,94 @@ def _sim_server(args) -> int:
 
 
 def _train(args) -> int:
+    from hbfp import distributed as hd
+
+    if args.nproc < 1:
+        print("hbfp train: --nproc must be at least 1", file=sys.stderr)
+        return 2
+    if hd.launched():  # a rank started by torchrun (or by the launcher below)
+        return _train_rank(args)
+    if args.nproc == 1:
+        return _train_ranks(args, 0, 1)
+    # Launch the ranks here: one process each, a rendezvous on a free local port.
+    import torch.multiprocessing as mp
+
+    port = hd.free_port()
+    try:
+        mp.spawn(_spawned_rank, args=(args, port), nprocs=args.nproc, join=True)
+    except mp.ProcessRaisedException as e:
+        print(f"hbfp train: a rank failed:\n{e}", file=sys.stderr)
+        return 1
+    except mp.ProcessExitedException as e:
+        return e.exit_code or 1
+    return 0
+
+
+def _spawned_rank(rank: int, args, port: int) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.nproc),
+                      LOCAL_RANK=str(rank))
+    rc = _train_rank(args)
+    if rc:
+        raise SystemExit(rc)
+
+
+def _train_rank(args) -> int:
+    """One rank of a data-parallel ``hbfp train`` (gloo: the trainings' tensors are on the CPU)."""
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    if args.nproc not in (1, world):
+        print(f"hbfp train: --nproc {args.nproc} but the launcher started {world} ranks", file=sys.stderr)
+        return 2
+    dist.init_process_group("gloo")
+    try:
+        return _train_ranks(args, dist.get_rank(), world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_ranks(args, rank: int, world: int) -> int:
     import time
     from pathlib import Path
 
+    from hbfp import distributed as hd
     from hbfp import host
     from hbfp import train as tr
 
     out = Path(args.out)
-    device = host.open(args.device)
+    lead = rank == 0  # the rank that prints and writes the report
+    spec = hd.rank_spec(args.device, rank)
+    device = host.open(spec)
     runs, extra, ok = [], [], True
+    if world > 1 and lead:
+        extra.append(f"data-parallel on {world} ranks (torch.distributed, gloo), one device per rank "
+                     f"({hd.rank_spec(args.device, 0)} on rank 0), gradients exchanged as {args.grad_compression}.")
     for kind in args.models:
         pair = []
         for precision in ("fp32", "hbfp8"):
             r = tr.train(kind, precision, device=device if precision == "hbfp8" else None,
-                         device_name=args.device if precision == "hbfp8" else None, epochs=args.epochs, seed=args.seed,
-                         weight_storage=args.weight_storage)
-            print(f"{kind} {precision}: test accuracy {100 * r.final_accuracy:.2f}% ({r.seconds:.1f} s)", flush=True)
+                         device_name=spec if precision == "hbfp8" else None, epochs=args.epochs, seed=args.seed,
+                         weight_storage=args.weight_storage, grad_compression=args.grad_compression,
+                         progress=lead)
+            if lead:
+                print(f"{kind} {precision}: test accuracy {100 * r.final_accuracy:.2f}% ({r.seconds:.1f} s)"
+                      + (f", {r.allreduce_bytes:,} bytes sent in gradient exchanges, ranks "
+                         f"{'equal' if r.params_equal_across_ranks else 'DIFFERENT'}" if world > 1 else ""), flush=True)
+            ok &= r.params_equal_across_ranks is not False
             runs.append(r)
             pair.append(r)
         gap = 100 * (pair[0].final_accuracy - pair[1].final_accuracy)
         side = "below" if gap >= 0 else "above"
         extra.append(f"{kind}: HBFP8 test accuracy {abs(gap):.2f} percentage points {side} FP32 (target: within 1).")
         ok &= abs(gap) <= 1.0
-    if args.sim_epochs:
+    if args.sim_epochs and world > 1:
+        if lead:
+            extra.append("(the sim run is left out of data-parallel trainings: run it with --nproc 1)")
+    elif args.sim_epochs:
         # The same MLP on the RTL: every batch loss must equal the emu run's, bit for bit.
         print(f"building / opening the simulator ({args.sim}) ...", flush=True)
         t0 = time.perf_counter()
@@ -369,6 +434,8 @@ def _train(args) -> int:
         extra.append(f"mlp on {args.sim} (the RTL under Verilator), {args.sim_epochs} epoch(s), {len(r.batch_losses)} "
                      f"batches: losses {'equal' if same else 'DIFFERENT from'} the emu run's bit for bit ({r.seconds:.1f} s; "
                      f"simulator build/open {opened:.1f} s).")
+    if not lead:
+        return 0 if ok else 1
     table = tr.write_report(runs, out, extra)
     print()
     print(table)
@@ -451,6 +518,13 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--sim-epochs", type=int, default=1, help="epochs of the MLP on the sim backend (0: skip)")
     tp.add_argument("--sim", default="sim", help="the simulator spec (default sim: the default 8x8 top)")
     tp.add_argument("-o", "--out", default="build/demo", help="output folder (default build/demo)")
+    tp.add_argument("--nproc", type=int, default=1,
+                    help="ranks of a data-parallel training (torch.distributed over gloo; default 1). Launched here, "
+                    "or by torchrun (then --nproc may be left out). Each rank opens its own device: --device may "
+                    "name the rank, e.g. tcp:127.0.0.1:{7000+rank}")
+    tp.add_argument("--grad-compression", choices=("none", "hbfp8", "mxint8"), default="none",
+                    help="how ranks exchange gradients: fp32 all-reduce (none, default) or BFP codes and exponents "
+                    "(docs/scaleout.md)")
     tp.set_defaults(func=_train)
 
     from hbfp.contract import UNARY_FUNCTIONS

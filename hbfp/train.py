@@ -32,14 +32,21 @@ class Run:
     epochs: int
     seed: int
     weight_storage: str = "fp32"  # master weights: "fp32", or "hbfp16" (wide weight storage)
-    losses: list[float] = field(default_factory=list)  # mean training loss per epoch
+    losses: list[float] = field(default_factory=list)  # mean training loss per epoch (this rank's batches)
     batch_losses: list[float] = field(default_factory=list)
-    test_accuracy: list[float] = field(default_factory=list)  # per epoch
+    test_accuracies: list[float] = field(default_factory=list)  # per epoch
+    test_accuracy: float = float("nan")  # after the last epoch
     seconds: float = 0.0
+    # data-parallel runs (hbfp.distributed): ranks, the gradient exchange, the bytes each rank
+    # sent in it, and whether the ranks ended with the same parameters bit for bit
+    nproc: int = 1
+    grad_compression: str = "none"
+    allreduce_bytes: int = 0
+    params_equal_across_ranks: bool | None = None
 
     @property
     def final_accuracy(self) -> float:
-        return self.test_accuracy[-1] if self.test_accuracy else float("nan")
+        return self.test_accuracy
 
 
 def load_digits_split(seed: int = 0, test_share: float = 0.25):
@@ -72,16 +79,30 @@ def make_model(kind: str, seed: int) -> torch.nn.Module:
 
 def train(kind: str, precision: str, *, device=None, device_name: str | None = None, epochs: int = 10,
           seed: int = 0, batch_size: int = 64, lr: float = 0.1, max_batches: int | None = None,
-          progress: bool = True, weight_storage: str = "hbfp16") -> Run:
+          progress: bool = True, weight_storage: str = "hbfp16", grad_compression: str = "none") -> Run:
     """Train ``kind`` ("mlp" or "cnn") in ``precision`` ("fp32" or "hbfp8" on ``device``);
-    ``weight_storage`` ("hbfp16" or "fp32") applies to HBFP8 runs (FP32 runs keep fp32)."""
+    ``weight_storage`` ("hbfp16" or "fp32") applies to HBFP8 runs (FP32 runs keep fp32).
+
+    Inside an initialized torch.distributed process group of N ranks the run is data-parallel:
+    every rank trains a DDP replica on its share of each batch of ``batch_size`` (the batch
+    split in N contiguous parts), the gradients exchanged by ``hbfp.distributed`` with
+    ``grad_compression`` ("none", "hbfp8", "mxint8"); every rank evaluates the whole test set
+    and the run records the bytes each rank sent and whether the ranks ended equal."""
     if precision not in ("fp32", "hbfp8"):
         raise ValueError(f"precision must be fp32 or hbfp8, got {precision!r}")
     if weight_storage not in WEIGHT_STORAGE:
         raise ValueError(f"weight_storage must be one of {WEIGHT_STORAGE}, got {weight_storage!r}")
     if precision == "fp32":
         weight_storage = "fp32"
+    import torch.distributed as dist
+
     import hbfp.torch as ht
+    from hbfp import distributed as hd
+
+    if grad_compression not in hd.COMPRESSIONS:
+        raise ValueError(f"grad_compression must be one of {hd.COMPRESSIONS}, got {grad_compression!r}")
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
 
     # Bit-reproducible CPU math: the fp32 parts of an emu run and a sim run must agree.
     torch.use_deterministic_algorithms(True)
@@ -93,7 +114,12 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     if weight_storage == "hbfp16":
         ht.wide_weight_storage(model, opt)
-    run = Run(kind, precision, device_name, epochs, seed, weight_storage)
+    exchange = None
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's parameters
+        exchange = hd.attach(model, grad_compression)
+    run = Run(kind, precision, device_name, epochs, seed, weight_storage, nproc=world,
+              grad_compression=grad_compression if world > 1 else "none")
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     for epoch in range(epochs):
@@ -109,6 +135,8 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
             it = tqdm(batches, desc=f"{kind} {precision} epoch {epoch + 1}/{epochs}", leave=False, unit="batch")
         total = 0.0
         for idx in it:
+            if world > 1:
+                idx = torch.tensor_split(idx, world)[rank]  # this rank's share of the batch
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
@@ -120,8 +148,12 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
         model.eval()
         with torch.no_grad():
             pred = model(x_test).argmax(1)
-        run.test_accuracy.append(float((pred == y_test).float().mean()))
+        run.test_accuracies.append(float((pred == y_test).float().mean()))
     run.seconds = time.perf_counter() - t0
+    run.test_accuracy = run.test_accuracies[-1] if run.test_accuracies else float("nan")
+    if exchange is not None:
+        run.allreduce_bytes = exchange.bytes_sent
+        run.params_equal_across_ranks = hd.params_equal(model)
     return run
 
 
@@ -140,7 +172,7 @@ def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None) 
             label += f", {r.weight_storage} weights"
         epochs = range(1, len(r.losses) + 1)
         axes[0].plot(epochs, r.losses, marker="o", label=label)
-        axes[1].plot(epochs, [100 * a for a in r.test_accuracy], marker="o", label=label)
+        axes[1].plot(epochs, [100 * a for a in r.test_accuracies], marker="o", label=label)
     axes[0].set(title="training loss", xlabel="epoch", ylabel="cross-entropy")
     axes[1].set(title="test accuracy", xlabel="epoch", ylabel="%")
     for ax in axes:

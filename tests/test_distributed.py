@@ -1,0 +1,141 @@
+"""hbfp.distributed: data-parallel training on torch.distributed (2 ranks over gloo, spawned
+here), the gradient exchange against its definition, and `hbfp train --nproc 2` end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hbfp import distributed as hd
+from hbfp.golden import HBFP8, MXINT8, quantize
+
+
+def test_rank_spec_puts_the_rank_into_a_device_spec():
+    assert hd.rank_spec("emu", 3) == "emu"
+    assert hd.rank_spec("tcp:127.0.0.1:{7000+rank}", 1) == "tcp:127.0.0.1:7001"
+    assert hd.rank_spec("tcp:h:{rank + 7000}", 2) == "tcp:h:7002"
+    assert hd.rank_spec("serial:/dev/ttyUSB{rank}", 0) == "serial:/dev/ttyUSB0"
+    with pytest.raises(ValueError, match="braces"):
+        hd.rank_spec("tcp:h:{port}", 0)
+
+
+def _ranks(fn, world, *args):
+    """Run ``fn(rank, world, port, *args)`` on ``world`` spawned ranks."""
+    mp.spawn(fn, args=(world, hd.free_port(), *args), nprocs=world, join=True)
+
+
+def _init(rank, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+
+
+def _gradient(rank, n):
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-8, 8, (n,), generator=g).float())
+    x[:5] = 0.0
+    return x
+
+
+def _exchange_rank(rank, world, port, compression, n, out):
+    _init(rank, world, port)
+    try:
+        state = hd.GradExchange(compression)
+        flat = _gradient(rank, n)
+        state.exchange(flat)
+        torch.save({"result": flat, "bytes": state.bytes_sent}, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("compression", hd.COMPRESSIONS)
+def test_the_exchange_is_its_definition_on_every_rank(tmp_path, compression):
+    world, n = 2, 1000  # not a whole number of tiles: padded with zeros
+    _ranks(_exchange_rank, world, compression, n, str(tmp_path))
+    got = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    assert torch.equal(got[0]["result"].view(torch.int32), got[1]["result"].view(torch.int32))  # bit for bit
+    grads = [_gradient(r, n) for r in range(world)]
+    if compression == "none":
+        want = (grads[0] + grads[1]) / world
+        assert torch.allclose(got[0]["result"], want, rtol=1e-6, atol=0)
+        assert got[0]["bytes"] == 4 * n  # a ring all-reduce of 2 ranks sends its payload once
+        return
+    fmt, width = (HBFP8, 24) if compression == "hbfp8" else (MXINT8, 32)
+    rows = -(-n // width)
+    total = None
+    for g in grads:  # quantize each rank's bucket, dequantize, add in rank order, divide
+        m = np.zeros(rows * width, np.float32)
+        m[:n] = g.numpy()
+        d = quantize(m.reshape(rows, width), fmt).dequantize().reshape(-1)[:n]
+        total = d if total is None else (total + d).astype(np.float32)
+    want = (total / np.float32(world)).astype(np.float32)
+    assert np.array_equal(got[0]["result"].numpy().view(np.int32), want.view(np.int32))
+    tiles = -(-rows // fmt.tile[0]) * (width // fmt.tile[1])
+    assert got[0]["bytes"] == rows * width + tiles  # one byte a code, one an exponent, to the other rank
+    assert 4 * n / got[0]["bytes"] > 3.5
+
+
+def _train_rank(rank, world, port, precision, compression, out):
+    _init(rank, world, port)
+    try:
+        from hbfp import host
+        from hbfp import train as tr
+
+        run = tr.train("mlp", precision, device=host.open("emu") if precision == "hbfp8" else None,
+                       device_name="emu", epochs=1, max_batches=6, progress=False, grad_compression=compression)
+        (tmp := os.path.join(out, f"{rank}.json")) and open(tmp, "w").write(json.dumps(
+            {"batch_losses": run.batch_losses, "equal": run.params_equal_across_ranks, "bytes": run.allreduce_bytes,
+             "nproc": run.nproc}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_without_compression_two_ranks_follow_one_process_on_the_combined_batch(tmp_path):
+    from hbfp import train as tr
+
+    _ranks(_train_rank, 2, "fp32", "none", str(tmp_path))
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["equal"] and ranks[0]["nproc"] == 2
+    one = tr.train("mlp", "fp32", epochs=1, max_batches=6, progress=False)
+    # each rank's loss is the mean over its half of the batch: their mean is the batch's loss,
+    # step after step, up to the fp32 rounding of the two ways of summing
+    both = [(a + b) / 2 for a, b in zip(ranks[0]["batch_losses"], ranks[1]["batch_losses"])]
+    assert np.allclose(both, one.batch_losses, rtol=1e-5, atol=0)
+
+
+def test_hbfp8_training_with_compressed_gradients_keeps_the_ranks_equal(tmp_path):
+    _ranks(_train_rank, 2, "hbfp8", "hbfp8", str(tmp_path))
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["equal"] and ranks[1]["equal"]
+    assert ranks[0]["bytes"] == ranks[1]["bytes"] > 0
+    assert all(np.isfinite(ranks[0]["batch_losses"]))
+
+
+def test_hbfp_train_nproc_2_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "hbfp.cli", "train", "--nproc", "2", "--grad-compression", "mxint8",
+                        "--models", "mlp", "--epochs", "1", "--sim-epochs", "0", "-o", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs = json.loads((out / "runs.json").read_text())
+    assert [x["precision"] for x in runs] == ["fp32", "hbfp8"]
+    for x in runs:
+        assert x["nproc"] == 2 and x["grad_compression"] == "mxint8" and x["params_equal_across_ranks"] is True
+        assert x["allreduce_bytes"] > 0 and 0.5 < x["test_accuracy"] <= 1.0
+    assert "data-parallel on 2 ranks" in (out / "results.md").read_text()
+
+
+def test_bad_options_are_refused(tmp_path):
+    from hbfp import train as tr
+
+    with pytest.raises(ValueError, match="grad_compression"):
+        tr.train("mlp", "fp32", epochs=1, max_batches=1, progress=False, grad_compression="zip")
+    r = subprocess.run([sys.executable, "-m", "hbfp.cli", "train", "--nproc", "0", "--sim-epochs", "0", "-o",
+                        str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--nproc must be at least 1" in r.stderr
