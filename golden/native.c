@@ -68,6 +68,15 @@ typedef signed char i8;
 typedef short i16;
 typedef int i32;
 
+/* M(T) for the codes' type: 1, 2 or 4 bytes. */
+#define BY_CODE_TYPE(M, BYTES)                                                               \
+    if ((BYTES) == 1)                                                                        \
+        M(i8)                                                                                \
+    else if ((BYTES) == 2)                                                                   \
+        M(i16)                                                                               \
+    else                                                                                     \
+        M(i32)
+
 /* d[i] = (float)x[i] * s for a run of int8 codes: 16 (AVX-512) or 8 (AVX2) at a time with the
    widening instructions (GCC's generic vectors convert bytes one by one). */
 static inline void convert_run_i8(const i8 *restrict x, float *restrict d, long n, float s)
@@ -133,12 +142,7 @@ static void pack_a(const operand *a, long i0, int rows, long k0, long kc, long k
                         ap[(kk - k0) * MR + r] = (float)x[r * rs + kk * cs] * s[r];          \
             }                                                                                \
         }
-        if (a->code_bytes == 1)
-            PACK_A(i8)
-        else if (a->code_bytes == 2)
-            PACK_A(i16)
-        else
-            PACK_A(i32)
+        BY_CODE_TYPE(PACK_A, a->code_bytes)
 #undef PACK_A
     }
 }
@@ -179,47 +183,44 @@ static void pack_b(const operand *b, long k0, long kc, long k, long j0, long nc,
                     }                                                                        \
                 }                                                                            \
             }
-            if (b->code_bytes == 1)
-                PACK_B(i8)
-            else if (b->code_bytes == 2)
-                PACK_B(i16)
-            else
-                PACK_B(i32)
+            BY_CODE_TYPE(PACK_B, b->code_bytes)
 #undef PACK_B
         }
     }
 }
 
-/* rows x NR outputs: c (row stride ldc, w valid columns) = (zero ? +0 : c + 0) + every K-tile's p
-   in order (c + 0: a -0 starts as +0, as gemm's acc += 0 makes it). */
-#define DEFINE_MICRO(R)                                                                      \
-static void micro_##R(const float *ap, long ars, long aks, const float *bp, float *c, long ldc, \
-                      int w, long kt, long tk, long kv, int zero)                            \
+/* R rows x NV vectors of outputs (NV = 2: a whole NR-column panel; NV = 1 where w <= VW, the
+   panel's other half holding zeros): c (row stride ldc, w valid columns) = (zero ? +0 : c + 0)
+   + every K-tile's p in order (c + 0: a -0 starts as +0, as gemm's acc += 0 makes it). A's
+   panel element (r, k) is ap[r*ars + k*aks]; B's panel is kt*tk rows of NR floats. */
+#define DEFINE_MICRO(NAME, R, NV)                                                            \
+static void NAME(const float *ap, long ars, long aks, const float *bp, float *c, long ldc, int w, \
+                 long kt, long tk, long kv, int zero)                                        \
 {                                                                                            \
-    vf c0[R], c1[R];                                                                         \
+    vf acc[R][NV];                                                                           \
     float tmp[NR] __attribute__((aligned(64)));                                              \
     for (int r = 0; r < R; r++) {                                                            \
         if (zero) {                                                                          \
-            c0[r] = c1[r] = (vf){0};                                                         \
-        } else if (w == NR) {                                                                \
-            c0[r] = *(const vfu *)(c + r * ldc) + 0.0f;                                      \
-            c1[r] = *(const vfu *)(c + r * ldc + VW) + 0.0f;                                 \
+            for (int v = 0; v < NV; v++)                                                     \
+                acc[r][v] = (vf){0};                                                         \
+        } else if (w == NV * VW) {                                                           \
+            for (int v = 0; v < NV; v++)                                                     \
+                acc[r][v] = *(const vfu *)(c + r * ldc + v * VW) + 0.0f;                     \
         } else {                                                                             \
             memset(tmp, 0, sizeof tmp);                                                      \
             memcpy(tmp, c + r * ldc, (size_t)w * sizeof(float));                             \
-            memcpy(&c0[r], tmp, sizeof(vf));                                                 \
-            memcpy(&c1[r], tmp + VW, sizeof(vf));                                            \
-            c0[r] += 0.0f;                                                                   \
-            c1[r] += 0.0f;                                                                   \
+            for (int v = 0; v < NV; v++) {                                                   \
+                memcpy(&acc[r][v], tmp + v * VW, sizeof(vf));                                \
+                acc[r][v] += 0.0f;                                                           \
+            }                                                                                \
         }                                                                                    \
     }                                                                                        \
     const float *bk = bp;                                                                    \
     for (long t = 0; t < kt; t++) {                                                          \
-        vf p0[R], p1[R];                                                                     \
-        for (int r = 0; r < R; r++) {                                                        \
-            p0[r] = (vf){0};                                                                 \
-            p1[r] = (vf){0};                                                                 \
-        }                                                                                    \
+        vf p[R][NV];                                                                         \
+        for (int r = 0; r < R; r++)                                                          \
+            for (int v = 0; v < NV; v++)                                                     \
+                p[r][v] = (vf){0};                                                           \
         /* the K-tile's rows up to the kv that hold codes: the zero codes of K's padding add   \
            only zero products, and p (from +0, exact) stays the same without them */          \
         long kn = kv - t * tk < tk ? kv - t * tk : tk;                                       \
@@ -227,94 +228,43 @@ static void micro_##R(const float *ap, long ars, long aks, const float *bp, floa
         bk += tk * NR;                                                                       \
         ap += tk * aks;                                                                      \
         for (long k = 0; k < kn; k++, bt += NR, at += aks) {                                 \
-            vf b0 = *(const vf *)bt, b1 = *(const vf *)(bt + VW);                            \
+            vf b[NV];                                                                        \
+            for (int v = 0; v < NV; v++)                                                     \
+                b[v] = *(const vf *)(bt + v * VW);                                           \
             for (int r = 0; r < R; r++) {                                                    \
-                float x = at[r * ars];                                                        \
-                p0[r] += x * b0;                                                             \
-                p1[r] += x * b1;                                                             \
+                float x = at[r * ars];                                                       \
+                for (int v = 0; v < NV; v++)                                                 \
+                    p[r][v] += x * b[v];                                                     \
             }                                                                                \
         }                                                                                    \
-        for (int r = 0; r < R; r++) {                                                        \
-            c0[r] += p0[r];                                                                  \
-            c1[r] += p1[r];                                                                  \
-        }                                                                                    \
+        for (int r = 0; r < R; r++)                                                          \
+            for (int v = 0; v < NV; v++)                                                     \
+                acc[r][v] += p[r][v];                                                        \
     }                                                                                        \
     for (int r = 0; r < R; r++) {                                                            \
-        if (w == NR) {                                                                       \
-            *(vfu *)(c + r * ldc) = c0[r];                                                   \
-            *(vfu *)(c + r * ldc + VW) = c1[r];                                              \
+        if (w == NV * VW) {                                                                  \
+            for (int v = 0; v < NV; v++)                                                     \
+                *(vfu *)(c + r * ldc + v * VW) = acc[r][v];                                  \
         } else {                                                                             \
-            memcpy(tmp, &c0[r], sizeof(vf));                                                 \
-            memcpy(tmp + VW, &c1[r], sizeof(vf));                                            \
+            for (int v = 0; v < NV; v++)                                                     \
+                memcpy(tmp + v * VW, &acc[r][v], sizeof(vf));                                \
             memcpy(c + r * ldc, tmp, (size_t)w * sizeof(float));                             \
         }                                                                                    \
     }                                                                                        \
 }
 
-#define DEFINE_MICRO_NARROW(R)                                                                      \
-static void narrow_##R(const float *ap, long ars, long aks, const float *bp, float *c, long ldc,\
-                      int w, long kt, long tk, long kv, int zero)                            \
-{                                                                                            \
-    vf c0[R];                                                                                \
-    float tmp[NR] __attribute__((aligned(64)));                                              \
-    for (int r = 0; r < R; r++) {                                                            \
-        if (zero) {                                                                          \
-            c0[r] = (vf){0};                                                                 \
-        } else if (w == VW) {                                                                \
-            c0[r] = *(const vfu *)(c + r * ldc) + 0.0f;                                      \
-        } else {                                                                             \
-            memset(tmp, 0, sizeof tmp);                                                      \
-            memcpy(tmp, c + r * ldc, (size_t)w * sizeof(float));                             \
-            memcpy(&c0[r], tmp, sizeof(vf));                                                 \
-            c0[r] += 0.0f;                                                                   \
-        }                                                                                    \
-    }                                                                                        \
-    const float *bk = bp;                                                                    \
-    for (long t = 0; t < kt; t++) {                                                          \
-        vf p0[R];                                                                            \
-        for (int r = 0; r < R; r++) {                                                        \
-            p0[r] = (vf){0};                                                                 \
-        }                                                                                    \
-        /* the K-tile's rows up to the kv that hold codes: the zero codes of K's padding add   \
-           only zero products, and p (from +0, exact) stays the same without them */          \
-        long kn = kv - t * tk < tk ? kv - t * tk : tk;                                       \
-        const float *bt = bk, *at = ap;                                                      \
-        bk += tk * NR;                                                                       \
-        ap += tk * aks;                                                                      \
-        for (long k = 0; k < kn; k++, bt += NR, at += aks) {                                 \
-            vf b0 = *(const vf *)bt;                                                         \
-            for (int r = 0; r < R; r++) {                                                    \
-                float x = at[r * ars];                                                        \
-                p0[r] += x * b0;                                                             \
-            }                                                                                \
-        }                                                                                    \
-        for (int r = 0; r < R; r++) {                                                        \
-            c0[r] += p0[r];                                                                  \
-        }                                                                                    \
-    }                                                                                        \
-    for (int r = 0; r < R; r++) {                                                            \
-        if (w == VW) {                                                                       \
-            *(vfu *)(c + r * ldc) = c0[r];                                                   \
-        } else {                                                                             \
-            memcpy(tmp, &c0[r], sizeof(vf));                                                 \
-            memcpy(c + r * ldc, tmp, (size_t)w * sizeof(float));                             \
-        }                                                                                    \
-    }                                                                                        \
-}
-
-DEFINE_MICRO_NARROW(1)
-DEFINE_MICRO_NARROW(2)
-DEFINE_MICRO_NARROW(3)
-DEFINE_MICRO_NARROW(4)
-DEFINE_MICRO_NARROW(5)
-DEFINE_MICRO_NARROW(6)
-
-DEFINE_MICRO(1)
-DEFINE_MICRO(2)
-DEFINE_MICRO(3)
-DEFINE_MICRO(4)
-DEFINE_MICRO(5)
-DEFINE_MICRO(6)
+DEFINE_MICRO(micro_1, 1, 2)
+DEFINE_MICRO(micro_2, 2, 2)
+DEFINE_MICRO(micro_3, 3, 2)
+DEFINE_MICRO(micro_4, 4, 2)
+DEFINE_MICRO(micro_5, 5, 2)
+DEFINE_MICRO(micro_6, 6, 2)
+DEFINE_MICRO(narrow_1, 1, 1)
+DEFINE_MICRO(narrow_2, 2, 1)
+DEFINE_MICRO(narrow_3, 3, 1)
+DEFINE_MICRO(narrow_4, 4, 1)
+DEFINE_MICRO(narrow_5, 5, 1)
+DEFINE_MICRO(narrow_6, 6, 1)
 
 typedef void (*micro_fn)(const float *, long, long, const float *, float *, long, int, long, long, long, int);
 static const micro_fn MICRO[MR + 1] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6};
@@ -510,6 +460,34 @@ static inline unsigned f32_bits(float f)
         }                                                                                    \
     }
 
+/* A tile's scale 2**(frac + 127 - E) (within double's normal range for every E), 0 outside live
+   tiles; clears *in_f32 unless fp32 holds it, and then x * scale exactly (a product below
+   2**-126 rounds to no code in any mode either way): 2**-126 <= scale <= 2**127. */
+static double tile_scale_for(unsigned emax, int frac, int *in_f32)
+{
+    int live = emax != 0 && emax != 0xFF, shift = frac + 127 - (int)emax;
+    union { unsigned long long u; double d; } sv = {(unsigned long long)(shift + 1023) << 52};
+    *in_f32 &= !live || (shift >= -126 && shift <= 127);
+    return live ? sv.d : 0.0;
+}
+
+/* M (QUANTIZE_ROW or QUANTIZE_FLAT) for the code width, in fp32 with scales SF where IN_F32,
+   else in double with SD. */
+#define QUANTIZE_DISPATCH(M, IN_F32, SF, SD)                                                 \
+    if (IN_F32) {                                                                            \
+        if (code_bytes == 1)                                                                 \
+            M(signed char, float, SF, __builtin_rintf, __builtin_truncf)                     \
+        else if (code_bytes == 2)                                                            \
+            M(short, float, SF, __builtin_rintf, __builtin_truncf)                           \
+        else                                                                                 \
+            M(int, float, SF, __builtin_rintf, __builtin_truncf)                             \
+    } else if (code_bytes == 1)                                                              \
+        M(signed char, double, SD, __builtin_rint, __builtin_trunc)                          \
+    else if (code_bytes == 2)                                                                \
+        M(short, double, SD, __builtin_rint, __builtin_trunc)                                \
+    else                                                                                     \
+        M(int, double, SD, __builtin_rint, __builtin_trunc)
+
 /* Tile-row bands [band0, band1) of x (m x n, row stride rs, consecutive columns) to codes (row
    stride ldq; 1, 2 or 4 bytes) and E8M0 exponents (row stride lde): per tile the largest
    exponent field (0xFF: a NaN tile, its codes 0); per element of a live tile
@@ -551,24 +529,10 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
             emax = e > emax ? e : emax;
         }
         exps[b * lde] = (unsigned char)emax;
-        int live = emax != 0 && emax != 0xFF, shift = frac + 127 - (int)emax;
-        union { unsigned long long u; double d; } sv = {(unsigned long long)(shift + 1023) << 52};
-        double sd = live ? sv.d : 0.0;
+        int in_f32 = 1;
+        double sd = tile_scale_for(emax, frac, &in_f32);
         float sf = (float)sd;
-        int in_f32 = !live || (shift >= -126 && shift <= 127);
-        if (in_f32) {
-            if (code_bytes == 1)
-                QUANTIZE_FLAT(signed char, float, sf, __builtin_rintf, __builtin_truncf)
-            else if (code_bytes == 2)
-                QUANTIZE_FLAT(short, float, sf, __builtin_rintf, __builtin_truncf)
-            else
-                QUANTIZE_FLAT(int, float, sf, __builtin_rintf, __builtin_truncf)
-        } else if (code_bytes == 1)
-            QUANTIZE_FLAT(signed char, double, sd, __builtin_rint, __builtin_trunc)
-        else if (code_bytes == 2)
-            QUANTIZE_FLAT(short, double, sd, __builtin_rint, __builtin_trunc)
-        else
-            QUANTIZE_FLAT(int, double, sd, __builtin_rint, __builtin_trunc)
+        QUANTIZE_DISPATCH(QUANTIZE_FLAT, in_f32, sf, sd)
     }
     for (long b = band0; b < band1 && !flat; b++) {
         long r0 = b * th, rows = m - r0 < th ? m - r0 : th;
@@ -588,13 +552,7 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
             for (long c = c0; c < c1; c++)
                 emax = colmax[c] > emax ? colmax[c] : emax;
             exps[b * lde + t] = (unsigned char)emax;
-            /* 2**(frac + 127 - E): within double's normal range for every E; 0 outside live tiles */
-            union { unsigned long long u; double d; } sv = {(unsigned long long)(frac + 127 - (int)emax + 1023) << 52};
-            int live = emax != 0 && emax != 0xFF;
-            double s = live ? sv.d : 0.0;
-            /* fp32 holds the scale, and then x * scale exactly (a product below 2**-126 rounds
-               to no code in any mode either way), when 2**-126 <= scale <= 2**127 */
-            narrow &= !live || (frac + 127 - (int)emax >= -126 && frac + 127 - (int)emax <= 127);
+            double s = tile_scale_for(emax, frac, &narrow);
             for (long c = c0; c < c1; c++) {
                 sc[c] = s;
                 scf[c] = (float)s;
@@ -602,19 +560,7 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
         }
         for (long r = 0; r < rows; r++) {
             const float *xr = x + (r0 + r) * rs;
-            if (narrow) {
-                if (code_bytes == 1)
-                    QUANTIZE_ROW(signed char, float, scf, __builtin_rintf, __builtin_truncf)
-                else if (code_bytes == 2)
-                    QUANTIZE_ROW(short, float, scf, __builtin_rintf, __builtin_truncf)
-                else
-                    QUANTIZE_ROW(int, float, scf, __builtin_rintf, __builtin_truncf)
-            } else if (code_bytes == 1)
-                QUANTIZE_ROW(signed char, double, sc, __builtin_rint, __builtin_trunc)
-            else if (code_bytes == 2)
-                QUANTIZE_ROW(short, double, sc, __builtin_rint, __builtin_trunc)
-            else
-                QUANTIZE_ROW(int, double, sc, __builtin_rint, __builtin_trunc)
+            QUANTIZE_DISPATCH(QUANTIZE_ROW, narrow, scf, sc)
         }
     }
     free(colmax);
