@@ -139,3 +139,14 @@ def test_bad_options_are_refused(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hbfp.cli", "train", "--nproc", "0", "--sim-epochs", "0", "-o",
                         str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--nproc must be at least 1" in r.stderr
+
+
+def test_hbfp_train_under_torchrun(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(hd.free_port()), "-m", "hbfp.cli", "train", "--grad-compression", "hbfp8", "--models", "mlp",
+                        "--epochs", "1", "--sim-epochs", "0", "-o", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    runs = json.loads((out / "runs.json").read_text())
+    assert all(x["nproc"] == 2 and x["params_equal_across_ranks"] is True for x in runs)
