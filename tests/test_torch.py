@@ -1,11 +1,14 @@
 """hbfp.torch against the golden model: forward and both backward products bit for bit."""
 
 import contextlib
+import copy
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
+import hbfp.host
 import hbfp.torch as ht
 from hbfp.host.device import reference_gemm
 
@@ -331,3 +334,75 @@ def test_convolution_patches_keep_unfolds_bits_forward_and_backward(compiled):
             want.backward(g)
             got.backward(g)
         assert torch.equal(got, want) and torch.equal(x2.grad, x1.grad)
+
+
+def _conv_pair(**kw):
+    torch.manual_seed(3)
+    ref = torch.nn.Conv2d(**kw)
+    return ref, ht.convert(copy.deepcopy(ref))
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+def test_conv2d_padding_modes_and_strings_pad_the_input_as_torch_does(mode):
+    F = torch.nn.functional
+    x = torch.randn(2, 3, 9, 8)
+    for kw in (dict(padding=2, padding_mode=mode), dict(padding="same", padding_mode=mode),
+               dict(kernel_size=(4, 2), padding="same"), dict(padding="valid", stride=1)):
+        args = dict(in_channels=3, out_channels=5, kernel_size=3)
+        args.update(kw)
+        ref, conv = _conv_pair(**args)
+        plain = ht.Conv2d(3, 5, args["kernel_size"], bias=True)
+        plain.weight, plain.bias = conv.weight, conv.bias
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y = conv(x1)
+        mode_ = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+        want = plain(F.pad(x2, conv._reversed_padding_repeated_twice, mode=mode_))
+        with warnings.catch_warnings():  # torch's note on 'same' with an even kernel
+            warnings.simplefilter("ignore")
+            shape = ref(x).shape
+        assert y.shape == shape and torch.equal(y, want)
+        g = torch.randn_like(y)
+        y.backward(g)
+        want.backward(g)
+        assert torch.equal(x1.grad, x2.grad)
+
+
+@pytest.mark.parametrize("groups", [2, 6])  # grouped and depthwise
+def test_grouped_and_depthwise_conv2d_run_every_group_on_the_device(groups):
+    dev = hbfp.host.open("emu")
+    torch.manual_seed(4)
+    ref = torch.nn.Conv2d(6, 12, 3, padding=1, groups=groups)
+    conv = ht.convert(copy.deepcopy(ref), dev)
+    x = torch.randn(4, 6, 10, 10, requires_grad=True)
+    y = conv(x)
+    want = ref(x)
+    assert not torch.equal(y, want)  # HBFP, not fp32
+    assert (y - want).abs().max() < 0.05 * want.abs().max()
+    # forward: N*OH*OW x (C/g*9) x (OUT/g) per group
+    assert dev.stats.macs == 4 * 10 * 10 * (6 // groups * 9) * (12 // groups) * groups
+    y.sum().backward()
+    assert conv.weight.grad is not None and x.grad is not None
+    assert dev.stats.macs == 3 * 4 * 10 * 10 * (6 // groups * 9) * (12 // groups) * groups
+
+
+def test_unbatched_input_bare_layers_and_vectors():
+    dev = hbfp.host.open("emu")
+    torch.manual_seed(5)
+    conv = ht.convert(torch.nn.Conv2d(2, 3, 3, padding=1), dev)  # a bare layer comes back converted
+    lin = ht.convert(torch.nn.Linear(24, 5), dev)
+    assert isinstance(conv, ht.Conv2d) and isinstance(lin, ht.Linear)
+    x = torch.randn(2, 6, 6)
+    assert torch.equal(conv(x), conv(x[None])[0])
+    v = torch.randn(24)
+    assert torch.equal(lin(v), lin(v[None])[0])
+    a, b = torch.randn(30, 24), torch.randn(24)
+    before = dev.stats.macs
+    with ht.offload(dev):
+        mv = a @ b
+        vm = b @ a.t()
+        dot = b @ b
+    assert dev.stats.macs - before == 30 * 24 + 24 * 30 + 24
+    assert mv.shape == (30,) and vm.shape == (30,) and dot.shape == ()
+    assert torch.equal(mv, ht.matmul(a, b[:, None], dev)[:, 0])
+    with pytest.raises(ValueError, match="scalars"):
+        ht.matmul(torch.tensor(2.0), a, dev)

@@ -180,12 +180,17 @@ class HbfpMatmul(torch.autograd.Function):
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOperand | None = None) -> torch.Tensor:
-    """``a @ b`` in HBFP: 2-D operands, or batches (leading axes broadcast as torch.matmul)."""
+    """``a @ b`` in HBFP with torch.matmul's shapes: matrices, stacks (leading axes broadcast)
+    and vectors (a 1-D operand is a one-row or one-column matrix, its axis removed after)."""
     device = device or default_device()
+    if a.dim() == 0 or b.dim() == 0:
+        raise ValueError("hbfp matmul takes vectors, matrices or stacks of matrices, not scalars")
+    if b.dim() == 1:  # (..., K) @ (K,): a one-column product
+        return matmul(a, b[:, None], device, stored=stored)[..., 0]
+    if a.dim() == 1:  # (K,) @ (..., K, N): a one-row product
+        return matmul(a[None, :], b, device, stored=stored)[..., 0, :]
     if a.dim() == 2 and b.dim() == 2:
         return HbfpMatmul.apply(a, b, device, stored)
-    if a.dim() < 2 or b.dim() < 2:
-        raise ValueError("hbfp matmul takes matrices or stacks of matrices")
     if b.dim() == 2:  # (..., M, K) @ (K, N): one product over all leading rows
         lead = a.shape[:-1]
         return HbfpMatmul.apply(a.reshape(-1, a.shape[-1]), b, device, stored).reshape(*lead, b.shape[-1])
@@ -213,8 +218,9 @@ def _matrix(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(weight.shape[0], -1)
 
 
-def _stored_operand(weight: torch.Tensor, device) -> _StoredOperand | None:
-    """The codes the device reads of a wide-stored weight (None if stored as fp32)."""
+def _stored_operand(weight: torch.Tensor, device, matrix: torch.Tensor | None = None) -> _StoredOperand | None:
+    """The codes the device reads of a wide-stored weight (None if stored as fp32): of its
+    matrix, or of ``matrix`` (a group's rows of it)."""
     from hbfp.golden import kernels
 
     storage = weight_storage(weight)
@@ -225,7 +231,7 @@ def _stored_operand(weight: torch.Tensor, device) -> _StoredOperand | None:
         raise ValueError(f"wide weight storage in tiles {storage.tile} cannot be read by a device with tiles "
                          f"{fmt.tile}: requantize keeps the tiles (use a storage format with the device's tiles)")
     # exact: the weight is on the storage grid
-    wide = kernels.quantize(_matrix(weight).detach(), storage)
+    wide = kernels.quantize((_matrix(weight) if matrix is None else matrix).detach(), storage)
     return _StoredOperand(kernels.requantize(*wide, storage, fmt), transposed=True)
 
 
@@ -286,7 +292,8 @@ def wide_weight_storage(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, device) -> torch.Tensor:
-    # W is stored out x in; the product uses it transposed, which reuses its square tiles.
+    # W is stored out x in; the product uses it transposed, which reuses its square tiles. A 1-D
+    # input is one row (matmul's vector case).
     y = matmul(x, weight.t(), device, stored=_stored_operand(weight, device))
     return y + bias if bias is not None else y
 
@@ -333,47 +340,76 @@ class _Patches(torch.autograd.Function):
 
 
 class Conv2d(torch.nn.Conv2d):
-    """``torch.nn.Conv2d`` as an im2col product in HBFP (groups=1, zero padding)."""
+    """``torch.nn.Conv2d`` as im2col products in HBFP: any stride, dilation and groups (one
+    product per group), padding as numbers, ``'same'`` or ``'valid'``, every padding mode (the
+    input padded first, as torch does), batched or unbatched input."""
 
     def __init__(self, *args, device_handle=None, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.groups != 1 or self.padding_mode != "zeros":
-            raise ValueError("hbfp.torch.Conv2d supports groups=1 and zero padding")
         self.device_handle = device_handle
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 3:  # unbatched (C, H, W)
+            return self.forward(x[None])[0]
+        if x.dim() != 4:
+            raise ValueError(f"Conv2d takes (N, C, H, W) or (C, H, W) input, got shape {tuple(x.shape)}")
+        padding = self.padding
+        if isinstance(padding, str) or self.padding_mode != "zeros":
+            # torch's own padding amounts ('same' may pad one side more), then no padding inside
+            mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=mode)
+            padding = (0, 0)
         n, _, h, w = x.shape
         kh, kw = self.kernel_size
-        if isinstance(self.padding, str):
-            raise ValueError("hbfp.torch.Conv2d takes numeric padding")
-        oh = (h + 2 * self.padding[0] - self.dilation[0] * (kh - 1) - 1) // self.stride[0] + 1
-        ow = (w + 2 * self.padding[1] - self.dilation[1] * (kw - 1) - 1) // self.stride[1] + 1
-        # (N*OH*OW, C*KH*KW) @ (C*KH*KW, OUT)
-        patches = _Patches.apply(x, self.kernel_size, self.stride, self.padding, self.dilation)
+        oh = (h + 2 * padding[0] - self.dilation[0] * (kh - 1) - 1) // self.stride[0] + 1
+        ow = (w + 2 * padding[1] - self.dilation[1] * (kw - 1) - 1) // self.stride[1] + 1
         device = self.device_handle or default_device()
-        y = matmul(patches, _matrix(self.weight).t(), device, stored=_stored_operand(self.weight, device))
+        g, cin, cout = self.groups, self.in_channels // self.groups, self.out_channels // self.groups
+        weight = _matrix(self.weight)  # out x (in / groups * KH * KW)
+        ys = []
+        for i in range(g):
+            # (N*OH*OW, C/g*KH*KW) @ (C/g*KH*KW, OUT/g)
+            xi = x if g == 1 else x[:, i * cin:(i + 1) * cin]
+            patches = _Patches.apply(xi, self.kernel_size, self.stride, padding, self.dilation)
+            wi = weight if g == 1 else weight[i * cout:(i + 1) * cout]
+            ys.append(matmul(patches, wi.t(), device,
+                             stored=_stored_operand(self.weight, device, None if g == 1 else wi)))
+        y = ys[0] if g == 1 else torch.cat(ys, dim=1)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(n, oh * ow, self.out_channels).transpose(1, 2).reshape(n, self.out_channels, oh, ow)
 
 
+def _converted(layer: torch.nn.Module, device) -> torch.nn.Module | None:
+    """The HBFP version of a torch ``Linear`` or ``Conv2d`` (the same parameter tensors), else None."""
+    if isinstance(layer, torch.nn.Linear) and not isinstance(layer, Linear):
+        new = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device_handle=device)
+    elif isinstance(layer, torch.nn.Conv2d) and not isinstance(layer, Conv2d):
+        new = Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
+                     padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
+                     bias=layer.bias is not None, padding_mode=layer.padding_mode, device_handle=device)
+    else:
+        return None
+    new.weight = layer.weight
+    if layer.bias is not None:
+        new.bias = layer.bias
+    new.train(layer.training)
+    return new
+
+
 def convert(model: torch.nn.Module, device=None) -> torch.nn.Module:
     """Swap every ``nn.Linear`` and ``nn.Conv2d`` of ``model`` for the HBFP versions, in place,
-    keeping their parameters (the same tensors); returns the model."""
+    keeping their parameters (the same tensors); returns the model. A bare layer comes back as
+    its HBFP version (use the returned module)."""
+    bare = _converted(model, device)
+    if bare is not None:
+        return bare
     for name, child in list(model.named_children()):
-        if isinstance(child, torch.nn.Linear) and not isinstance(child, Linear):
-            new = Linear(child.in_features, child.out_features, bias=child.bias is not None, device_handle=device)
-        elif isinstance(child, torch.nn.Conv2d) and not isinstance(child, Conv2d):
-            new = Conv2d(child.in_channels, child.out_channels, child.kernel_size, stride=child.stride,
-                         padding=child.padding, dilation=child.dilation, groups=child.groups,
-                         bias=child.bias is not None, padding_mode=child.padding_mode, device_handle=device)
-        else:
+        new = _converted(child, device)
+        if new is None:
             convert(child, device)
-            continue
-        new.weight = child.weight
-        if child.bias is not None:
-            new.bias = child.bias
-        setattr(model, name, new)
+        else:
+            setattr(model, name, new)
     return model
 
 
@@ -394,7 +430,7 @@ class _Offload(TorchFunctionMode):
             if func in (torch.mm, torch.Tensor.mm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
                         torch.Tensor.bmm):
                 a, b = args[0], args[1]
-                if a.dim() >= 2 and b.dim() >= 2 and a.is_floating_point() and b.is_floating_point():
+                if a.dim() >= 1 and b.dim() >= 1 and a.is_floating_point() and b.is_floating_point():
                     return matmul(a, b, self.device)
             if func in (torch.addmm, torch.Tensor.addmm):
                 inp, a, b = args[0], args[1], args[2]
