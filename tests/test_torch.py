@@ -406,3 +406,29 @@ def test_unbatched_input_bare_layers_and_vectors():
     assert torch.equal(mv, ht.matmul(a, b[:, None], dev)[:, 0])
     with pytest.raises(ValueError, match="scalars"):
         ht.matmul(torch.tensor(2.0), a, dev)
+
+
+@pytest.mark.parametrize("kw", [dict(stride=2, padding=1), dict(dilation=2, padding=2, groups=3),
+                                dict(padding="same", padding_mode="reflect"), dict(padding=1, padding_mode="circular")])
+def test_conv1d_and_conv2d_under_offload_run_on_the_device(kw):
+    """An unchanged nn.Conv1d/nn.Conv2d under offload: its products go to the device (the same bits
+    as the converted layer), forward and backward."""
+    for cls, shape in ((torch.nn.Conv1d, (2, 6, 17)), (torch.nn.Conv2d, (2, 6, 9, 7))):
+        torch.manual_seed(6)
+        ref = cls(6, 9, 3, **kw)
+        conv = ht.convert(copy.deepcopy(ref))
+        x = torch.randn(*shape)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        dev = hbfp.host.open("emu")
+        with ht.offload(dev):
+            y = ref(x1)
+        conv.device_handle = hbfp.host.open("emu")
+        want = conv(x2)
+        assert dev.stats.macs > 0 and torch.equal(y, want)
+        assert not torch.equal(y, cls.forward(ref, x))  # not fp32
+        g = torch.randn_like(y)
+        with ht.offload(dev):
+            y.backward(g)
+        want.backward(g)
+        assert torch.equal(x1.grad, x2.grad) and torch.equal(ref.weight.grad, conv.weight.grad)
+        assert torch.equal(conv(x[0]), conv(x[:1])[0])  # unbatched

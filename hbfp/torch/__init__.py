@@ -41,7 +41,10 @@ __all__ = [
     "HbfpMatmul",
     "matmul",
     "Linear",
+    "Conv1d",
     "Conv2d",
+    "conv1d",
+    "conv2d",
     "convert",
     "offload",
     "wide_weight_storage",
@@ -339,55 +342,116 @@ class _Patches(torch.autograd.Function):
         return F.fold(cols, size, kernel, dilation=dilation, padding=padding, stride=stride), None, None, None, None
 
 
+def _same_padding(kernel, dilation) -> tuple[int, ...]:
+    """F.pad's amounts (last axis first) of padding='same': the total dilation * (k - 1) per
+    axis, the extra one on the right, as torch's convolution pads it."""
+    out = []
+    for k, d in reversed(list(zip(kernel, dilation))):
+        total = d * (k - 1)
+        out += [total // 2, total - total // 2]
+    return tuple(out)
+
+
+def _pair(v) -> tuple[int, int]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+
+
+def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0, dilation=1,
+           groups: int = 1, device=None, *, padding_mode: str = "zeros") -> torch.Tensor:
+    """``F.conv2d`` as im2col products in HBFP on ``device``: any stride, dilation and groups (one
+    product per group, depthwise included), padding as numbers, ``'same'`` or ``'valid'``, every
+    padding mode (the input padded first, as torch does), batched or unbatched input. The
+    weight's wide storage (``wide_weight_storage``) is read as the products' codes."""
+    device = device or default_device()
+    if x.dim() == 3:  # unbatched (C, H, W)
+        return conv2d(x[None], weight, bias, stride, padding, dilation, groups, device, padding_mode=padding_mode)[0]
+    if x.dim() != 4:
+        raise ValueError(f"conv2d takes (N, C, H, W) or (C, H, W) input, got shape {tuple(x.shape)}")
+    kernel, stride, dilation = tuple(weight.shape[-2:]), _pair(stride), _pair(dilation)
+    if isinstance(padding, str):
+        if padding not in ("same", "valid"):
+            raise ValueError(f"padding must be a number, a pair, 'same' or 'valid', got {padding!r}")
+        if padding == "same" and stride != (1, 1):
+            raise ValueError("padding='same' needs stride 1 (as in torch)")
+        amounts = _same_padding(kernel, dilation) if padding == "same" else (0, 0, 0, 0)
+        padding = (0, 0)
+    else:
+        padding = _pair(padding)
+        amounts = (padding[1], padding[1], padding[0], padding[0])
+        if padding_mode != "zeros":
+            padding = (0, 0)
+    if any(amounts) and padding == (0, 0):
+        x = F.pad(x, amounts, mode="constant" if padding_mode == "zeros" else padding_mode)
+    n, _, h, w = x.shape
+    kh, kw = kernel
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    out_ch = weight.shape[0]
+    cin, cout = x.shape[1] // groups, out_ch // groups
+    matrix = _matrix(weight)  # out x (in / groups * KH * KW)
+    ys = []
+    for i in range(groups):
+        # (N*OH*OW, C/g*KH*KW) @ (C/g*KH*KW, OUT/g)
+        xi = x if groups == 1 else x[:, i * cin:(i + 1) * cin]
+        patches = _Patches.apply(xi, kernel, stride, padding, dilation)
+        wi = matrix if groups == 1 else matrix[i * cout:(i + 1) * cout]
+        ys.append(matmul(patches, wi.t(), device, stored=_stored_operand(weight, device, None if groups == 1 else wi)))
+    y = ys[0] if groups == 1 else torch.cat(ys, dim=1)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(n, oh * ow, out_ch).transpose(1, 2).reshape(n, out_ch, oh, ow)
+
+
+def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0, dilation=1,
+           groups: int = 1, device=None, *, padding_mode: str = "zeros") -> torch.Tensor:
+    """``F.conv1d`` in HBFP: ``conv2d`` on a height of one."""
+    if x.dim() == 2:  # unbatched (C, L)
+        return conv1d(x[None], weight, bias, stride, padding, dilation, groups, device, padding_mode=padding_mode)[0]
+    one = lambda v: (1, v[0] if isinstance(v, (tuple, list)) else v)  # noqa: E731
+    pad = padding if isinstance(padding, str) else (0, padding[0] if isinstance(padding, (tuple, list)) else padding)
+    if isinstance(padding, str) or padding_mode == "zeros":
+        y = conv2d(x[:, :, None], weight[:, :, None], bias, one(stride), pad, one(dilation), groups, device,
+                   padding_mode=padding_mode)
+    else:  # pad the length only, in the mode (a 2-D pad would pad the height of one too)
+        x = F.pad(x, (pad[1], pad[1]), mode=padding_mode)
+        y = conv2d(x[:, :, None], weight[:, :, None], bias, one(stride), 0, one(dilation), groups, device)
+    return y[:, :, 0]
+
+
 class Conv2d(torch.nn.Conv2d):
-    """``torch.nn.Conv2d`` as im2col products in HBFP: any stride, dilation and groups (one
-    product per group), padding as numbers, ``'same'`` or ``'valid'``, every padding mode (the
-    input padded first, as torch does), batched or unbatched input."""
+    """``torch.nn.Conv2d`` whose products run in HBFP on ``device`` (``conv2d``)."""
 
     def __init__(self, *args, device_handle=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.device_handle = device_handle
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 3:  # unbatched (C, H, W)
-            return self.forward(x[None])[0]
-        if x.dim() != 4:
-            raise ValueError(f"Conv2d takes (N, C, H, W) or (C, H, W) input, got shape {tuple(x.shape)}")
-        padding = self.padding
-        if isinstance(padding, str) or self.padding_mode != "zeros":
-            # torch's own padding amounts ('same' may pad one side more), then no padding inside
-            mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
-            x = F.pad(x, self._reversed_padding_repeated_twice, mode=mode)
-            padding = (0, 0)
-        n, _, h, w = x.shape
-        kh, kw = self.kernel_size
-        oh = (h + 2 * padding[0] - self.dilation[0] * (kh - 1) - 1) // self.stride[0] + 1
-        ow = (w + 2 * padding[1] - self.dilation[1] * (kw - 1) - 1) // self.stride[1] + 1
-        device = self.device_handle or default_device()
-        g, cin, cout = self.groups, self.in_channels // self.groups, self.out_channels // self.groups
-        weight = _matrix(self.weight)  # out x (in / groups * KH * KW)
-        ys = []
-        for i in range(g):
-            # (N*OH*OW, C/g*KH*KW) @ (C/g*KH*KW, OUT/g)
-            xi = x if g == 1 else x[:, i * cin:(i + 1) * cin]
-            patches = _Patches.apply(xi, self.kernel_size, self.stride, padding, self.dilation)
-            wi = weight if g == 1 else weight[i * cout:(i + 1) * cout]
-            ys.append(matmul(patches, wi.t(), device,
-                             stored=_stored_operand(self.weight, device, None if g == 1 else wi)))
-        y = ys[0] if g == 1 else torch.cat(ys, dim=1)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(n, oh * ow, self.out_channels).transpose(1, 2).reshape(n, self.out_channels, oh, ow)
+        return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
+                      self.device_handle or default_device(), padding_mode=self.padding_mode)
+
+
+class Conv1d(torch.nn.Conv1d):
+    """``torch.nn.Conv1d`` whose products run in HBFP on ``device`` (``conv1d``)."""
+
+    def __init__(self, *args, device_handle=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.device_handle = device_handle
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return conv1d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
+                      self.device_handle or default_device(), padding_mode=self.padding_mode)
 
 
 def _converted(layer: torch.nn.Module, device) -> torch.nn.Module | None:
-    """The HBFP version of a torch ``Linear`` or ``Conv2d`` (the same parameter tensors), else None."""
+    """The HBFP version of a torch ``Linear``, ``Conv1d`` or ``Conv2d`` (the same parameter
+    tensors), else None."""
     if isinstance(layer, torch.nn.Linear) and not isinstance(layer, Linear):
         new = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device_handle=device)
-    elif isinstance(layer, torch.nn.Conv2d) and not isinstance(layer, Conv2d):
-        new = Conv2d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
-                     padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
-                     bias=layer.bias is not None, padding_mode=layer.padding_mode, device_handle=device)
+    elif isinstance(layer, (torch.nn.Conv1d, torch.nn.Conv2d)) and not isinstance(layer, (Conv1d, Conv2d)):
+        cls = Conv2d if isinstance(layer, torch.nn.Conv2d) else Conv1d
+        new = cls(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
+                  padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
+                  bias=layer.bias is not None, padding_mode=layer.padding_mode, device_handle=device)
     else:
         return None
     new.weight = layer.weight
@@ -398,7 +462,7 @@ def _converted(layer: torch.nn.Module, device) -> torch.nn.Module | None:
 
 
 def convert(model: torch.nn.Module, device=None) -> torch.nn.Module:
-    """Swap every ``nn.Linear`` and ``nn.Conv2d`` of ``model`` for the HBFP versions, in place,
+    """Swap every ``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` of ``model`` for the HBFP versions, in place,
     keeping their parameters (the same tensors); returns the model. A bare layer comes back as
     its HBFP version (use the returned module)."""
     bare = _converted(model, device)
@@ -432,6 +496,13 @@ class _Offload(TorchFunctionMode):
                 a, b = args[0], args[1]
                 if a.dim() >= 1 and b.dim() >= 1 and a.is_floating_point() and b.is_floating_point():
                     return matmul(a, b, self.device)
+            if func in (F.conv2d, torch.conv2d, F.conv1d, torch.conv1d):
+                x, weight = args[0], args[1]
+                names = ("bias", "stride", "padding", "dilation", "groups")
+                extra = dict(zip(names, args[2:]))
+                extra.update({k: v for k, v in kwargs.items() if k in names})
+                fn = conv2d if func in (F.conv2d, torch.conv2d) else conv1d
+                return fn(x, weight, device=self.device, **extra)
             if func in (torch.addmm, torch.Tensor.addmm):
                 inp, a, b = args[0], args[1], args[2]
                 beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
