@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,9 @@ __all__ = [
     "conv2d",
     "convert",
     "offload",
+    "fallbacks",
+    "reset_fallbacks",
+    "HbfpFallbackWarning",
     "wide_weight_storage",
     "WideWeightStorage",
     "weight_storage",
@@ -503,11 +507,53 @@ class _Offload(TorchFunctionMode):
                 extra.update({k: v for k, v in kwargs.items() if k in names})
                 fn = conv2d if func in (F.conv2d, torch.conv2d) else conv1d
                 return fn(x, weight, device=self.device, **extra)
-            if func in (torch.addmm, torch.Tensor.addmm):
+            if func in (torch.mv, torch.Tensor.mv, torch.dot, torch.Tensor.dot):
+                return matmul(args[0], args[1], self.device)
+            if func in (torch.addmm, torch.Tensor.addmm, torch.addmv, torch.Tensor.addmv, torch.baddbmm,
+                        torch.Tensor.baddbmm):
                 inp, a, b = args[0], args[1], args[2]
                 beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
                 return beta * inp + alpha * matmul(a, b, self.device)
+            name = _FALLBACKS.get(func)
+            if name is not None:
+                _fallback(name)
         return func(*args, **kwargs)
+
+
+class HbfpFallbackWarning(UserWarning):
+    """An operation with matrix products ran in fp32 on the host under ``offload``."""
+
+
+# Operations whose products ``offload`` does not send to the device yet: they run as torch runs
+# them, with a warning the first time and a count (``fallbacks()``).
+_FALLBACKS = {f: name for name, f in (
+    ("multi_head_attention_forward", F.multi_head_attention_forward),
+    ("scaled_dot_product_attention", F.scaled_dot_product_attention),
+    ("einsum", torch.einsum), ("tensordot", torch.tensordot), ("bilinear", F.bilinear),
+    ("addbmm", torch.addbmm), ("conv3d", F.conv3d), ("conv_transpose1d", F.conv_transpose1d),
+    ("conv_transpose2d", F.conv_transpose2d), ("conv_transpose3d", F.conv_transpose3d),
+    ("lstm", getattr(torch, "lstm", None)), ("gru", getattr(torch, "gru", None)),
+    ("rnn_tanh", getattr(torch, "rnn_tanh", None)), ("rnn_relu", getattr(torch, "rnn_relu", None)),
+) if f is not None}
+_fallback_calls: dict[str, int] = {}
+
+
+def _fallback(name: str) -> None:
+    if name not in _fallback_calls:
+        warnings.warn(f"{name} runs in fp32 on the host under hbfp.torch.offload: its matrix products are not "
+                      "sent to the device (counted in hbfp.torch.fallbacks())", HbfpFallbackWarning, stacklevel=4)
+    _fallback_calls[name] = _fallback_calls.get(name, 0) + 1
+
+
+def fallbacks() -> dict[str, int]:
+    """Calls, per operation, of the operations with products that ran in fp32 on the host under
+    ``offload`` since the last ``reset_fallbacks()`` (each warned about once)."""
+    return dict(_fallback_calls)
+
+
+def reset_fallbacks() -> None:
+    """Forget the counts of ``fallbacks()``; the next fallback of each operation warns again."""
+    _fallback_calls.clear()
 
 
 @contextlib.contextmanager
