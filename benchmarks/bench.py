@@ -127,8 +127,23 @@ def _stepper(make, spec: str | None):
 
 
 def bench_steps(rounds: int, wire: bool) -> list[tuple[str, dict]]:
+    """The steps' medians per model, and what ran on the host instead of the device (attention
+    runs in fp32 under offload: ``hbfp.torch.fallbacks()``, noted in the output)."""
+    import warnings
+
+    import hbfp.torch as ht
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ht.HbfpFallbackWarning)
+        return _bench_steps(rounds, wire)
+
+
+def _bench_steps(rounds: int, wire: bool) -> list[tuple[str, dict]]:
+    import hbfp.torch as ht
+
     out = []
     for name, make in MODELS.items():
+        ht.reset_fallbacks()
         variants = {"fp32": _stepper(make, None), "hbfp8": _stepper(make, "emu")}
         if wire:
             variants["hbfp8 wire"] = _stepper(make, "emu:wire=1")
@@ -140,7 +155,7 @@ def bench_steps(rounds: int, wire: bool) -> list[tuple[str, dict]]:
                 t0 = time.perf_counter()
                 fn()
                 times[k].append(time.perf_counter() - t0)
-        out.append((name, {k: statistics.median(v) for k, v in times.items()}))
+        out.append((name, {k: statistics.median(v) for k, v in times.items()}, ht.fallbacks()))
     return out
 
 
@@ -212,11 +227,16 @@ def main(argv=None) -> int:
     print("\ntraining steps (median of interleaved rounds)")
     print(f"{'model':>38} {'fp32':>9} {'hbfp8 emu':>10} {'ratio':>7}" + ("" if args.no_wire else
                                                                          f" {'hbfp8 wire':>11} {'ratio':>7}"))
-    for name, t in bench_steps(args.rounds, not args.no_wire):
+    notes = []
+    for name, t, host in bench_steps(args.rounds, not args.no_wire):
         line = f"{name:>38} {t['fp32'] * 1e3:>7.2f}ms {t['hbfp8'] * 1e3:>8.2f}ms {t['hbfp8'] / t['fp32']:>6.1f}x"
         if "hbfp8 wire" in t:
             line += f" {t['hbfp8 wire'] * 1e3:>9.2f}ms {t['hbfp8 wire'] / t['fp32']:>6.1f}x"
         print(line)
+        if host:
+            notes.append(f"{name}: {', '.join(sorted(host))} in fp32 on the host (not yet routed by offload)")
+    for note in notes:
+        print(note)
 
     print(f"\ncompiled kernels (hbfp.golden.native): {'loaded' if native.available() else native.why()}")
     print("\nHBFP8 gemm (24x24 tiles, fp32 accumulation in K-tile order) vs numpy fp32 matmul, interleaved;"
