@@ -34,10 +34,6 @@ __all__ = ["COMPRESSIONS", "GradExchange", "attach", "rank_spec", "params_equal"
 #: Gradient exchanges: fp32, or BFP codes and shared exponents in one of these formats.
 COMPRESSIONS = ("none", "hbfp8", "mxint8")
 
-# Columns of the matrix a gradient bucket is viewed as: one tile wide, so that a tile is a run of
-# consecutive gradient values (576 for HBFP8's 24 x 24 tiles, 32 for MXINT8's 1 x 32).
-_WIDTH = {"hbfp8": 24, "mxint8": 32}
-
 
 def _format(compression: str):
     from hbfp.golden import HBFP8, MXINT8
@@ -80,7 +76,10 @@ class GradExchange:
             return flat.div_(world)
         from hbfp.golden import kernels
 
-        fmt, width = _format(self.compression), _WIDTH[self.compression]
+        # a matrix one tile wide: every tile a run of consecutive gradient values (576 for
+        # HBFP8's 24 x 24 tiles, 32 for MXINT8's 1 x 32)
+        fmt = _format(self.compression)
+        width = fmt.tile[1]
         rows = -(-n // width)
         mat = torch.zeros(rows * width, dtype=torch.float32)
         mat[:n] = flat.detach().to(torch.float32)

@@ -66,7 +66,8 @@ def test_the_exchange_is_its_definition_on_every_rank(tmp_path, compression):
         assert torch.allclose(got[0]["result"], want, rtol=1e-6, atol=0)
         assert got[0]["bytes"] == 4 * n  # a ring all-reduce of 2 ranks sends its payload once
         return
-    fmt, width = (HBFP8, 24) if compression == "hbfp8" else (MXINT8, 32)
+    fmt = HBFP8 if compression == "hbfp8" else MXINT8
+    width = fmt.tile[1]
     rows = -(-n // width)
     total = None
     for g in grads:  # quantize each rank's bucket, dequantize, add in rank order, divide
