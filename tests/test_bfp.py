@@ -11,6 +11,7 @@ from hypothesis.extra import numpy as hnp
 from hbfp.golden import HBFP8, HBFP16, MXINT8, BFPTensor, Format, bfp, quantize, requantize
 
 from . import reference as ref
+from .stubs import NoNative
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -54,20 +55,12 @@ def test_nearest_even_error_is_at_most_half_a_step(x, fmt):
     assert np.all(err[saturated] < step[saturated])  # amax * 2**frac_bits can round up to 2**(m-1)
 
 
-class _NoNative:
-    """Stands in for hbfp.golden.native in bfp's namespace: quantize's NumPy bands."""
-
-    @staticmethod
-    def available():
-        return False
-
-
 @pytest.mark.parametrize("path", ["native", "bands"])
 @settings(max_examples=100, deadline=None)
 @given(x=matrices(), fmt=formats, rounding=roundings, seed=st.integers(0, 2**32 - 1))
 def test_quantize_equals_scalar_reference(path, x, fmt, rounding, seed):
     fmt = fmt.with_rounding(rounding)
-    with mock.patch.object(bfp, "native", _NoNative if path == "bands" else bfp.native):
+    with mock.patch.object(bfp, "native", NoNative if path == "bands" else bfp.native):
         t = quantize(x, fmt, seed=seed)
     codes, exps = ref.quantize_matrix(x.tolist(), fmt.mantissa_bits, fmt.tile, rounding, seed)
     assert t.codes.tolist() == codes

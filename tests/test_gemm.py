@@ -15,6 +15,7 @@ from hbfp.golden.compare import describe_difference, same_bits
 from hbfp.golden.gemm import gemm
 
 from . import reference as ref
+from .stubs import NoNative
 
 
 def reference_gemm(a: BFPTensor, b: BFPTensor, c=None, bias=None):
@@ -26,14 +27,6 @@ def reference_gemm(a: BFPTensor, b: BFPTensor, c=None, bias=None):
     return np.array(out, dtype=np.float32).reshape(a.shape[0], b.shape[1])
 
 
-class _NoNative:
-    """Stands in for hbfp.golden.native in gemm's namespace: the fast path through NumPy's BLAS."""
-
-    @staticmethod
-    def available():
-        return False
-
-
 @pytest.fixture(params=["native", "blas", "exact"])
 def path(request, monkeypatch):
     """Run a test once as gemm chooses (the fast path compiled for this CPU), once with the fast
@@ -41,7 +34,7 @@ def path(request, monkeypatch):
     if request.param == "native" and not native.available():
         pytest.skip(f"the compiled kernels are not available: {native.why()}")
     if request.param == "blas":
-        monkeypatch.setattr(gemm_mod, "native", _NoNative)
+        monkeypatch.setattr(gemm_mod, "native", NoNative)
     if request.param == "exact":
         monkeypatch.setattr(gemm_mod, "_fast_path_ok", lambda *args: False)
     return request.param
@@ -129,7 +122,7 @@ def test_fast_and_exact_paths_agree_on_larger_products(monkeypatch):
     c = random_matrix(rng, (200, 170))
     fast = gemm(a, b, c=c)
     with monkeypatch.context() as mp:
-        mp.setattr(gemm_mod, "native", _NoNative)
+        mp.setattr(gemm_mod, "native", NoNative)
         assert same_bits(fast, gemm(a, b, c=c))
     monkeypatch.setattr(gemm_mod, "_fast_path_ok", lambda *args: False)
     assert same_bits(fast, gemm(a, b, c=c))
@@ -138,7 +131,7 @@ def test_fast_and_exact_paths_agree_on_larger_products(monkeypatch):
 def test_fast_path_blocks_and_workers_do_not_change_bits(monkeypatch):
     rng = np.random.default_rng(4)
     a, b = quantize(random_matrix(rng, (150, 200))), quantize(random_matrix(rng, (200, 130)))
-    monkeypatch.setattr(gemm_mod, "native", _NoNative)  # the BLAS path's blocks
+    monkeypatch.setattr(gemm_mod, "native", NoNative)  # the BLAS path's blocks
     base = gemm(a, b)
     monkeypatch.setattr(gemm_mod, "_FAST_BLOCK_BYTES", 4 * 9 * 7 * 13)
     monkeypatch.setattr(gemm_mod, "_FAST_BLOCK_COLS", 13)

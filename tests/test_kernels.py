@@ -15,6 +15,8 @@ from hbfp.golden.activations import UNARY
 from hbfp.golden.bfp import mix32, random_bits, stream_index
 from hbfp.golden.gemm import epilogue, gemm
 
+from .stubs import NoNative
+
 FORMATS = {"hbfp8": HBFP8, "hbfp16": HBFP16, "mxint8": MXINT8, "m6_3x5": Format(6, (3, 5))}
 ROUNDINGS = ("nearest_even", "toward_zero", "stochastic")
 
@@ -112,19 +114,13 @@ CASES = [  # m, k, n, format, exponent decades, with C, with bias
 IMPLS = ["fp32", "numpy"] + (["int8"] if K._int_mm_works() else []) + (["native"] if K._native_applies(torch.zeros(1)) else [])
 
 
-class _NoNative:
-    @staticmethod
-    def available():
-        return False
-
-
 @pytest.fixture(autouse=True)
 def golden_without_native(monkeypatch):
     """The NumPy model's products through NumPy's BLAS, so that the compiled kernel (impl
     "native") is held against code that shares nothing with it."""
     from hbfp.golden import gemm as gemm_mod
 
-    monkeypatch.setattr(gemm_mod, "native", _NoNative)
+    monkeypatch.setattr(gemm_mod, "native", NoNative)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -14,6 +14,8 @@ from hbfp.golden import HBFP8, HBFP16, MXINT8, Format, bfp, quantize
 from hbfp.golden import gemm as gemm_mod
 from hbfp.golden import native
 
+from .stubs import NoNative
+
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no compiled kernels: {native.why()}")
 
 
@@ -139,12 +141,6 @@ def test_bad_arguments_are_refused():
         run(qa, qb, acc)
 
 
-class _NoNative:
-    @staticmethod
-    def available():
-        return False
-
-
 @pytest.mark.parametrize("rounding", bfp.ROUNDINGS)
 @pytest.mark.parametrize("fmt", [HBFP8, HBFP16, MXINT8, Format(6, (3, 5)), Format(2, (1, 1))])
 def test_quantize_equals_the_numpy_bands(monkeypatch, fmt, rounding):
@@ -164,13 +160,13 @@ def test_quantize_equals_the_numpy_bands(monkeypatch, fmt, rounding):
         for view in (x, x.T.copy().T):
             got = quantize(view, fmt, seed=shape[0])
             with monkeypatch.context() as mp:
-                mp.setattr(bfp, "native", _NoNative)
+                mp.setattr(bfp, "native", NoNative)
                 want = quantize(view, fmt, seed=shape[0])
             assert got.codes.dtype == want.codes.dtype
             assert np.array_equal(got.codes, want.codes) and np.array_equal(got.exponents, want.exponents)
     key = None if fmt.rounding != "stochastic" else int(bfp._key(3))
     codes, exps = native.quantize(x, fmt, key, threads=2)
-    monkeypatch.setattr(bfp, "native", _NoNative)
+    monkeypatch.setattr(bfp, "native", NoNative)
     want = quantize(x, fmt, seed=3)
     assert np.array_equal(codes, want.codes) and np.array_equal(exps, want.exponents)
 
