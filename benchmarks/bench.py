@@ -126,36 +126,29 @@ def _stepper(make, spec: str | None):
     return step
 
 
-def bench_steps(rounds: int, wire: bool) -> list[tuple[str, dict]]:
-    """The steps' medians per model, and what ran on the host instead of the device (attention
-    runs in fp32 under offload: ``hbfp.torch.fallbacks()``, noted in the output)."""
-    import warnings
-
-    import hbfp.torch as ht
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ht.HbfpFallbackWarning)
-        return _bench_steps(rounds, wire)
-
-
-def _bench_steps(rounds: int, wire: bool) -> list[tuple[str, dict]]:
+def bench_steps(rounds: int, wire: bool) -> list[tuple[str, dict, float]]:
+    """The steps' medians per model, and the share of the HBFP steps' MACs that ran on the
+    device (``hbfp.torch.report()``)."""
     import hbfp.torch as ht
 
     out = []
     for name, make in MODELS.items():
-        ht.reset_fallbacks()
         variants = {"fp32": _stepper(make, None), "hbfp8": _stepper(make, "emu")}
         if wire:
             variants["hbfp8 wire"] = _stepper(make, "emu:wire=1")
         times = {k: [] for k in variants}
         for fn in variants.values():
             fn()  # warm-up
+        ht.reset_report()
         for _ in range(rounds):
             for k, fn in variants.items():
                 t0 = time.perf_counter()
                 fn()
                 times[k].append(time.perf_counter() - t0)
-        out.append((name, {k: statistics.median(v) for k, v in times.items()}, ht.fallbacks()))
+        counts = ht.report().values()
+        device = sum(c.device_macs for c in counts)
+        share = device / max(1, device + sum(c.host_macs for c in counts))
+        out.append((name, {k: statistics.median(v) for k, v in times.items()}, share))
     return out
 
 
@@ -227,16 +220,14 @@ def main(argv=None) -> int:
     print("\ntraining steps (median of interleaved rounds)")
     print(f"{'model':>38} {'fp32':>9} {'hbfp8 emu':>10} {'ratio':>7}" + ("" if args.no_wire else
                                                                          f" {'hbfp8 wire':>11} {'ratio':>7}"))
-    notes = []
-    for name, t, host in bench_steps(args.rounds, not args.no_wire):
+    shares = []
+    for name, t, share in bench_steps(args.rounds, not args.no_wire):
         line = f"{name:>38} {t['fp32'] * 1e3:>7.2f}ms {t['hbfp8'] * 1e3:>8.2f}ms {t['hbfp8'] / t['fp32']:>6.1f}x"
         if "hbfp8 wire" in t:
             line += f" {t['hbfp8 wire'] * 1e3:>9.2f}ms {t['hbfp8 wire'] / t['fp32']:>6.1f}x"
         print(line)
-        if host:
-            notes.append(f"{name}: {', '.join(sorted(host))} in fp32 on the host (not yet routed by offload)")
-    for note in notes:
-        print(note)
+        shares.append(f"{name} {100 * share:.1f}%")
+    print("MACs of the HBFP steps on the device (hbfp.torch.report): " + ", ".join(shares))
 
     print(f"\ncompiled kernels (hbfp.golden.native): {'loaded' if native.available() else native.why()}")
     print("\nHBFP8 gemm (24x24 tiles, fp32 accumulation in K-tile order) vs numpy fp32 matmul, interleaved;"

@@ -475,6 +475,56 @@ class Device:
         acc = kernels.gemm((ca, ea), (cb, eb), fa, fb, c=c, bias=bias)
         return kernels.epilogue(acc, activation, out, leaky_shift=ident.leaky_shift)
 
+    def bmm_tensors(self, a, b):
+        """The stack of products ``a[i] @ b[i]`` (``a`` B x M x K, ``b`` B x K x N float
+        tensors) on an in-process device, each equal bit for bit to ``gemm_tensors(a[i],
+        b[i])`` (fp32, nearest even; blocks along K only, such as MXINT8's: B stored N x K) and
+        counted as that many products. With square tiles,
+        every K-tile's products exact in fp32 and no NaN tile (the fast path's conditions,
+        checked on the whole stack), the stack is quantized and multiplied at once: its
+        matrices padded to whole tiles, so that no tile spans two of them; else product by
+        product."""
+        import torch
+
+        from hbfp.golden import kernels
+
+        direct = self.direct_device
+        if direct is None:
+            raise NotSupported(f"{self.name} computes products through its link: use gemm")
+        if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+            raise ShapeMismatch(f"bmm_tensors takes B x M x K and B x K x N stacks, got {tuple(a.shape)} and "
+                                f"{tuple(b.shape)}")
+        (nb, m, k), n = a.shape, b.shape[2]
+        ident = self.identity
+        fmt = ident.fmt("nearest_even")
+        t = fmt.tile[0]
+        if ident.square:
+            one = lambda i: self.gemm_tensors(a[i], b[i])  # noqa: E731
+        else:  # blocks along K: B stored N x K
+            one = lambda i: self.gemm_tensors(a[i], b[i].t(), transpose_b=True)  # noqa: E731
+        if nb == 0 or not (m and n and k) or not ident.square or nb == 1:
+            return a.new_zeros(nb, m, n, dtype=torch.float32) if nb == 0 else torch.stack([one(i) for i in range(nb)])
+        mp, kp, np_ = (-(-x // t) * t for x in (m, k, n))
+        pad = lambda x, r, c: torch.nn.functional.pad(x.to(torch.float32), (0, c - x.shape[2], 0, r - x.shape[1]))  # noqa: E731
+        ca, ea = kernels.quantize(pad(a, mp, kp).reshape(nb * mp, kp), fmt)
+        cb, eb = kernels.quantize(pad(b, kp, np_).reshape(nb * kp, np_), fmt)
+        nan = kernels.EXP_NAN
+        if (bool((ea == nan).any()) or bool((eb == nan).any())
+                or not kernels._fast_path_ok((ca, ea), (cb, eb), fmt, fmt, t, None)):
+            return torch.stack([one(i) for i in range(nb)])
+        kt = kp // t
+        af = kernels._scaled(ca, ea, fmt, nb * mp, kp).view(nb, mp, kt, t).transpose(1, 2)
+        bf = kernels._scaled(cb, eb, fmt, nb * kp, np_).view(nb, kt, t, np_)
+        p = torch.matmul(af, bf)  # every K-tile's products, exact
+        acc = torch.zeros((nb, mp, np_), dtype=torch.float32, device=a.device)
+        for j in range(kt):  # in K-tile order, as the device adds them
+            acc += p[:, j]
+        before = (self.stats.cycles, self.stats.macs)
+        self._count_direct(direct, m, n, k, self._blocks(m, n, k, False, False, False), OutFormat.FP32)
+        self.stats.cycles += (nb - 1) * (self.stats.cycles - before[0])
+        self.stats.macs += (nb - 1) * (self.stats.macs - before[1])
+        return acc[:, :m, :n].contiguous()
+
     @property
     def direct_device(self):
         """The in-process device that computes products directly (``EmuDevice`` without

@@ -43,6 +43,7 @@ def test_bench_runs_and_prints_ratios(capsys):
     for model in ("MLP", "digits CNN", "transformer block"):
         assert re.search(model + r".*\s+[\d.]+ms\s+[\d.]+ms\s+[\d.]+x\s+[\d.]+ms\s+[\d.]+x", out), out
     assert re.search(r"48x96x24:\s+[\d.]+ MiB allocated", out), out
+    assert re.search(r"on the device.*MLP.* 100\.0%.*digits CNN.* 100\.0%.*transformer block.* 100\.0%", out), out
 
 
 def test_verilog_writes_components_and_parameters(tmp_path, capsys):

@@ -4,10 +4,12 @@
   (``grad_a = grad @ b^T``, ``grad_b = a^T @ grad``), each bit for bit as
   ``hbfp.golden.gemm.gemm`` on the device's format. With square tiles the backward products
   reuse the forward quantization of ``a`` and ``b`` (a transposed operand reuses its tiles).
-- ``Linear``, ``Conv2d`` (im2col products) and ``convert(model)``, which swaps them into a
-  model in place.
-- ``offload(device)``: a context that routes ``mm``, ``addmm``, ``bmm``, ``matmul`` and
-  ``linear`` of an unchanged model to the device, forward and backward.
+- ``HbfpBmm``: a stack of products at once (``Device.bmm_tensors`` on ``emu``).
+- ``Linear``, ``Conv1d``, ``Conv2d`` (im2col products) and ``convert(model)``, which swaps them
+  into a model in place.
+- ``offload(device)``: a context that runs every matrix product of an unchanged model on the
+  device, forward and backward: the functions ``_Offload`` routes, and every other product at
+  the ATen level (``hbfp.torch.aten``); ``report()`` says what ran where (docs/torch.md).
 - ``set_matmul_precision("highest" | "hbfp8")``, modelled on
   ``torch.set_float32_matmul_precision``: ``offload`` sets ``"hbfp8"`` while it is active and
   restores the previous value on exit, exceptions included.
@@ -25,13 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
+
+from . import counts as _report
+from .counts import HbfpFallbackWarning, OpCount, fallbacks, format_report, report, reset_fallbacks, reset_report
 
 __all__ = [
     "PRECISIONS",
@@ -46,10 +51,15 @@ __all__ = [
     "Conv2d",
     "conv1d",
     "conv2d",
+    "bilinear",
     "convert",
     "offload",
     "fallbacks",
     "reset_fallbacks",
+    "report",
+    "reset_report",
+    "format_report",
+    "OpCount",
     "HbfpFallbackWarning",
     "wide_weight_storage",
     "WideWeightStorage",
@@ -86,6 +96,7 @@ def matmul_precision(precision: str):
         set_matmul_precision(previous)
 
 
+@torch.compiler.disable  # a handle torch.compile need not look into
 def default_device():
     """The device used when none is given: the in-process ``emu`` (opened once)."""
     with _default_lock:
@@ -102,21 +113,51 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).contiguous().numpy()
 
 
-def _device_gemm(device, a, b, **kw) -> torch.Tensor:
-    """``a @ b`` on ``device`` (``Device.gemm``'s keywords): on the in-process emu with torch's
-    kernels where the tensors are (no NumPy round trip), else through the device's driver.
-    ``offload`` lets the kernels' own torch operations through (a backward product runs
-    while the context routes products, outside its handler)."""
+@contextlib.contextmanager
+def _device_work():
+    """The device's own work: no handler at all for its torch operations (``offload``'s modes
+    off, ``on_device`` set, so that a backward product run while the context routes products
+    does not route its kernels' operations)."""
     previous = getattr(_state, "on_device", False)
     _state.on_device = True
     try:
-        with torch._C.DisableTorchFunction():  # and no handler at all for the kernels' operations
-            return _device_gemm_inner(device, a, b, **kw)
+        with torch._C.DisableTorchFunction(), _disable_current_modes():
+            yield
     finally:
         _state.on_device = previous
 
 
+def _shape(x, transposed: bool) -> tuple[int, int]:
+    rows, cols = (x[0] if isinstance(x, tuple) else x).shape
+    return (cols, rows) if transposed else (rows, cols)
+
+
+@torch.compiler.disable  # the device's work is a call torch.compile leaves as it is (a graph break)
+def _device_gemm(device, a, b, **kw) -> torch.Tensor:
+    """``a @ b`` on ``device`` (``Device.gemm``'s keywords): on the in-process emu with torch's
+    kernels where the tensors are (no NumPy round trip), else through the device's driver;
+    its MACs counted in ``report()`` under the operation being routed."""
+    (m, k), (_, n) = _shape(a, kw.get("transpose_a", False)), _shape(b, kw.get("transpose_b", False))
+    with _device_work():
+        out = _device_gemm_inner(device, a, b, **kw)
+    _report.count_device(m * k * n)
+    return out
+
+
+def _square(device) -> bool:
+    """Whether the device's tiles are square (a stand-in without an identity: yes)."""
+    identity = getattr(device, "identity", None)
+    return identity is None or identity.square
+
+
 def _device_gemm_inner(device, a, b, **kw) -> torch.Tensor:
+    if not _square(device):
+        # Blocks along K only (MXINT8's 1 x 32): A goes stored M x K, B stored N x K (views).
+        if isinstance(a, tuple) or isinstance(b, tuple):
+            raise ValueError(f"{device.name}'s tile {device.identity.tile} is not square: stored codes cannot be read")
+        a = a.t() if kw.pop("transpose_a", False) else a
+        b = b if kw.pop("transpose_b", False) else b.t()
+        kw["transpose_b"] = True
     if getattr(device, "direct_device", None) is not None:
         return device.gemm_tensors(a.detach() if isinstance(a, torch.Tensor) else a,
                                    b.detach() if isinstance(b, torch.Tensor) else b, **kw)
@@ -125,6 +166,56 @@ def _device_gemm_inner(device, a, b, **kw) -> torch.Tensor:
     # Tensors go as NumPy arrays, codes (stored weights) as BFPTensors.
     a, b = (to_bfp_tensor(*x, device.format()) if isinstance(x, tuple) else _numpy(x) for x in (a, b))
     return torch.from_numpy(np.ascontiguousarray(device.gemm(a, b, **kw)))
+
+
+@torch.compiler.disable
+def _device_bmm(device, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The stack ``a[i] @ b[i]`` on ``device``: at once on the in-process emu
+    (``Device.bmm_tensors``), else product by product."""
+    if getattr(device, "direct_device", None) is None:
+        return torch.stack([_device_gemm(device, a[i], b[i]) for i in range(a.shape[0])]) if a.shape[0] else \
+            a.new_zeros(0, a.shape[1], b.shape[2])
+    with _device_work():
+        out = device.bmm_tensors(a.detach(), b.detach())
+    _report.count_device(a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2])
+    return out
+
+
+class _Product:
+    """The device's products as ``hbfp.torch.aten`` calls them: ``product(a, b)`` (2-D) and
+    ``product.batched(a, b)`` (stacks)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __call__(self, a, b):
+        return _device_gemm(self.device, a, b)
+
+    def batched(self, a, b):
+        return _device_bmm(self.device, a, b)
+
+
+class HbfpBmm(torch.autograd.Function):
+    """The stack ``a[i] @ b[i]`` (B x M x K, B x K x N) on ``device``, forward and both backward
+    stacks of products, each product as ``HbfpMatmul``'s."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, device):
+        ctx.device = device
+        ctx.op = _report.current()
+        ctx.save_for_backward(a, b)
+        return _device_bmm(device, a, b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        grad_a = grad_b = None
+        with _report.routing(ctx.op or "matmul"):
+            if ctx.needs_input_grad[0]:
+                grad_a = _device_bmm(ctx.device, grad, b.transpose(1, 2))
+            if ctx.needs_input_grad[1]:
+                grad_b = _device_bmm(ctx.device, a.transpose(1, 2), grad)
+        return grad_a, grad_b, None
 
 
 @dataclass(frozen=True)
@@ -138,17 +229,18 @@ class _StoredOperand:
     transposed: bool
 
 
+@torch.compiler.disable
 def _quantized(device, x: torch.Tensor):
     """``x`` as the products read it: on the in-process emu its codes and exponents in the
     device's format, quantized once for the forward and both backward products (the same
     codes each product's own quantization gives: a transposed operand reuses its square
     tiles); elsewhere ``x`` itself, which the driver quantizes."""
-    if getattr(device, "direct_device", None) is None:
-        return x
+    if getattr(device, "direct_device", None) is None or not _square(device):
+        return x  # quantized by the product itself (blocks along K: in the layout it stores)
     from hbfp.golden import kernels
 
     fmt = device.format()
-    with torch._C.DisableTorchFunction():
+    with _device_work():
         x = x.detach()
         if (x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous() and fmt.tile[0] == fmt.tile[1]
                 and fmt.rounding != "stochastic"):
@@ -170,6 +262,7 @@ class HbfpMatmul(torch.autograd.Function):
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, device, stored: _StoredOperand | None = None):
         ctx.device = device
         ctx.stored = stored
+        ctx.op = _report.current()
         ctx.qa = _quantized(device, a)
         ctx.qb = stored.codes if stored is not None else _quantized(device, b)
         ctx.transposed = stored is not None and stored.transposed
@@ -177,6 +270,11 @@ class HbfpMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        with _report.routing(ctx.op or "matmul"):
+            return HbfpMatmul._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad: torch.Tensor):
         grad_a = grad_b = None
         qg = _quantized(ctx.device, grad) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
         if ctx.needs_input_grad[0]:  # grad @ b^T (b stored as in the forward product)
@@ -186,12 +284,21 @@ class HbfpMatmul(torch.autograd.Function):
         return grad_a, grad_b, None, None
 
 
+#: The 16-bit float dtypes: their operands reach the device as fp32, their results come back
+#: rounded to nearest even.
+_HALF = {torch.bfloat16, torch.float16}
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOperand | None = None) -> torch.Tensor:
     """``a @ b`` in HBFP with torch.matmul's shapes: matrices, stacks (leading axes broadcast)
     and vectors (a 1-D operand is a one-row or one-column matrix, its axis removed after)."""
     device = device or default_device()
     if a.dim() == 0 or b.dim() == 0:
         raise ValueError("hbfp matmul takes vectors, matrices or stacks of matrices, not scalars")
+    half = {a.dtype, b.dtype} & _HALF
+    if half:  # bf16/fp16 operands go as fp32 (exactly); the fp32 result is rounded to their dtype
+        dtype = torch.promote_types(a.dtype, b.dtype)
+        return matmul(a.float(), b.float(), device, stored=stored).to(dtype)
     if b.dim() == 1:  # (..., K) @ (K,): a one-column product
         return matmul(a, b[:, None], device, stored=stored)[..., 0]
     if a.dim() == 1:  # (K,) @ (..., K, N): a one-row product
@@ -206,7 +313,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOper
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    out = torch.stack([HbfpMatmul.apply(a[i], b[i], device) for i in range(a.shape[0])])
+    out = HbfpBmm.apply(a, b, device)
     return out.reshape(*batch, *out.shape[-2:])
 
 
@@ -312,6 +419,7 @@ class Linear(torch.nn.Linear):
         super().__init__(*args, **kwargs)
         self.device_handle = device_handle
 
+    @torch.compiler.disable  # torch.compile runs the layer as it is and compiles around it
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self.weight, self.bias, self.device_handle or default_device())
 
@@ -429,6 +537,7 @@ class Conv2d(torch.nn.Conv2d):
         super().__init__(*args, **kwargs)
         self.device_handle = device_handle
 
+    @torch.compiler.disable  # torch.compile runs the layer as it is and compiles around it
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
                       self.device_handle or default_device(), padding_mode=self.padding_mode)
@@ -441,6 +550,7 @@ class Conv1d(torch.nn.Conv1d):
         super().__init__(*args, **kwargs)
         self.device_handle = device_handle
 
+    @torch.compiler.disable  # torch.compile runs the layer as it is and compiles around it
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return conv1d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
                       self.device_handle or default_device(), padding_mode=self.padding_mode)
@@ -481,8 +591,26 @@ def convert(model: torch.nn.Module, device=None) -> torch.nn.Module:
     return model
 
 
+def _routing_active() -> bool:
+    return get_matmul_precision() == "hbfp8" and not getattr(_state, "on_device", False)
+
+
+def bilinear(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             device=None) -> torch.Tensor:
+    """``F.bilinear`` in HBFP: y[o] = sum_ij x1[i] W[o, i, j] x2[j] as one product of the
+    outer products x1[i] * x2[j] (elementwise, on the host) with W as an (I * J) x O matrix."""
+    device = device or default_device()
+    lead = torch.broadcast_shapes(x1.shape[:-1], x2.shape[:-1])
+    i, j = x1.shape[-1], x2.shape[-1]
+    outer = (x1.expand(*lead, i)[..., :, None] * x2.expand(*lead, j)[..., None, :]).reshape(-1, i * j)
+    y = matmul(outer, weight.reshape(weight.shape[0], i * j).t(), device).reshape(*lead, weight.shape[0])
+    return y + bias if bias is not None else y
+
+
 class _Offload(TorchFunctionMode):
-    """Routes the matrix products of torch's functional API to the device."""
+    """Routes the matrix products of torch's functional API to the device (the ones
+    ``aten.AtenOffload`` would see only as ATen products: linear layers with their wide
+    storage, the im2col convolutions with their compiled patches, bilinear)."""
 
     def __init__(self, device):
         super().__init__()
@@ -490,76 +618,90 @@ class _Offload(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if get_matmul_precision() == "hbfp8" and not getattr(_state, "on_device", False):
-            if func is F.linear:
-                x, weight = args[0], args[1]
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                return _linear(x, weight, bias, self.device)
-            if func in (torch.mm, torch.Tensor.mm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
-                        torch.Tensor.bmm):
-                a, b = args[0], args[1]
-                if a.dim() >= 1 and b.dim() >= 1 and a.is_floating_point() and b.is_floating_point():
-                    return matmul(a, b, self.device)
-            if func in (F.conv2d, torch.conv2d, F.conv1d, torch.conv1d):
-                x, weight = args[0], args[1]
-                names = ("bias", "stride", "padding", "dilation", "groups")
-                extra = dict(zip(names, args[2:]))
-                extra.update({k: v for k, v in kwargs.items() if k in names})
-                fn = conv2d if func in (F.conv2d, torch.conv2d) else conv1d
-                return fn(x, weight, device=self.device, **extra)
-            if func in (torch.mv, torch.Tensor.mv, torch.dot, torch.Tensor.dot):
-                return matmul(args[0], args[1], self.device)
-            if func in (torch.addmm, torch.Tensor.addmm, torch.addmv, torch.Tensor.addmv, torch.baddbmm,
-                        torch.Tensor.baddbmm):
-                inp, a, b = args[0], args[1], args[2]
-                beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-                return beta * inp + alpha * matmul(a, b, self.device)
-            name = _FALLBACKS.get(func)
-            if name is not None:
-                _fallback(name)
+        route = _ROUTES.get(func) if _routing_active() else None
+        if route is not None:
+            out = route(self.device, *args, **kwargs)
+            if out is not NotImplemented:
+                return out
         return func(*args, **kwargs)
 
 
-class HbfpFallbackWarning(UserWarning):
-    """An operation with matrix products ran in fp32 on the host under ``offload``."""
+def _counted(name: str, fn, autocast: bool = True):
+    """``fn`` routed as ``name``: counted, and under ``torch.autocast`` with its operands cast
+    as autocast casts them for this operation (``autocast``: whether it is on autocast's
+    lower-precision list)."""
+    def routed(device, *args, **kwargs):
+        if not _applies(args, kwargs):
+            return NotImplemented
+        _report.count_call(name)
+        if autocast and torch.is_autocast_enabled("cpu"):
+            # as autocast runs a product: fp32 operands in its dtype, the result in it
+            dtype = torch.get_autocast_dtype("cpu")
+            cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t  # noqa: E731
+            args, kwargs = [cast(t) for t in args], {k: cast(v) for k, v in kwargs.items()}
+        with _report.routing(name), torch.autocast("cpu", enabled=False):
+            return fn(device, *args, **kwargs)
+    return routed
 
 
-# Operations whose products ``offload`` does not send to the device yet: they run as torch runs
-# them, with a warning the first time and a count (``fallbacks()``).
-_FALLBACKS = {f: name for name, f in (
-    ("multi_head_attention_forward", F.multi_head_attention_forward),
-    ("scaled_dot_product_attention", F.scaled_dot_product_attention),
-    ("einsum", torch.einsum), ("tensordot", torch.tensordot), ("bilinear", F.bilinear),
-    ("addbmm", torch.addbmm), ("conv3d", F.conv3d), ("conv_transpose1d", F.conv_transpose1d),
-    ("conv_transpose2d", F.conv_transpose2d), ("conv_transpose3d", F.conv_transpose3d),
-    ("lstm", getattr(torch, "lstm", None)), ("gru", getattr(torch, "gru", None)),
-    ("rnn_tanh", getattr(torch, "rnn_tanh", None)), ("rnn_relu", getattr(torch, "rnn_relu", None)),
-) if f is not None}
-_fallback_calls: dict[str, int] = {}
+def _applies(args, kwargs) -> bool:
+    """Floating CPU operands and no ``out=``: else torch's (and the ATen mode's) own."""
+    tensors = [t for t in args[:3] if isinstance(t, torch.Tensor)]
+    return "out" not in kwargs and all(t.dim() >= 1 and t.is_floating_point() and t.device.type == "cpu"
+                                       for t in tensors)
 
 
-def _fallback(name: str) -> None:
-    if name not in _fallback_calls:
-        warnings.warn(f"{name} runs in fp32 on the host under hbfp.torch.offload: its matrix products are not "
-                      "sent to the device (counted in hbfp.torch.fallbacks())", HbfpFallbackWarning, stacklevel=4)
-    _fallback_calls[name] = _fallback_calls.get(name, 0) + 1
+def _route_linear(device, x, weight, bias=None):
+    return _linear(x, weight, bias, device)
 
 
-def fallbacks() -> dict[str, int]:
-    """Calls, per operation, of the operations with products that ran in fp32 on the host under
-    ``offload`` since the last ``reset_fallbacks()`` (each warned about once)."""
-    return dict(_fallback_calls)
+def _route_matmul(device, a, b):
+    return matmul(a, b, device)
 
 
-def reset_fallbacks() -> None:
-    """Forget the counts of ``fallbacks()``; the next fallback of each operation warns again."""
-    _fallback_calls.clear()
+def _route_conv(fn):
+    names = ("bias", "stride", "padding", "dilation", "groups")
+
+    def route(device, x, weight, *args, **kwargs):
+        extra = dict(zip(names, args))
+        extra.update({k: v for k, v in kwargs.items() if k in names})
+        return fn(x, weight, device=device, **extra)
+    return route
+
+
+def _route_scaled(device, inp, a, b, *, beta=1, alpha=1):
+    return beta * inp + alpha * matmul(a, b, device)
+
+
+def _route_bilinear(device, x1, x2, weight, bias=None):
+    return bilinear(x1, x2, weight, bias, device)
+
+
+_ROUTES = {}
+for _name, _fn, _funcs in (
+    ("linear", _route_linear, (F.linear,)),
+    ("matmul", _route_matmul, (torch.mm, torch.Tensor.mm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
+                               torch.bmm, torch.Tensor.bmm, torch.mv, torch.Tensor.mv, torch.dot, torch.Tensor.dot)),
+    ("conv2d", _route_conv(conv2d), (F.conv2d, torch.conv2d)),
+    ("conv1d", _route_conv(conv1d), (F.conv1d, torch.conv1d)),
+    ("addmm", _route_scaled, (torch.addmm, torch.Tensor.addmm, torch.addmv, torch.Tensor.addmv, torch.baddbmm,
+                              torch.Tensor.baddbmm)),
+    ("bilinear", _route_bilinear, (F.bilinear,)),
+):
+    for _f in _funcs:
+        _ROUTES[_f] = _counted(_name, _fn, autocast=_name != "bilinear")  # autocast runs bilinear in fp32
 
 
 @contextlib.contextmanager
 def offload(device=None, precision: str = "hbfp8"):
     """Run the matrix products of an unchanged model on ``device`` (default ``emu``) while
-    the context is active; the matmul precision is restored on exit, exceptions included."""
+    the context is active, forward and backward: the functions ``_Offload`` routes, and every
+    other product at the ATen level (``hbfp.torch.aten``: attention, RNNs, einsum,
+    tensordot, 3-d and transposed convolutions, ...). ``report()`` says what ran where. The
+    matmul precision and the backend flags are restored on exit, exceptions included."""
+    from .aten import AtenOffload, backend_flags
+
     device = device or default_device()
-    with matmul_precision(precision), _Offload(device):
+
+    with matmul_precision(precision), backend_flags(), AtenOffload(_Product(device), _routing_active), _Offload(device):
         yield device

@@ -1,0 +1,309 @@
+"""``offload``'s interception at the ATen level: the matrix products that reach the
+dispatcher below autograd (inside ``nn.MultiheadAttention``, ``F.scaled_dot_product_attention``,
+RNNs, ``einsum``, ``tensordot``, transposed and 3-d convolutions, and every backward product
+of them) run on the device.
+
+``AtenOffload`` is a ``TorchDispatchMode``: autograd records torch's own derivative formulas
+above it, so the backward products arrive here as ATen products too (``mm``, ``bmm``,
+``convolution_backward``) and run on the device as well. While it is active, ``offload``
+turns off oneDNN (so ``nn.LSTM`` runs its cells as ``addmm``/``mm`` rather than one fused
+``mkldnn_rnn_layer``) and selects the math attention (``bmm``, softmax on the host), both
+process-wide and restored on exit.
+
+Routed: ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``addbmm`` (one product with the batches along
+K), ``mv``, ``addmv``, ``dot``, ``vdot``, ``convolution`` (1, 2 and 3-d, strides, padding,
+dilation, groups, transposed with output padding) and ``convolution_backward``. Products of
+non-floating operands and the fused kernels this mode cannot reach (named in ``HOST_ONLY``)
+run on the host, warned about once and counted (``hbfp.torch.report()``). Floating inputs of
+other dtypes (bf16, fp16) go to the device as fp32 (exactly) and the fp32 result is rounded
+to their dtype (to nearest even, as a bf16 output of the device is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import counts
+
+__all__ = ["AtenOffload", "backend_flags", "patches", "col2im", "conv", "conv_backward", "HOST_ONLY"]
+
+aten = torch.ops.aten
+
+
+# ---- convolution geometry, any number of spatial dimensions ------------------------------
+
+def patches(x: torch.Tensor, kernel, stride, padding, dilation) -> torch.Tensor:
+    """The patches of ``x`` (N, C, *S) as one matrix (N * prod(O), C * prod(K)), rows in
+    (n, *o) order, columns in (c, *k) order (``F.unfold``'s columns as rows); zero padding."""
+    from hbfp.golden import native
+
+    n, c = x.shape[:2]
+    if (len(kernel) == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and native.available()):
+        return torch.from_numpy(native.im2col(x.detach().contiguous().numpy(), tuple(kernel), tuple(stride), tuple(padding),
+                                              tuple(dilation)))
+    pads = [p for q in reversed(padding) for p in (q, q)]
+    v = F.pad(x, pads) if any(pads) else x
+    for d, (k, s, dl) in enumerate(zip(kernel, stride, dilation)):
+        v = v.unfold(2 + d, dl * (k - 1) + 1, s)
+    nd = len(kernel)
+    v = v[(..., *(slice(None, None, dl) for dl in dilation))]
+    out = v.shape[2:2 + nd]
+    v = v.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
+    return v.reshape(n * math.prod(out), c * math.prod(kernel))
+
+
+def col2im(cols: torch.Tensor, shape, kernel, stride, padding, dilation) -> torch.Tensor:
+    """The adjoint of ``patches``: every patch entry of ``cols`` added back onto an image of
+    ``shape`` (N, C, *S) (each kernel offset in turn; rows and columns past the last patch
+    position, such as a transposed convolution's output padding, stay zero)."""
+    from hbfp.golden import native
+
+    n, c, *size = shape
+    nd = len(kernel)
+    if nd == 2 and cols.dtype == torch.float32 and cols.device.type == "cpu" and native.available():
+        return torch.from_numpy(native.col2im(cols.detach().contiguous().numpy(), tuple(shape), tuple(kernel), tuple(stride),
+                                              tuple(padding), tuple(dilation)))
+    out = [(s + 2 * p - dl * (k - 1) - 1) // st + 1 for s, k, st, p, dl in zip(size, kernel, stride, padding, dilation)]
+    c6 = cols.reshape(n, *out, c, *kernel).permute(0, nd + 1, *range(1, nd + 1), *range(nd + 2, 2 * nd + 2))
+    image = torch.zeros(n, c, *(s + 2 * p for s, p in zip(size, padding)), dtype=cols.dtype, device=cols.device)
+    for offs in itertools.product(*(range(k) for k in kernel)):
+        where = tuple(slice(o * dl, o * dl + st * (q - 1) + 1, st) for o, dl, st, q in zip(offs, dilation, stride, out))
+        image[(slice(None), slice(None), *where)] += c6[(..., *offs)]
+    return image[(slice(None), slice(None), *(slice(p, p + s) for p, s in zip(padding, size)))]
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(N, C, *S) as a matrix (N * prod(S), C)."""
+    return x.movedim(1, -1).reshape(-1, x.shape[1])
+
+
+def _image(rows: torch.Tensor, n: int, size) -> torch.Tensor:
+    """The inverse of ``_rows``: (N * prod(S), C) to (N, C, *S)."""
+    return rows.reshape(n, *size, rows.shape[1]).movedim(-1, 1)
+
+
+def _out_size(size, kernel, stride, padding, dilation, transposed, output_padding):
+    if transposed:
+        return [(i - 1) * st - 2 * p + dl * (k - 1) + op + 1
+                for i, k, st, p, dl, op in zip(size, kernel, stride, padding, dilation, output_padding)]
+    return [(s + 2 * p - dl * (k - 1) - 1) // st + 1 for s, k, st, p, dl in zip(size, kernel, stride, padding, dilation)]
+
+
+def conv(product, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """``aten.convolution`` with every matrix product by ``product(a, b)`` (2-D fp32):
+    a convolution is patches @ W^T per group; a transposed one (weight Cin x Cout/g x K) is
+    col2im(x @ W) onto the output."""
+    nd = x.dim() - 2
+    kernel = list(weight.shape[2:])
+    n, size = x.shape[0], list(x.shape[2:])
+    out = _out_size(size, kernel, stride, padding, dilation, transposed, output_padding)
+    ys = []
+    for g in range(groups):
+        if transposed:
+            cin = x.shape[1] // groups
+            wg = weight[g * cin:(g + 1) * cin]
+            cols = product(_rows(x[:, g * cin:(g + 1) * cin]), wg.reshape(cin, -1))
+            ys.append(col2im(cols, (n, wg.shape[1], *out), kernel, stride, padding, dilation))
+        else:
+            cout, cin = weight.shape[0] // groups, x.shape[1] // groups
+            wg = weight[g * cout:(g + 1) * cout].reshape(cout, -1)
+            y = product(patches(x[:, g * cin:(g + 1) * cin], kernel, stride, padding, dilation), wg.t())
+            ys.append(_image(y, n, out))
+    y = ys[0] if groups == 1 else torch.cat(ys, dim=1)
+    if bias is not None:
+        y = y + bias.reshape(1, -1, *([1] * nd))
+    assert y.dim() == nd + 2
+    return y
+
+
+def conv_backward(product, grad, x, weight, stride, padding, dilation, transposed, output_padding, groups, mask):
+    """``aten.convolution_backward``: (grad_input, grad_weight, grad_bias) where ``mask`` asks
+    for them, every matrix product by ``product``; the bias gradient is a sum on the host."""
+    nd = x.dim() - 2
+    kernel = list(weight.shape[2:])
+    n, size = x.shape[0], list(x.shape[2:])
+    gi, gw = [], []
+    for g in range(groups):
+        if transposed:
+            cin, cout = x.shape[1] // groups, weight.shape[1]
+            wg = weight[g * cin:(g + 1) * cin].reshape(cin, -1)  # Cin/g x (Cout/g * K)
+            gcols = patches(grad[:, g * cout:(g + 1) * cout], kernel, stride, padding, dilation)
+            if mask[0]:
+                gi.append(_image(product(gcols, wg.t()), n, size))
+            if mask[1]:
+                xg = _rows(x[:, g * cin:(g + 1) * cin])
+                gw.append(product(xg.t(), gcols).reshape(cin, cout, *kernel))
+        else:
+            cout, cin = weight.shape[0] // groups, x.shape[1] // groups
+            wg = weight[g * cout:(g + 1) * cout].reshape(cout, -1)  # Cout/g x (Cin/g * K)
+            gg = _rows(grad[:, g * cout:(g + 1) * cout])
+            if mask[0]:
+                gi.append(col2im(product(gg, wg), (n, cin, *size), kernel, stride, padding, dilation))
+            if mask[1]:
+                pg = patches(x[:, g * cin:(g + 1) * cin], kernel, stride, padding, dilation)
+                gw.append(product(pg.t(), gg).t().reshape(cout, cin, *kernel))
+    grad_input = (gi[0] if groups == 1 else torch.cat(gi, dim=1)) if mask[0] else None
+    grad_weight = (gw[0] if groups == 1 else torch.cat(gw, dim=0)) if mask[1] else None
+    grad_bias = grad.sum(dim=(0, *range(2, nd + 2))) if mask[2] else None
+    return grad_input, grad_weight, grad_bias
+
+
+# ---- the dispatch mode ---------------------------------------------------------------------
+
+def _macs_mm(a, b):
+    return a.shape[0] * a.shape[1] * b.shape[-1]
+
+
+#: Fused kernels with products inside that this mode cannot split into products (``offload``
+#: selects the paths that avoid them: math attention, no oneDNN RNN): they run on the host,
+#: warned about and counted.
+HOST_ONLY = {
+    aten._trilinear.default: "a fused trilinear kernel (F.bilinear's products go to the device when called as F.bilinear)",
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "a fused attention kernel",
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: "a fused attention kernel",
+    aten.mkldnn_rnn_layer.default: "a fused oneDNN RNN kernel",
+    aten.mkldnn_rnn_layer_backward.default: "a fused oneDNN RNN kernel",
+}
+
+
+class AtenOffload(TorchDispatchMode):
+    """Runs the ATen matrix products (module docstring) on ``product``'s device:
+    ``product(a, b)`` computes a 2-D fp32 product there, ``product.batched(a, b)`` (where it
+    has one) a stack of them."""
+
+    def __init__(self, product, active):
+        super().__init__()
+        self.product = product
+        self.active = active  # () -> whether to route now (the precision, not inside the device's own work)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None and self.active():
+            tensors = [t for t in args[:3] if isinstance(t, torch.Tensor)]
+            name = f"aten.{func.overloadpacket.__name__}"
+            if all(t.is_floating_point() and t.device.type == "cpu" for t in tensors):
+                if counts.current() is None:  # else a product of an operation already counted
+                    counts.count_call(name)
+                with counts.routing(name):
+                    return handler(self.product, *args, **kwargs)
+            why = "its operands are not floating point CPU tensors"
+            counts.count_host(name, _HOST_MACS[func](*args) if func in _HOST_MACS else 0, why)
+        elif self.active() and (func in HOST_ONLY or func.overloadpacket in _PACKETS):
+            why = HOST_ONLY.get(func) or f"the {func._overloadname} form is not routed"
+            counts.count_host(f"aten.{func.overloadpacket.__name__}", 0, why)
+        return func(*args, **kwargs)
+
+
+def _typed(fn):
+    """Operands of any floating dtype go as fp32; the result comes back in the operands' dtype."""
+    def wrapped(product, *args, **kwargs):
+        dtypes = {t.dtype for t in args if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        dtype = torch.promote_types(*dtypes) if len(dtypes) > 1 else (dtypes.pop() if dtypes else torch.float32)
+        args = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in args]
+        out = fn(product, *args, **kwargs)
+        cast = (lambda t: t.to(dtype) if isinstance(t, torch.Tensor) else t)
+        return tuple(cast(t) for t in out) if isinstance(out, tuple) else cast(out)
+    return wrapped
+
+
+def _scaled(beta, c, alpha, p):
+    """beta * c + alpha * p as torch's addmm defines it (beta == 0: c ignored, NaNs included)."""
+    if alpha != 1:
+        p = alpha * p
+    if beta == 0:
+        return p
+    return (c if beta == 1 else beta * c) + p
+
+
+def _mm(product, a, b):
+    return product(a, b)
+
+
+def _addmm(product, c, a, b, *, beta=1, alpha=1):
+    return _scaled(beta, c, alpha, product(a, b))
+
+
+def _bmm(product, a, b):
+    if a.shape[0] == 0:
+        return a.new_zeros(0, a.shape[1], b.shape[2])
+    if hasattr(product, "batched"):
+        return product.batched(a, b)
+    return torch.stack([product(a[i], b[i]) for i in range(a.shape[0])])
+
+
+def _baddbmm(product, c, a, b, *, beta=1, alpha=1):
+    return _scaled(beta, c, alpha, _bmm(product, a, b))
+
+
+def _addbmm(product, c, a, b, *, beta=1, alpha=1):
+    # sum_i a_i @ b_i: one product with the batches side by side along K
+    bat, m, k = a.shape
+    if bat == 0:
+        return _scaled(beta, c, alpha, a.new_zeros(m, b.shape[2]))
+    return _scaled(beta, c, alpha, product(a.permute(1, 0, 2).reshape(m, bat * k), b.reshape(bat * k, -1)))
+
+
+def _mv(product, a, v):
+    return product(a, v[:, None])[:, 0]
+
+
+def _addmv(product, c, a, v, *, beta=1, alpha=1):
+    return _scaled(beta, c, alpha, _mv(product, a, v))
+
+
+def _dot(product, a, b):
+    return product(a[None, :], b[:, None])[0, 0]
+
+
+def _convolution(product, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    return conv(product, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+
+
+def _convolution_backward(product, grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
+                          groups, output_mask):
+    return conv_backward(product, grad, x, weight, stride, padding, dilation, transposed, output_padding, groups,
+                         output_mask)
+
+
+_HANDLERS = {op: _typed(fn) for op, fn in (
+    (aten.mm.default, _mm), (aten.addmm.default, _addmm), (aten.bmm.default, _bmm),
+    (aten.baddbmm.default, _baddbmm), (aten.addbmm.default, _addbmm), (aten.mv.default, _mv),
+    (aten.addmv.default, _addmv), (aten.dot.default, _dot), (aten.vdot.default, _dot),
+    (aten.convolution.default, _convolution), (aten.convolution_backward.default, _convolution_backward),
+)}
+
+_PACKETS = {op.overloadpacket for op in _HANDLERS}
+
+_HOST_MACS = {
+    aten.mm.default: lambda a, b, *r: _macs_mm(a, b),
+    aten.addmm.default: lambda c, a, b, *r: _macs_mm(a, b),
+    aten.bmm.default: lambda a, b, *r: a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2],
+    aten.baddbmm.default: lambda c, a, b, *r: a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2],
+    aten.addbmm.default: lambda c, a, b, *r: a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2],
+    aten.mv.default: lambda a, v, *r: a.numel(),
+    aten.addmv.default: lambda c, a, v, *r: a.numel(),
+    aten.dot.default: lambda a, b, *r: a.numel(),
+    aten.vdot.default: lambda a, b, *r: a.numel(),
+}
+
+
+@contextlib.contextmanager
+def backend_flags():
+    """The paths whose products reach this mode as products: oneDNN off (RNN cells as
+    ``addmm``), the math attention (``bmm``); process-wide, restored on exit."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mkldnn = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch._C._set_mkldnn_enabled(mkldnn)
