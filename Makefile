@@ -7,7 +7,7 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test bench scaleout accuracy sim sim-full fuzz verilog fpga fpga-report clean distclean venv
+.PHONY: demo test bench scaleout fidelity accuracy sim sim-full fuzz verilog fpga fpga-report clean distclean venv
 
 venv: $(STAMP)
 
@@ -24,9 +24,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-## demo: the main job: Verilog of the default core, then MLP and CNN trainings on digits in
-## FP32 and HBFP8 (emu), and one MLP epoch on the RTL under Verilator (sim); table and curves
-## in build/demo/
+## demo: the main job: Verilog of the default core, then trainings in FP32 and HBFP8 (emu), with
+## SGD and AdamW, of an MLP and a CNN on digits and of a char-level MLP LM and a 2-layer
+## transformer on Python's documentation, and one MLP epoch on the RTL under Verilator (sim);
+## table and curves in build/demo/
 demo: $(STAMP)
 	@set -e; s=$$SECONDS; \
 	(set -x; $(VENV)/bin/hbfp golden-demo); g=$$SECONDS; \
@@ -67,6 +68,11 @@ bench: $(STAMP)
 ## MXINT8 gradient exchanges: the digits MLP and CNN, 10 epochs; one table of accuracy and bytes
 scaleout: $(STAMP)
 	$(PY) benchmarks/scaleout.py
+
+## fidelity: why HBFP8 with AdamW diverged on a language model: the char-level LM under recipes
+## that differ in one thing each (nearest or stochastic gradients, per product, master weights)
+fidelity: $(STAMP)
+	$(PY) benchmarks/fidelity.py
 
 ## accuracy: measure the bf16 activation units over all inputs; rewrites docs/activations.md
 accuracy: $(STAMP)

@@ -1,11 +1,19 @@
-"""Training runs on scikit-learn's bundled digits (8x8 images, 10 classes; no download):
-an MLP and a small CNN, in FP32 and in HBFP8 on a device, with the same seed and
-hyperparameters (``hbfp train``, ``make demo``, examples/train_digits.py).
+"""Training runs in FP32 and in HBFP8 on a device, with the same seed and hyperparameters
+(``hbfp train``, ``make demo``, examples/train_digits.py), with SGD (momentum 0.9) or AdamW:
+
+- classifiers on scikit-learn's bundled digits (8x8 images, 10 classes; no download): an MLP
+  and a small CNN (``"mlp"``, ``"cnn"``; test accuracy);
+- character-level language models on Python's own documentation (``pydoc_data.topics``, some
+  450,000 characters of English and code that ship with every CPython; no download): an MLP
+  over a 32-character context (``"charlm"``) and a 2-layer causal transformer (``"transformer"``;
+  validation loss in nats per character).
 
 Everything but the matrix products runs in fp32 on the CPU; in HBFP8 every product of the
-forward pass and both products of the backward pass run on the device
-(``hbfp.torch.convert``), and the master weights are kept as HBFP16 by default (wide weight
-storage, ``hbfp.torch.wide_weight_storage``; ``weight_storage="fp32"`` keeps fp32 ones).
+forward pass and both products of the backward pass run on the device (``hbfp.torch.convert``
+for the layers, ``hbfp.torch.offload`` for the rest, such as attention), under a recipe
+(``hbfp.torch.RECIPES``; default "default": gradients rounded stochastically, seeded by the
+run's seed), and the master weights are kept as HBFP16 by default (wide weight storage,
+``hbfp.torch.wide_weight_storage``; ``weight_storage="fp32"`` keeps fp32 ones).
 """
 
 from __future__ import annotations
@@ -18,10 +26,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["Run", "load_digits_split", "make_model", "train", "write_report"]
+__all__ = ["Run", "load_digits_split", "load_text_split", "make_model", "train", "write_report"]
 
-MODELS = ("mlp", "cnn")
+CLASSIFIERS = ("mlp", "cnn")
+LANGUAGE_MODELS = ("charlm", "transformer")
+MODELS = CLASSIFIERS + LANGUAGE_MODELS
+OPTIMIZERS = ("sgd", "adamw")
 WEIGHT_STORAGE = ("hbfp16", "fp32")
+#: Learning rates per optimizer (the same for FP32 and HBFP8 runs).
+LEARNING_RATES = {"sgd": 0.1, "adamw": 3e-3}
+#: Language models: characters of context, steps per epoch, batch size; the validation set.
+CONTEXT = {"charlm": 32, "transformer": 48}
+LM_STEPS_PER_EPOCH = 200
+#: ``hbfp train``'s epochs per model.
+DEFAULT_EPOCHS = {"mlp": 10, "cnn": 10, "charlm": 5, "transformer": 5}
+LM_BATCH = 64
+LM_VAL_WINDOWS = 2048
 
 
 @dataclass
@@ -32,6 +52,10 @@ class Run:
     epochs: int
     seed: int
     weight_storage: str = "fp32"  # master weights: "fp32", or "hbfp16" (wide weight storage)
+    optimizer: str = "sgd"
+    recipe: str | None = None  # the hbfp.torch recipe of an HBFP8 run
+    val_losses: list[float] = field(default_factory=list)  # language models: per epoch (nats/char)
+    val_loss: float = float("nan")  # language models: after the last epoch
     losses: list[float] = field(default_factory=list)  # mean training loss per epoch (this rank's batches)
     batch_losses: list[float] = field(default_factory=list)
     test_accuracies: list[float] = field(default_factory=list)  # per epoch
@@ -63,8 +87,53 @@ def load_digits_split(seed: int = 0, test_share: float = 0.25):
             torch.from_numpy(x[test]), torch.from_numpy(y[test]))
 
 
-def make_model(kind: str, seed: int) -> torch.nn.Module:
+def load_text_split(val_share: float = 0.1):
+    """(train, validation) character indices of Python's documentation (``pydoc_data``) and
+    the vocabulary (sorted characters); the last ``val_share`` of the text is the validation
+    set."""
+    from pydoc_data.topics import topics
+
+    text = "\n".join(topics[k] for k in sorted(topics))
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([index[c] for c in text], dtype=torch.int64)
+    n = int(len(data) * (1 - val_share))
+    return data[:n], data[n:], chars
+
+
+def _windows(data: torch.Tensor, starts: torch.Tensor, ctx: int) -> torch.Tensor:
+    return data[starts[:, None] + torch.arange(ctx + 1)[None, :]]
+
+
+class CausalTransformer(torch.nn.Module):
+    """A 2-layer causal transformer over characters: embeddings (d 64) and learned positions,
+    two pre-norm encoder layers (4 heads, feed-forward 128) under a causal mask, a linear head;
+    the next character at every position."""
+
+    def __init__(self, vocab: int, ctx: int, d: int = 64, layers: int = 2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Parameter(torch.randn(ctx, d) * 0.02)
+        layer = torch.nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.layers = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(ctx), persistent=False)
+
+    def forward(self, x):
+        h = self.embed(x) + self.pos[: x.shape[1]]
+        h = self.layers(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def make_model(kind: str, seed: int, vocab: int | None = None) -> torch.nn.Module:
     torch.manual_seed(seed)
+    if kind == "charlm":
+        ctx = CONTEXT[kind]
+        return torch.nn.Sequential(torch.nn.Embedding(vocab, 24), torch.nn.Flatten(), torch.nn.Linear(ctx * 24, 256),
+                                   torch.nn.ReLU(), torch.nn.Linear(256, vocab))
+    if kind == "transformer":
+        return CausalTransformer(vocab, CONTEXT[kind])
     if kind == "mlp":
         return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     if kind == "cnn":
@@ -78,20 +147,31 @@ def make_model(kind: str, seed: int) -> torch.nn.Module:
 
 
 def train(kind: str, precision: str, *, device=None, device_name: str | None = None, epochs: int = 10,
-          seed: int = 0, batch_size: int = 64, lr: float = 0.1, max_batches: int | None = None,
-          progress: bool = True, weight_storage: str = "hbfp16", grad_compression: str = "none") -> Run:
-    """Train ``kind`` ("mlp" or "cnn") in ``precision`` ("fp32" or "hbfp8" on ``device``);
-    ``weight_storage`` ("hbfp16" or "fp32") applies to HBFP8 runs (FP32 runs keep fp32).
+          seed: int = 0, batch_size: int | None = None, lr: float | None = None, max_batches: int | None = None,
+          progress: bool = True, weight_storage: str = "hbfp16", grad_compression: str = "none",
+          optimizer: str = "sgd", recipe=None) -> Run:
+    """Train ``kind`` (``MODELS``) in ``precision`` ("fp32" or "hbfp8" on ``device``) with
+    ``optimizer`` ("sgd": momentum 0.9; "adamw": weight decay 0.01) at ``lr`` (default
+    ``LEARNING_RATES``); ``weight_storage`` ("hbfp16" or "fp32") and ``recipe`` (default
+    "default", seeded with ``seed``) apply to HBFP8 runs (FP32 runs keep fp32). An epoch is a
+    pass over the digits (batches of ``batch_size``, default 64) or ``LM_STEPS_PER_EPOCH``
+    batches of ``LM_BATCH`` random windows of the text; ``max_batches`` cuts an epoch short.
 
     Inside an initialized torch.distributed process group of N ranks the run is data-parallel:
-    every rank trains a DDP replica on its share of each batch of ``batch_size`` (the batch
-    split in N contiguous parts), the gradients exchanged by ``hbfp.distributed`` with
-    ``grad_compression`` ("none", "hbfp8", "mxint8"); every rank evaluates the whole test set
-    and the run records the bytes each rank sent and whether the ranks ended equal."""
+    every rank trains a DDP replica on its share of each batch (split in N contiguous parts),
+    the gradients exchanged by ``hbfp.distributed`` with ``grad_compression`` ("none",
+    "hbfp8", "mxint8"); every rank evaluates the whole test set and the run records the bytes
+    each rank sent and whether the ranks ended equal."""
+    import contextlib
+
+    if kind not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
     if precision not in ("fp32", "hbfp8"):
         raise ValueError(f"precision must be fp32 or hbfp8, got {precision!r}")
     if weight_storage not in WEIGHT_STORAGE:
         raise ValueError(f"weight_storage must be one of {WEIGHT_STORAGE}, got {weight_storage!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if precision == "fp32":
         weight_storage = "fp32"
     import torch.distributed as dist
@@ -107,11 +187,24 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
     # Bit-reproducible CPU math: the fp32 parts of an emu run and a sim run must agree.
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
-    x_train, y_train, x_test, y_test = load_digits_split(seed)
-    model = make_model(kind, seed)
-    if precision == "hbfp8":
-        ht.convert(model, device)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    lm = kind in LANGUAGE_MODELS
+    if lm:
+        text, val_text, chars = load_text_split()
+        model = make_model(kind, seed, len(chars))
+    else:
+        x_train, y_train, x_test, y_test = load_digits_split(seed)
+        model = make_model(kind, seed)
+    hbfp8 = precision == "hbfp8"
+    r = ht.recipes.resolve(recipe).with_seed(seed) if hbfp8 else None
+    # the transformer's attention is no layer that convert swaps: its whole step runs under offload
+    routed = hbfp8 and kind == "transformer"
+    if hbfp8 and not routed:
+        ht.convert(model, device, recipe=r)
+    lr = LEARNING_RATES[optimizer] if lr is None else lr
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     if weight_storage == "hbfp16":
         ht.wide_weight_storage(model, opt)
     exchange = None
@@ -119,42 +212,86 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
         model = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's parameters
         exchange = hd.attach(model, grad_compression)
     run = Run(kind, precision, device_name, epochs, seed, weight_storage, nproc=world,
-              grad_compression=grad_compression if world > 1 else "none")
+              grad_compression=grad_compression if world > 1 else "none", optimizer=optimizer,
+              recipe=r.name if r is not None else None)
     gen = torch.Generator().manual_seed(seed)
+    batch_size = batch_size or (LM_BATCH if lm else 64)
+    context = ht.offload(device, recipe=r) if routed else contextlib.nullcontext()
     t0 = time.perf_counter()
-    for epoch in range(epochs):
-        model.train()
-        order = torch.randperm(len(x_train), generator=gen)
-        batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-        if max_batches is not None:
-            batches = batches[:max_batches]
-        it = batches
-        if progress:
-            from tqdm import tqdm
+    with context:
+        for epoch in range(epochs):
+            model.train()
+            if lm:
+                ctx = CONTEXT[kind]
+                batches = [torch.randint(0, len(text) - ctx - 1, (batch_size,), generator=gen)
+                           for _ in range(LM_STEPS_PER_EPOCH)]
+            else:
+                order = torch.randperm(len(x_train), generator=gen)
+                batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+            if max_batches is not None:
+                batches = batches[:max_batches]
+            it = batches
+            if progress:
+                from tqdm import tqdm
 
-            it = tqdm(batches, desc=f"{kind} {precision} epoch {epoch + 1}/{epochs}", leave=False, unit="batch")
-        total = 0.0
-        for idx in it:
-            if world > 1:
-                idx = torch.tensor_split(idx, world)[rank]  # this rank's share of the batch
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
-            loss.backward()
-            opt.step()
-            value = float(loss.detach())
-            run.batch_losses.append(value)
-            total += value
-        run.losses.append(total / len(batches))
-        model.eval()
-        with torch.no_grad():
-            pred = model(x_test).argmax(1)
-        run.test_accuracies.append(float((pred == y_test).float().mean()))
+                it = tqdm(batches, desc=f"{kind} {precision} {optimizer} epoch {epoch + 1}/{epochs}", leave=False,
+                          unit="batch")
+            total = 0.0
+            for idx in it:
+                if world > 1:
+                    idx = torch.tensor_split(idx, world)[rank]  # this rank's share of the batch
+                opt.zero_grad()
+                loss = _loss(kind, model, *(_lm_batch(kind, text, idx) if lm else (x_train[idx], y_train[idx])))
+                loss.backward()
+                opt.step()
+                value = float(loss.detach())
+                run.batch_losses.append(value)
+                total += value
+            run.losses.append(total / len(batches))
+            model.eval()
+            with torch.no_grad():
+                if lm:
+                    run.val_losses.append(_val_loss(kind, model, val_text))
+                else:
+                    pred = model(x_test).argmax(1)
+                    run.test_accuracies.append(float((pred == y_test).float().mean()))
     run.seconds = time.perf_counter() - t0
     run.test_accuracy = run.test_accuracies[-1] if run.test_accuracies else float("nan")
+    run.val_loss = run.val_losses[-1] if run.val_losses else float("nan")
     if exchange is not None:
         run.allreduce_bytes = exchange.bytes_sent
         run.params_equal_across_ranks = hd.params_equal(model)
     return run
+
+
+def _lm_batch(kind: str, text: torch.Tensor, starts: torch.Tensor):
+    w = _windows(text, starts, CONTEXT[kind])
+    if kind == "charlm":  # the character after the context
+        return w[:, :-1], w[:, -1]
+    return w[:, :-1], w[:, 1:]  # every position's next character
+
+
+def _loss(kind: str, model, x, y):
+    out = model(x)
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _val_loss(kind: str, model, val_text: torch.Tensor) -> float:
+    """Mean cross-entropy (nats per character) over ``LM_VAL_WINDOWS`` windows evenly spread
+    over the validation text, in chunks of 256."""
+    ctx = CONTEXT[kind]
+    starts = torch.linspace(0, len(val_text) - ctx - 2, LM_VAL_WINDOWS).to(torch.int64)
+    total = 0.0
+    for chunk in torch.split(starts, 256):
+        total += float(_loss(kind, model, *_lm_batch(kind, val_text, chunk))) * len(chunk)
+    return total / len(starts)
+
+
+def _metric(r: Run) -> str:
+    """The table's result of a run: test accuracy (classifiers) or validation loss (LMs)."""
+    if r.model in LANGUAGE_MODELS:
+        return f"val loss {r.val_loss:.4f}"
+    return f"{100 * r.final_accuracy:.2f}%"
 
 
 def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None) -> str:
@@ -165,28 +302,34 @@ def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None) 
     import matplotlib.pyplot as plt
 
     outdir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for r in runs:
-        label = f"{r.model} {r.precision}" + (f" ({r.device})" if r.device else "")
+        label = f"{r.model} {r.optimizer} {r.precision}" + (f" ({r.device})" if r.device else "")
         if r.precision != "fp32" and r.weight_storage != "fp32":
             label += f", {r.weight_storage} weights"
         epochs = range(1, len(r.losses) + 1)
         axes[0].plot(epochs, r.losses, marker="o", label=label)
-        axes[1].plot(epochs, [100 * a for a in r.test_accuracies], marker="o", label=label)
+        if r.test_accuracies:
+            axes[1].plot(epochs, [100 * a for a in r.test_accuracies], marker="o", label=label)
+        if r.val_losses:
+            axes[2].plot(epochs, r.val_losses, marker="o", label=label)
     axes[0].set(title="training loss", xlabel="epoch", ylabel="cross-entropy")
-    axes[1].set(title="test accuracy", xlabel="epoch", ylabel="%")
+    axes[1].set(title="test accuracy (digits)", xlabel="epoch", ylabel="%")
+    axes[2].set(title="validation loss (text)", xlabel="epoch", ylabel="nats per character")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.lines:
+            ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(outdir / "curves.png", dpi=100)
     plt.close(fig)
 
-    lines = ["| model | products | master weights | device | epochs | final loss | test accuracy | seconds |",
-             "|---|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| model | optimizer | products | master weights | device | epochs | final loss | result | seconds |",
+             "|---|---|---|---|---|---:|---:|---:|---:|"]
     for r in runs:
-        lines.append(f"| {r.model} | {r.precision} | {r.weight_storage} | {r.device or 'CPU'} | {r.epochs} | {r.losses[-1]:.4f} | "
-                     f"{100 * r.final_accuracy:.2f}% | {r.seconds:.1f} |")
+        products = r.precision + (f" ({r.recipe})" if r.recipe else "")
+        lines.append(f"| {r.model} | {r.optimizer} | {products} | {r.weight_storage} | {r.device or 'CPU'} | {r.epochs} | "
+                     f"{r.losses[-1]:.4f} | {_metric(r)} | {r.seconds:.1f} |")
     table = "\n".join(lines + [""] + (extra or []))
     (outdir / "results.md").write_text(table + "\n")
     (outdir / "runs.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))

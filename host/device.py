@@ -202,6 +202,23 @@ def _seeds(seed, rounding: str) -> tuple[int, int, int]:
     return (s & 0xFFFFFFFF, (s + 1) & 0xFFFFFFFF, (s + 2) & 0xFFFFFFFF)
 
 
+def stack_codes(x, fmt: Format, seed: int = 0):
+    """A stack of matrices (B x R x C torch tensor) quantized as one matrix in ``fmt`` (square
+    tiles): each padded with zeros to whole tiles (Rp x Cp), so that no tile spans two of them,
+    then (B * Rp) x Cp quantized with ``seed``. Matrix ``i`` is rows ``i * Rp ..`` of the
+    codes and ``i * Rp / t ..`` of the exponents; to nearest, the codes of each equal its own
+    quantization's."""
+    import torch
+
+    from hbfp.golden import kernels
+
+    t = fmt.tile[0]
+    nb, r, c = x.shape
+    rp, cp = -(-r // t) * t, -(-c // t) * t
+    padded = torch.nn.functional.pad(x.to(torch.float32), (0, cp - c, 0, rp - r))
+    return kernels.quantize(padded.reshape(nb * rp, cp), fmt, seed=seed)
+
+
 def _empty_bfp(rows: int, cols: int, fmt: Format) -> BFPTensor:
     th, tw = fmt.tile
     return BFPTensor(np.zeros((rows, cols), fmt.code_dtype), np.zeros((-(-rows // th), -(-cols // tw)), np.uint8), fmt)
@@ -475,15 +492,18 @@ class Device:
         acc = kernels.gemm((ca, ea), (cb, eb), fa, fb, c=c, bias=bias)
         return kernels.epilogue(acc, activation, out, leaky_shift=ident.leaky_shift)
 
-    def bmm_tensors(self, a, b):
+    def bmm_tensors(self, a, b, *, rounding: str = "nearest_even", seed=None):
         """The stack of products ``a[i] @ b[i]`` (``a`` B x M x K, ``b`` B x K x N float
-        tensors) on an in-process device, each equal bit for bit to ``gemm_tensors(a[i],
-        b[i])`` (fp32, nearest even; blocks along K only, such as MXINT8's: B stored N x K) and
-        counted as that many products. With square tiles,
-        every K-tile's products exact in fp32 and no NaN tile (the fast path's conditions,
-        checked on the whole stack), the stack is quantized and multiplied at once: its
-        matrices padded to whole tiles, so that no tile spans two of them; else product by
-        product."""
+        tensors) on an in-process device, counted as that many products.
+
+        With square tiles each stack is quantized as one matrix, its matrices padded to whole
+        tiles (so that no tile spans two of them; ``stack_codes``): to nearest, each product
+        equals ``gemm_tensors(a[i], b[i])`` bit for bit; with ``rounding`` "stochastic" the
+        stacks take the seeds ``gemm``'s ``seed`` gives A and B. Where every K-tile's products
+        are exact in fp32 and no tile is NaN (the fast path's conditions, checked on the whole
+        stack), the products are formed at once; else product by product from the same codes.
+        With blocks along K only (MXINT8's), product by product: ``gemm_tensors(a[i],
+        b[i]^T, transpose_b=True, rounding, seed)``."""
         import torch
 
         from hbfp.golden import kernels
@@ -496,22 +516,24 @@ class Device:
                                 f"{tuple(b.shape)}")
         (nb, m, k), n = a.shape, b.shape[2]
         ident = self.identity
-        fmt = ident.fmt("nearest_even")
+        if nb == 0 or not (m and n and k):
+            return a.new_zeros(nb, m, n, dtype=torch.float32)
+        if not ident.square:  # blocks along K: B stored N x K
+            return torch.stack([self.gemm_tensors(a[i], b[i].t(), transpose_b=True, rounding=rounding, seed=seed)
+                                for i in range(nb)])
+        fmt = ident.fmt(rounding)
         t = fmt.tile[0]
-        if ident.square:
-            one = lambda i: self.gemm_tensors(a[i], b[i])  # noqa: E731
-        else:  # blocks along K: B stored N x K
-            one = lambda i: self.gemm_tensors(a[i], b[i].t(), transpose_b=True)  # noqa: E731
-        if nb == 0 or not (m and n and k) or not ident.square or nb == 1:
-            return a.new_zeros(nb, m, n, dtype=torch.float32) if nb == 0 else torch.stack([one(i) for i in range(nb)])
-        mp, kp, np_ = (-(-x // t) * t for x in (m, k, n))
-        pad = lambda x, r, c: torch.nn.functional.pad(x.to(torch.float32), (0, c - x.shape[2], 0, r - x.shape[1]))  # noqa: E731
-        ca, ea = kernels.quantize(pad(a, mp, kp).reshape(nb * mp, kp), fmt)
-        cb, eb = kernels.quantize(pad(b, kp, np_).reshape(nb * kp, np_), fmt)
+        sa, sb, _ = _seeds(seed, rounding)
+        ca, ea = stack_codes(a, fmt, sa)
+        cb, eb = stack_codes(b, fmt, sb)
+        mp, kp, np_ = ca.shape[0] // nb, cb.shape[0] // nb, cb.shape[1]
         nan = kernels.EXP_NAN
         if (bool((ea == nan).any()) or bool((eb == nan).any())
                 or not kernels._fast_path_ok((ca, ea), (cb, eb), fmt, fmt, t, None)):
-            return torch.stack([one(i) for i in range(nb)])
+            return torch.stack([self.gemm_tensors(
+                (ca[i * mp:i * mp + m, :k], ea[i * mp // t:(i + 1) * mp // t]),
+                (cb[i * kp:i * kp + k, :n], eb[i * kp // t:(i + 1) * kp // t]), rounding=rounding, seed=seed)
+                for i in range(nb)])
         kt = kp // t
         af = kernels._scaled(ca, ea, fmt, nb * mp, kp).view(nb, mp, kt, t).transpose(1, 2)
         bf = kernels._scaled(cb, eb, fmt, nb * kp, np_).view(nb, kt, t, np_)

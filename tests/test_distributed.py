@@ -121,7 +121,7 @@ def test_hbfp8_training_with_compressed_gradients_keeps_the_ranks_equal(tmp_path
 def test_hbfp_train_nproc_2_end_to_end(tmp_path):
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "hbfp.cli", "train", "--nproc", "2", "--grad-compression", "mxint8",
-                        "--models", "mlp", "--epochs", "1", "--sim-epochs", "0", "-o", str(out)],
+                        "--models", "mlp", "--optimizers", "sgd", "--epochs", "1", "--sim-epochs", "0", "-o", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     runs = json.loads((out / "runs.json").read_text())
@@ -146,7 +146,7 @@ def test_hbfp_train_under_torchrun(tmp_path):
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                         str(hd.free_port()), "-m", "hbfp.cli", "train", "--grad-compression", "hbfp8", "--models", "mlp",
-                        "--epochs", "1", "--sim-epochs", "0", "-o", str(out)],
+                        "--optimizers", "sgd", "--epochs", "1", "--sim-epochs", "0", "-o", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     runs = json.loads((out / "runs.json").read_text())

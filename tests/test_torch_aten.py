@@ -21,6 +21,13 @@ def bits(t):
     return np.asarray(t.detach().float().numpy(), np.float32).view(np.uint32)
 
 
+@pytest.fixture(autouse=True)
+def nearest():
+    """Products held to the golden model's rounding to nearest (the "nearest" recipe)."""
+    with ht.use_recipe("nearest"):
+        yield
+
+
 def exact(a, b):
     """A product with quantization off (fp64, rounded once to fp32): the geometry alone."""
     return (a.double() @ b.double()).float()
@@ -366,3 +373,31 @@ def test_offload_on_a_device_with_blocks_along_k():
     forward, backward = 5 * 40 * 16 + 5 * 16 * 3, 2 * 5 * 16 * 3 + 40 * 5 * 16  # no gradient for x
     attention = 2 * (6 * 40 * 6 + 6 * 6 * 40)
     assert dev.stats.macs == forward + backward + attention + 5 * 40 * 16  # and the check's own product
+
+
+# ---- convert and wide storage around the interception ------------------------------------------
+
+def test_convert_swaps_what_it_can_and_warns_about_the_rest():
+    model = nn.Sequential(nn.Linear(8, 8), nn.MultiheadAttention(8, 2), nn.LSTM(8, 8), nn.ConvTranspose1d(8, 8, 3),
+                          nn.Sequential(nn.Conv1d(8, 8, 3), nn.Bilinear(4, 4, 2)))
+    mha_out = model[1].out_proj
+    with pytest.warns(ht.HbfpFallbackWarning, match="Bilinear, ConvTranspose1d, LSTM, MultiheadAttention"):
+        ht.convert(model)
+    assert isinstance(model[0], ht.Linear) and isinstance(model[4][0], ht.Conv1d)
+    assert model[1].out_proj is mha_out  # MHA reads its weight; left to the interception
+    assert type(model[2]) is nn.LSTM and type(model[3]) is nn.ConvTranspose1d
+
+
+def test_wide_storage_covers_attention_rnn_and_bilinear_weights():
+    from hbfp.golden import HBFP16
+    from hbfp.golden import kernels
+
+    model = nn.Sequential(nn.MultiheadAttention(24, 2), nn.GRU(24, 24), nn.Bilinear(6, 5, 4), nn.Conv3d(2, 2, 2))
+    handle = ht.wide_weight_storage(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    stored = {names[id(w)] for w in handle.weights}
+    assert stored == {"0.in_proj_weight", "0.out_proj.weight", "1.weight_ih_l0", "1.weight_hh_l0", "2.weight",
+                      "3.weight"}
+    for w in handle.weights:  # on the HBFP16 grid
+        m = w.detach().reshape(w.shape[0], -1)
+        assert torch.equal(kernels.dequantize(*kernels.quantize(m, HBFP16), HBFP16), m)

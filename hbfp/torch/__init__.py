@@ -10,9 +10,13 @@
 - ``offload(device)``: a context that runs every matrix product of an unchanged model on the
   device, forward and backward: the functions ``_Offload`` routes, and every other product at
   the ATen level (``hbfp.torch.aten``); ``report()`` says what ran where (docs/torch.md).
-- ``set_matmul_precision("highest" | "hbfp8")``, modelled on
-  ``torch.set_float32_matmul_precision``: ``offload`` sets ``"hbfp8"`` while it is active and
-  restores the previous value on exit, exceptions included.
+- ``set_matmul_precision("highest" | "hbfp8" | ...)``, modelled on
+  ``torch.set_float32_matmul_precision``: ``offload`` sets its device's format's name
+  (``"hbfp8"``, ``"mxint8"``) while it is active and restores the previous value on exit,
+  exceptions included.
+- Recipes (``Recipe``, ``RECIPES``, ``use_recipe``; ``hbfp.torch.recipes``): per product
+  (forward, grad_input, grad_weight) the format, the rounding (stochastic with its seeds) and
+  the output format; the default rounds gradients stochastically.
 - ``wide_weight_storage(model, optimizer)``: the paper's wide weight storage. The master
   weights of the model's linear and convolution layers are kept as HBFP16 (16-bit mantissas,
   the device's tiles): they are rounded onto the HBFP16 grid now and after every
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +41,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import counts as _report
+from .recipes import DEFAULT_RECIPE, RECIPES, ProductConfig, Recipe, Rounding, format_name
+from .recipes import resolve as _resolve_recipe
 from .counts import HbfpFallbackWarning, OpCount, fallbacks, format_report, report, reset_fallbacks, reset_report
 
 __all__ = [
@@ -61,13 +68,20 @@ __all__ = [
     "format_report",
     "OpCount",
     "HbfpFallbackWarning",
+    "Recipe",
+    "ProductConfig",
+    "RECIPES",
+    "DEFAULT_RECIPE",
+    "use_recipe",
+    "current_recipe",
     "wide_weight_storage",
     "WideWeightStorage",
     "weight_storage",
 ]
 
-#: "highest": fp32 products by PyTorch; "hbfp8": products on the hbfp device.
-PRECISIONS = ("highest", "hbfp8")
+#: "highest": fp32 products by PyTorch; a format's name in lower case ("hbfp8", "mxint8",
+#: "hbfp16"): products on the hbfp device, in that format (``offload`` sets its device's).
+PRECISIONS = ("highest", "hbfp8", "hbfp16", "mxint8")
 
 _state = threading.local()
 _default = {"device": None}
@@ -75,7 +89,7 @@ _default_lock = threading.Lock()
 
 
 def set_matmul_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
+    if precision not in PRECISIONS and not precision.startswith("bfp"):
         raise ValueError(f"matmul precision must be one of {PRECISIONS}, got {precision!r}")
     _state.precision = precision
 
@@ -169,30 +183,55 @@ def _device_gemm_inner(device, a, b, **kw) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def _device_bmm(device, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _device_bmm(device, a: torch.Tensor, b: torch.Tensor, rounding: str = "nearest_even", seed=None) -> torch.Tensor:
     """The stack ``a[i] @ b[i]`` on ``device``: at once on the in-process emu
-    (``Device.bmm_tensors``), else product by product."""
-    if getattr(device, "direct_device", None) is None:
-        return torch.stack([_device_gemm(device, a[i], b[i]) for i in range(a.shape[0])]) if a.shape[0] else \
-            a.new_zeros(0, a.shape[1], b.shape[2])
+    (``Device.bmm_tensors``, which rounds each stack as one matrix), else product by product
+    (rounded otherwise than to nearest: from the same stacked codes, made here)."""
+    nb = a.shape[0]
+    if nb == 0:
+        return a.new_zeros(0, a.shape[1], b.shape[2])
+    if getattr(device, "direct_device", None) is not None:
+        with _device_work():
+            out = device.bmm_tensors(a.detach(), b.detach(), rounding=rounding, seed=seed)
+        _report.count_device(nb * a.shape[1] * a.shape[2] * b.shape[2])
+        return out
+    if rounding == "nearest_even" or not _square(device):
+        kw = {} if rounding == "nearest_even" else {"rounding": rounding, "seed": seed}
+        return torch.stack([_device_gemm(device, a[i], b[i], **kw) for i in range(nb)])
+    from hbfp.host.device import _seeds, stack_codes
+
+    (m, k), n, t = a.shape[1:], b.shape[2], device.format().tile[0]
+    sa, sb, _ = _seeds(seed, rounding)
     with _device_work():
-        out = device.bmm_tensors(a.detach(), b.detach())
-    _report.count_device(a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2])
-    return out
+        ca, ea = stack_codes(a.detach(), device.format(rounding), sa)
+        cb, eb = stack_codes(b.detach(), device.format(rounding), sb)
+    mp, kp = ca.shape[0] // nb, cb.shape[0] // nb
+    return torch.stack([_device_gemm(device, (ca[i * mp:i * mp + m, :k], ea[i * mp // t:(i + 1) * mp // t]),
+                                     (cb[i * kp:i * kp + k, :n], eb[i * kp // t:(i + 1) * kp // t]))
+                        for i in range(nb)])
 
 
 class _Product:
     """The device's products as ``hbfp.torch.aten`` calls them: ``product(a, b)`` (2-D) and
-    ``product.batched(a, b)`` (stacks)."""
+    ``product.batched(a, b)`` (stacks), under ``rounding``'s recipe: its forward product's
+    configuration outside a backward pass, its ``grad_input`` one inside (an ATen product does
+    not say which operand is the gradient, so both operands are rounded so)."""
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, rounding: Rounding):
+        self.device, self.rounding = device, rounding
+
+    def _config(self) -> ProductConfig:
+        recipe = self.rounding.recipe
+        return recipe.forward if torch._C._current_autograd_node() is None else recipe.grad_input
 
     def __call__(self, a, b):
-        return _device_gemm(self.device, a, b)
+        cfg = self._config()
+        return _product(self.device, _operand(self.device, a, cfg, self.rounding),
+                        _operand(self.device, b, cfg, self.rounding), cfg, self.rounding)
 
     def batched(self, a, b):
-        return _device_bmm(self.device, a, b)
+        cfg = self._config()
+        return _out(_device_bmm(self.device, a, b, cfg.rounding, self.rounding.seed(cfg)), cfg)
 
 
 class HbfpBmm(torch.autograd.Function):
@@ -230,11 +269,19 @@ class _StoredOperand:
 
 
 @torch.compiler.disable
-def _quantized(device, x: torch.Tensor):
+def _quantized(device, x: torch.Tensor, rounding: str = "nearest_even", seed: int | None = None):
     """``x`` as the products read it: on the in-process emu its codes and exponents in the
     device's format, quantized once for the forward and both backward products (the same
     codes each product's own quantization gives: a transposed operand reuses its square
-    tiles); elsewhere ``x`` itself, which the driver quantizes."""
+    tiles); elsewhere ``x`` itself, which the driver quantizes. Rounded otherwise than to
+    nearest (``rounding``, ``seed``), the codes are made here for every device (the driver's
+    quantization rounds to nearest), except on a device with blocks along K, whose product
+    rounds both operands so (``_product``)."""
+    if rounding != "nearest_even" and _square(device):
+        from hbfp.golden import kernels
+
+        with _device_work():
+            return kernels.quantize(x.detach().contiguous(), device.format(rounding), seed=seed)
     if getattr(device, "direct_device", None) is None or not _square(device):
         return x  # quantized by the product itself (blocks along K: in the layout it stores)
     from hbfp.golden import kernels
@@ -252,6 +299,64 @@ def _quantized(device, x: torch.Tensor):
         return kernels.quantize(x, fmt)
 
 
+def current_rounding() -> Rounding:
+    """The recipe in use on this thread (``offload``, ``use_recipe``; else the default's
+    stream of seeds)."""
+    r = getattr(_state, "rounding", None)
+    return r if r is not None else _DEFAULT_ROUNDING
+
+
+def current_recipe() -> Recipe:
+    return current_rounding().recipe
+
+
+_DEFAULT_ROUNDING = Rounding(_resolve_recipe(None))
+
+
+@contextlib.contextmanager
+def _rounding_scope(rounding: Rounding | None):
+    """``rounding`` in use in the body (None: unchanged)."""
+    if rounding is None:
+        yield
+        return
+    previous = getattr(_state, "rounding", None)
+    _state.rounding = rounding
+    try:
+        yield
+    finally:
+        _state.rounding = previous
+
+
+@contextlib.contextmanager
+def use_recipe(recipe=None, seed: int | None = None):
+    """Products issued in the body follow ``recipe`` (a name of ``RECIPES`` or a ``Recipe``;
+    ``seed`` replaces its seed), with a fresh stream of seeds; restored on exit."""
+    r = _resolve_recipe(recipe)
+    with _rounding_scope(Rounding(r if seed is None else r.with_seed(seed))):
+        yield current_recipe()
+
+
+def _operand(device, x, cfg: ProductConfig, rounding: Rounding):
+    return _quantized(device, x, cfg.rounding, rounding.seed(cfg) if _square(device) else None)
+
+
+def _product(device, a, b, cfg: ProductConfig, rounding: Rounding, **kw) -> torch.Tensor:
+    """``_device_gemm`` under ``cfg``: a device with blocks along K rounds both operands as
+    ``cfg`` says (its operands go as values); the result in ``cfg.out``."""
+    if not _square(device) and cfg.rounding != "nearest_even":
+        kw.update(rounding=cfg.rounding, seed=rounding.seed(cfg))
+    return _out(_device_gemm(device, a, b, **kw), cfg)
+
+
+def _out(y: torch.Tensor, cfg: ProductConfig) -> torch.Tensor:
+    if cfg.out == "bf16":  # the device's bf16 output: the fp32 sums rounded to nearest even
+        from hbfp.golden import kernels
+
+        with _device_work():
+            y = kernels.epilogue(y, None, "bf16").to(torch.float32)
+    return y
+
+
 class HbfpMatmul(torch.autograd.Function):
     """``a @ b`` (2-D) on ``device``, with the backward products on the device too.
 
@@ -259,14 +364,16 @@ class HbfpMatmul(torch.autograd.Function):
     its codes instead of quantizing ``b``; the gradient still flows to ``b``."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, device, stored: _StoredOperand | None = None):
-        ctx.device = device
-        ctx.stored = stored
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, device, stored: _StoredOperand | None = None,
+                rounding: Rounding | None = None):
+        rounding = rounding or current_rounding()
+        cfg = rounding.recipe.forward
+        ctx.device, ctx.stored, ctx.rounding = device, stored, rounding
         ctx.op = _report.current()
-        ctx.qa = _quantized(device, a)
-        ctx.qb = stored.codes if stored is not None else _quantized(device, b)
+        ctx.qa = _operand(device, a, cfg, rounding)
+        ctx.qb = stored.codes if stored is not None else _operand(device, b, cfg, rounding)
         ctx.transposed = stored is not None and stored.transposed
-        return _device_gemm(device, ctx.qa, ctx.qb, transpose_b=ctx.transposed)
+        return _product(device, ctx.qa, ctx.qb, cfg, rounding, transpose_b=ctx.transposed)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -276,12 +383,20 @@ class HbfpMatmul(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad: torch.Tensor):
         grad_a = grad_b = None
-        qg = _quantized(ctx.device, grad) if ctx.needs_input_grad[0] or ctx.needs_input_grad[1] else None
+        dev, rounding = ctx.device, ctx.rounding
+        gi, gw = rounding.recipe.grad_input, rounding.recipe.grad_weight
+        qg = {}  # the output gradient quantized once per rounding the products ask for
+
+        def quantized(cfg):
+            if cfg.rounding not in qg:
+                qg[cfg.rounding] = _operand(dev, grad, cfg, rounding)
+            return qg[cfg.rounding]
+
         if ctx.needs_input_grad[0]:  # grad @ b^T (b stored as in the forward product)
-            grad_a = _device_gemm(ctx.device, qg, ctx.qb, transpose_b=not ctx.transposed)
+            grad_a = _product(dev, quantized(gi), ctx.qb, gi, rounding, transpose_b=not ctx.transposed)
         if ctx.needs_input_grad[1]:
-            grad_b = _device_gemm(ctx.device, ctx.qa, qg, transpose_a=True)  # a^T @ grad
-        return grad_a, grad_b, None, None
+            grad_b = _product(dev, ctx.qa, quantized(gw), gw, rounding, transpose_a=True)  # a^T @ grad
+        return grad_a, grad_b, None, None, None
 
 
 #: The 16-bit float dtypes: their operands reach the device as fp32, their results come back
@@ -313,7 +428,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOper
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    out = HbfpBmm.apply(a, b, device)
+    recipe = current_recipe()
+    if all(c.rounding == "nearest_even" and c.out == "fp32" for c in recipe.products.values()):
+        out = HbfpBmm.apply(a, b, device)  # the stack at once
+    else:
+        out = torch.stack([HbfpMatmul.apply(a[i], b[i], device) for i in range(a.shape[0])])
     return out.reshape(*batch, *out.shape[-2:])
 
 
@@ -385,13 +504,36 @@ class WideWeightStorage:
                 delattr(w, _STORAGE_ATTR)
 
 
+def _product_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The weights that are operands of products: of linear layers and convolutions of any
+    kind, Bilinear, MultiheadAttention's input projections and the RNNs' matrices (once each)."""
+    out, seen = [], set()
+    for mod in model.modules():
+        if isinstance(mod, (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.Bilinear)):
+            params = [mod.weight]
+        elif isinstance(mod, torch.nn.MultiheadAttention):
+            params = [mod.in_proj_weight, mod.q_proj_weight, mod.k_proj_weight, mod.v_proj_weight]
+        elif isinstance(mod, torch.nn.RNNBase):
+            params = [p for n, p in mod.named_parameters(recurse=False) if n.startswith("weight_")]
+        else:
+            continue
+        for p in params:
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
 def wide_weight_storage(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                         storage=None) -> WideWeightStorage:
-    """Keep the weights of ``model``'s ``Linear`` and ``Conv2d`` layers (torch's or ours) in
-    wide BFP storage (default ``HBFP16``): rounded onto its grid now (to nearest even) and
-    after every ``optimizer.step()``; the products (``hbfp.torch`` layers, ``offload``) read
-    them as the device's format by ``requantize``. Biases stay fp32 (they are not products'
-    operands). The training loop is unchanged."""
+    """Keep the weights of ``model``'s products (linear layers, convolutions, Bilinear,
+    MultiheadAttention's input projections, RNNs; torch's layers or ours) in wide BFP storage
+    (default ``HBFP16``): rounded onto its grid now (to nearest even) and
+    after every ``optimizer.step()``. The products of the layers ``convert`` swaps and of the
+    functions ``offload`` routes read them as the device's format by ``requantize``; the
+    products routed at the ATen level (attention, RNNs, ...) quantize their values (points of
+    the storage grid) as any operand. Biases stay fp32 (they are not products' operands). The
+    training loop is unchanged."""
     from hbfp.golden import HBFP16, Format
 
     storage = HBFP16 if storage is None else storage
@@ -399,9 +541,10 @@ def wide_weight_storage(model: torch.nn.Module, optimizer: torch.optim.Optimizer
         raise TypeError(f"storage must be a hbfp.golden.Format, got {storage!r}")
     if storage.rounding != "nearest_even":
         raise ValueError("wide weight storage rounds to nearest even (stochastic storage rounding needs a seed per step)")
-    weights = [mod.weight for mod in model.modules() if isinstance(mod, (torch.nn.Linear, torch.nn.Conv2d))]
+    weights = _product_weights(model)
     if not weights:
-        raise ValueError("the model has no Linear or Conv2d layer whose weights could be stored wide")
+        raise ValueError("the model has no layer with products (Linear, convolutions, attention, RNNs, Bilinear) "
+                         "whose weights could be stored wide")
     return WideWeightStorage(weights, storage, optimizer)
 
 
@@ -415,13 +558,15 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, de
 class Linear(torch.nn.Linear):
     """``torch.nn.Linear`` whose product runs in HBFP on ``device`` (default: ``emu``)."""
 
-    def __init__(self, *args, device_handle=None, **kwargs):
+    def __init__(self, *args, device_handle=None, rounding: Rounding | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.device_handle = device_handle
+        self.rounding = rounding  # the recipe of convert(), None: the recipe in use where it runs
 
     @torch.compiler.disable  # torch.compile runs the layer as it is and compiles around it
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias, self.device_handle or default_device())
+        with _rounding_scope(self.rounding):
+            return _linear(x, self.weight, self.bias, self.device_handle or default_device())
 
 
 class _Patches(torch.autograd.Function):
@@ -533,39 +678,44 @@ def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Conv2d(torch.nn.Conv2d):
     """``torch.nn.Conv2d`` whose products run in HBFP on ``device`` (``conv2d``)."""
 
-    def __init__(self, *args, device_handle=None, **kwargs):
+    def __init__(self, *args, device_handle=None, rounding: Rounding | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.device_handle = device_handle
+        self.rounding = rounding  # the recipe of convert(), None: the recipe in use where it runs
 
     @torch.compiler.disable  # torch.compile runs the layer as it is and compiles around it
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
-                      self.device_handle or default_device(), padding_mode=self.padding_mode)
+        with _rounding_scope(self.rounding):
+            return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
+                          self.device_handle or default_device(), padding_mode=self.padding_mode)
 
 
 class Conv1d(torch.nn.Conv1d):
     """``torch.nn.Conv1d`` whose products run in HBFP on ``device`` (``conv1d``)."""
 
-    def __init__(self, *args, device_handle=None, **kwargs):
+    def __init__(self, *args, device_handle=None, rounding: Rounding | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.device_handle = device_handle
+        self.rounding = rounding  # the recipe of convert(), None: the recipe in use where it runs
 
     @torch.compiler.disable  # torch.compile runs the layer as it is and compiles around it
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return conv1d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
-                      self.device_handle or default_device(), padding_mode=self.padding_mode)
+        with _rounding_scope(self.rounding):
+            return conv1d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
+                          self.device_handle or default_device(), padding_mode=self.padding_mode)
 
 
-def _converted(layer: torch.nn.Module, device) -> torch.nn.Module | None:
+def _converted(layer: torch.nn.Module, device, rounding: Rounding | None = None) -> torch.nn.Module | None:
     """The HBFP version of a torch ``Linear``, ``Conv1d`` or ``Conv2d`` (the same parameter
     tensors), else None."""
     if isinstance(layer, torch.nn.Linear) and not isinstance(layer, Linear):
-        new = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device_handle=device)
+        new = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device_handle=device,
+                     rounding=rounding)
     elif isinstance(layer, (torch.nn.Conv1d, torch.nn.Conv2d)) and not isinstance(layer, (Conv1d, Conv2d)):
         cls = Conv2d if isinstance(layer, torch.nn.Conv2d) else Conv1d
         new = cls(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
                   padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
-                  bias=layer.bias is not None, padding_mode=layer.padding_mode, device_handle=device)
+                  bias=layer.bias is not None, padding_mode=layer.padding_mode, device_handle=device, rounding=rounding)
     else:
         return None
     new.weight = layer.weight
@@ -575,24 +725,50 @@ def _converted(layer: torch.nn.Module, device) -> torch.nn.Module | None:
     return new
 
 
-def convert(model: torch.nn.Module, device=None) -> torch.nn.Module:
+def convert(model: torch.nn.Module, device=None, recipe=None) -> torch.nn.Module:
     """Swap every ``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` of ``model`` for the HBFP versions, in place,
     keeping their parameters (the same tensors); returns the model. A bare layer comes back as
-    its HBFP version (use the returned module)."""
-    bare = _converted(model, device)
+    its HBFP version (use the returned module). ``recipe`` (a name of ``RECIPES`` or a
+    ``Recipe``): the products' configuration, with one stream of seeds for the model; None:
+    the recipe in use where the layers run (``offload``, ``use_recipe``, else the default)."""
+    rounding = None
+    if recipe is not None:
+        rounding = Rounding(_resolve_recipe(recipe))
+        if device is not None:
+            rounding.recipe.check(device)
+    bare = _converted(model, device, rounding)
     if bare is not None:
         return bare
-    for name, child in list(model.named_children()):
-        new = _converted(child, device)
-        if new is None:
-            convert(child, device)
-        else:
-            setattr(model, name, new)
+    left: set[str] = set()
+    _convert(model, device, rounding, left)
+    if left:
+        warnings.warn(f"convert left {', '.join(sorted(left))} as they are: their products run on the device under "
+                      "hbfp.torch.offload only (the ATen-level interception), in fp32 without it", HbfpFallbackWarning,
+                      stacklevel=2)
     return model
 
 
+#: Layers with matrix products that ``convert`` does not swap: ``offload`` routes their
+#: products at the ATen level. (A MultiheadAttention's out_proj is not called as a module:
+#: ``F.multi_head_attention_forward`` reads its weight, so it stays as it is too.)
+_UNCONVERTED = (torch.nn.MultiheadAttention, torch.nn.RNNBase, torch.nn.Conv3d, torch.nn.modules.conv._ConvTransposeNd,
+                torch.nn.Bilinear)
+
+
+def _convert(model, device, rounding, left: set) -> None:
+    for name, child in list(model.named_children()):
+        if isinstance(child, _UNCONVERTED):
+            left.add(type(child).__name__)
+            continue
+        new = _converted(child, device, rounding)
+        if new is None:
+            _convert(child, device, rounding, left)
+        else:
+            setattr(model, name, new)
+
+
 def _routing_active() -> bool:
-    return get_matmul_precision() == "hbfp8" and not getattr(_state, "on_device", False)
+    return get_matmul_precision() != "highest" and not getattr(_state, "on_device", False)
 
 
 def bilinear(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -693,15 +869,30 @@ for _name, _fn, _funcs in (
 
 
 @contextlib.contextmanager
-def offload(device=None, precision: str = "hbfp8"):
-    """Run the matrix products of an unchanged model on ``device`` (default ``emu``) while
-    the context is active, forward and backward: the functions ``_Offload`` routes, and every
-    other product at the ATen level (``hbfp.torch.aten``: attention, RNNs, einsum,
-    tensordot, 3-d and transposed convolutions, ...). ``report()`` says what ran where. The
-    matmul precision and the backend flags are restored on exit, exceptions included."""
+def offload(device=None, precision: str | None = None, recipe=None):
+    """Run the matrix products of an unchanged model on ``device`` while the context is
+    active, forward and backward: the functions ``_Offload`` routes, and every other product at
+    the ATen level (``hbfp.torch.aten``: attention, RNNs, einsum, tensordot, 3-d and transposed
+    convolutions, ...). ``report()`` says what ran where. ``recipe`` (a name of ``RECIPES`` or a
+    ``Recipe``; None: the recipe in use, ``use_recipe``'s, else "default": the device's format,
+    gradients rounded stochastically) configures each product, with a fresh stream of seeds;
+    without a ``device``, an ``emu`` of the recipe's format (default
+    ``emu``). ``precision``: the matmul precision while active (default: the device's format's
+    name, e.g. "hbfp8"). The precision, the recipe and the backend flags are restored on exit,
+    exceptions included."""
     from .aten import AtenOffload, backend_flags
 
-    device = device or default_device()
+    r = _resolve_recipe(recipe) if recipe is not None else current_recipe()
+    if device is None:
+        formats = r.formats()
+        if len(formats) > 1:
+            raise ValueError(f"recipe {r.name!r} names several formats ({', '.join(sorted(formats))}): "
+                             "give offload a device")
+        from hbfp import host
 
-    with matmul_precision(precision), backend_flags(), AtenOffload(_Product(device), _routing_active), _Offload(device):
+        device = host.open(f"emu:format={formats.pop()}") if formats else default_device()
+    r.check(device)
+    precision = precision or format_name(device.format()).lower().replace(" ", "")
+    with matmul_precision(precision), use_recipe(r) as _, backend_flags(), \
+            AtenOffload(_Product(device, current_rounding()), _routing_active), _Offload(device):
         yield device

@@ -1,0 +1,143 @@
+"""How each product of a training step is computed: a ``Recipe`` holds one ``ProductConfig``
+per product (the forward one, ``grad_input`` = grad @ W^T, ``grad_weight`` = X^T @ grad) and
+a seed for the stochastic roundings; ``offload`` and ``convert`` take one (a name of
+``RECIPES`` or a ``Recipe``).
+
+The default recipe rounds the forward operands to nearest (even) and the output gradients of
+both backward products stochastically. Rounded to nearest, a gradient tile flushes every entry
+below half a quantum of its largest one to zero: the output gradient of a classifier over many
+classes (softmax minus one-hot) loses most of its small positive entries, a bias of the same
+sign every step that AdamW turns into steps of full size (docs/torch.md, "Fidelity").
+Stochastic rounding keeps every entry's expectation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+__all__ = ["ProductConfig", "Recipe", "RECIPES", "DEFAULT_RECIPE", "resolve", "Rounding"]
+
+ROUNDINGS = ("nearest_even", "toward_zero", "stochastic")
+OUTPUTS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class ProductConfig:
+    """One product: ``format`` (a name of ``hbfp.contract.FORMATS``; None: the device's),
+    ``rounding`` of its operands that are quantized for it (the forward's operands; a backward
+    product's output gradient: the other operand is the forward's, as quantized there), and
+    ``out``, the device's result format ("fp32", or "bf16": rounded to nearest even)."""
+
+    format: str | None = None
+    rounding: str = "nearest_even"
+    out: str = "fp32"
+
+    def __post_init__(self):
+        from hbfp.contract import FORMATS
+
+        if self.format is not None and self.format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)} or None (the device's), got {self.format!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if self.out not in OUTPUTS:
+            raise ValueError(f"out must be one of {OUTPUTS}, got {self.out!r}")
+
+
+_NEAREST = ProductConfig()
+_STOCHASTIC = ProductConfig(rounding="stochastic")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """``forward``, ``grad_input`` and ``grad_weight`` products' configurations and the
+    ``seed`` of their stochastic roundings (each product draws the next seed of its run)."""
+
+    name: str
+    forward: ProductConfig = _NEAREST
+    grad_input: ProductConfig = _STOCHASTIC
+    grad_weight: ProductConfig = _STOCHASTIC
+    seed: int = 0
+
+    @property
+    def products(self) -> dict[str, ProductConfig]:
+        return {"forward": self.forward, "grad_input": self.grad_input, "grad_weight": self.grad_weight}
+
+    def formats(self) -> set[str]:
+        """The formats the recipe names (empty: the device's throughout)."""
+        return {c.format for c in self.products.values() if c.format is not None}
+
+    def check(self, device) -> None:
+        """Every named format must be the device's (a device computes in one format)."""
+        have = format_name(device.format())
+        for role, cfg in self.products.items():
+            if cfg.format is not None and cfg.format != have:
+                raise ValueError(f"recipe {self.name!r} runs its {role} products in {cfg.format}, but the device "
+                                 f"computes in {have}: open a device of that format (e.g. emu:format={cfg.format})")
+
+    def with_seed(self, seed: int) -> "Recipe":
+        from dataclasses import replace
+
+        return replace(self, seed=int(seed))
+
+
+def _named(name, fmt, gradients):
+    cfg = ProductConfig(format=fmt)
+    grad = ProductConfig(format=fmt, rounding=gradients)
+    return Recipe(name, cfg, grad, grad)
+
+
+#: Named recipes. "default": the device's format, forward to nearest, gradients stochastic;
+#: "nearest": every operand to nearest (the device's own default rounding).
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    _named("default", None, "stochastic"),
+    _named("nearest", None, "nearest_even"),
+    _named("hbfp8", "HBFP8", "stochastic"),
+    _named("hbfp8-nearest", "HBFP8", "nearest_even"),
+    _named("mxint8", "MXINT8", "stochastic"),
+    _named("mxint8-nearest", "MXINT8", "nearest_even"),
+    _named("hbfp16", "HBFP16", "nearest_even"),
+)}
+DEFAULT_RECIPE = "default"
+
+
+def resolve(recipe) -> Recipe:
+    """A ``Recipe`` from a name of ``RECIPES``, a ``Recipe`` or None (the default)."""
+    if recipe is None:
+        return RECIPES[DEFAULT_RECIPE]
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str) and recipe in RECIPES:
+        return RECIPES[recipe]
+    raise ValueError(f"recipe must be a hbfp.torch.Recipe or one of {', '.join(RECIPES)}, got {recipe!r}")
+
+
+def format_name(fmt) -> str:
+    """The contract's name of a format ("HBFP8"), or its parameters."""
+    from hbfp.contract import FORMATS
+
+    for name, f in FORMATS.items():
+        if (f.mantissa_bits, f.tile) == (fmt.mantissa_bits, fmt.tile):
+            return name
+    return f"BFP{fmt.mantissa_bits} {fmt.tile[0]}x{fmt.tile[1]}"
+
+
+@dataclass
+class Rounding:
+    """A recipe in use: its products' configurations and the stream of seeds of its stochastic
+    roundings (one per quantization, in the order they happen: the same run gives the same
+    seeds)."""
+
+    recipe: Recipe
+    _count: itertools.count = field(default_factory=lambda: itertools.count(1), repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def seed(self, cfg: ProductConfig) -> int | None:
+        """The seed of the next quantization under ``cfg`` (None where it rounds to nearest
+        or toward zero)."""
+        if cfg.rounding != "stochastic":
+            return None
+        with self._lock:
+            n = next(self._count)
+        return (self.recipe.seed * 0x9E3779B1 + n * 0x85EBCA77) & 0xFFFFFFFF
