@@ -17,6 +17,7 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--models", nargs="+", default=["mlp", "cnn"])
     p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--optimizers", nargs="+", default=["sgd"], help="hbfp train's optimizers (default sgd)")
     p.add_argument("--compressions", nargs="+", default=["none", "hbfp8", "mxint8"])
     p.add_argument("-o", "--out", default="build/scaleout")
     args = p.parse_args(argv)
@@ -25,8 +26,8 @@ def main(argv=None) -> int:
         out = Path(args.out) / comp
         print(f"== --nproc {args.nproc} --grad-compression {comp}", flush=True)
         r = subprocess.run([sys.executable, "-m", "hbfp.cli", "train", "--nproc", str(args.nproc), "--grad-compression",
-                            comp, "--models", *args.models, "--epochs", str(args.epochs), "--sim-epochs", "0",
-                            "-o", str(out)])
+                            comp, "--models", *args.models, "--optimizers", *args.optimizers, "--epochs",
+                            str(args.epochs), "--sim-epochs", "0", "-o", str(out)])
         if r.returncode:
             print(f"the run with --grad-compression {comp} failed (exit {r.returncode})", file=sys.stderr)
             ok = False

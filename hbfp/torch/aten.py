@@ -184,6 +184,8 @@ class AtenOffload(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in _WATCHED:  # the common case: no product
+            return func(*args, **kwargs)
         handler = _HANDLERS.get(func)
         if handler is not None and self.active():
             tensors = [t for t in args[:3] if isinstance(t, torch.Tensor)]
@@ -280,6 +282,8 @@ _HANDLERS = {op: _typed(fn) for op, fn in (
 )}
 
 _PACKETS = {op.overloadpacket for op in _HANDLERS}
+#: Every overload of the routed operations, and the fused kernels: what the mode looks at.
+_WATCHED = {getattr(p, name) for p in _PACKETS for name in p.overloads()} | set(HOST_ONLY)
 
 _HOST_MACS = {
     aten.mm.default: lambda a, b, *r: _macs_mm(a, b),
