@@ -18,16 +18,11 @@ registers on (``ecp5_multiplier``): Yosys packs no registers into ECP5 DSP block
 multiplier used without them (register, routing, the multiply, routing, register) is the
 slowest path of the core. The registers are the generic PE's operand copy and product
 register, so the latency and every bit are the same.
-
-The stage-2 control (valid, first and last beat of a K-tile) drives every accumulator bit:
-elaborated for an ECP5, each PE row gets its own copies as TRELLIS_FF instances
-(``ecp5_register``), which Yosys does not merge back into one register with thousands of loads
-across the die; the bits are the same (simulated with ``sim/trellis_ff_model.v``).
 """
 
 from __future__ import annotations
 
-from amaranth import ClockSignal, Const, Instance, Module, Mux, ResetSignal, Signal, signed
+from amaranth import ClockSignal, Const, Instance, Module, Mux, Signal, signed
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
@@ -36,7 +31,7 @@ from hbfp.contract import MAC_LATENCY
 from .lut_mult import BoothProduct
 from .params import psum_width
 
-__all__ = ["MacArray", "ecp5_multiplier", "ecp5_register"]
+__all__ = ["MacArray", "ecp5_multiplier"]
 
 
 def ecp5_multiplier(m: Module, name: str, a, b, p) -> None:
@@ -60,17 +55,6 @@ def ecp5_multiplier(m: Module, name: str, a, b, p) -> None:
     )
     m.submodules[name] = inst
     m.d.comb += [a18.eq(a), b18.eq(b), p.eq(p36)]
-
-
-def ecp5_register(m: Module, name: str, d, q, *, reset: bool = False) -> None:
-    """Adds to ``m`` (as submodule ``name``) a register ``q`` of ``d`` (one bit) in the sync
-    domain as an ECP5 TRELLIS_FF instance (with ``reset``: the domain's synchronous reset to
-    0). Yosys merges equal registers into one, but keeps instances: copies of a signal that
-    fans out across the die stay copies, each near its loads."""
-    ports = {"i_LSR": ResetSignal("sync") if reset else Const(0, 1)}
-    m.submodules[name] = Instance(
-        "TRELLIS_FF", p_GSR="DISABLED", p_CEMUX="1", p_CLKMUX="CLK", p_LSRMUX="LSR", p_REGSET="RESET",
-        p_SRMODE="LSR_OVER_CE", i_CLK=ClockSignal("sync"), i_CE=Const(1, 1), i_DI=d, o_Q=q, **ports)
 
 
 class MacArray(wiring.Component):
@@ -149,17 +133,6 @@ class MacArray(wiring.Component):
         prod = [[Signal(signed(ma + mb), name=f"prod_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
         v1b, first1b, last1b = Signal(name="v1b"), Signal(name="first1b"), Signal(name="last1b")
         v2, first2, last2 = Signal(name="v2"), Signal(name="first2"), Signal(name="last2")
-        # Stage 2's control drives every accumulator bit (rows x cols x psum_width loads): for an
-        # ECP5 each PE row has its own copies (``ecp5_register``), elsewhere the one set.
-        if ecp5:
-            row_ctl = []
-            for i in range(R):
-                copies = (Signal(name=f"v2_{i}"), Signal(name=f"first2_{i}"), Signal(name=f"last2_{i}"))
-                for src, dst, what in zip((v1b, first1b, last1b), copies, ("v2", "first2", "last2")):
-                    ecp5_register(m, f"{what}_{i}", src, dst, reset=True)
-                row_ctl.append(copies)
-        else:
-            row_ctl = [(v2, first2, last2)] * R
         acc = [[Signal(signed(W), name=f"acc_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
         shadow = [[Signal(signed(W), name=f"shadow_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
         full = Signal()  # the shadow bank holds sums not yet drained
@@ -206,11 +179,10 @@ class MacArray(wiring.Component):
                         pe = m.submodules[f"booth_{i}_{j}"] = BoothProduct(ma, mb)
                         m.d.comb += [pe.a.eq(a_pe), pe.neg_a.eq(na_pe), pe.b.eq(b_pe)]
                         m.d.sync += prod[i][j].eq(pe.p)
-                v2_i, first2_i, last2_i = row_ctl[i]
-                nxt = Mux(first2_i, prod[i][j], acc[i][j] + prod[i][j])
-                with m.If(v2_i):
+                nxt = Mux(first2, prod[i][j], acc[i][j] + prod[i][j])
+                with m.If(v2):
                     m.d.sync += acc[i][j].eq(nxt)
-                    with m.If(last2_i):
+                    with m.If(last2):
                         m.d.sync += shadow[i][j].eq(nxt)
 
         # A K-tile's sums drain on the R * G cycles after they reach the shadow bank.
