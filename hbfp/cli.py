@@ -392,6 +392,13 @@ def _train_ranks(args, rank: int, world: int) -> int:
     lead = rank == 0  # the rank that prints and writes the report
     spec = hd.rank_spec(args.device, rank)
     device = host.open(spec)
+    from hbfp.torch import recipes
+
+    try:
+        recipes.resolve(args.recipe).check(device)
+    except ValueError as e:
+        print(f"hbfp train: {e}", file=sys.stderr)
+        return 2
     runs, extra, ok = [], [], True
     if world > 1 and lead:
         extra.append(f"data-parallel on {world} ranks (torch.distributed, gloo), one device per rank "

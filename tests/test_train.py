@@ -78,3 +78,12 @@ def test_language_models_train_with_adamw_all_products_on_the_device(tmp_path):
     with pytest.raises(ValueError, match="model"):
         tr.train("gpt", "fp32", epochs=1, progress=False)
     assert torch.are_deterministic_algorithms_enabled()
+
+
+def test_cli_refuses_a_recipe_the_device_cannot_run(tmp_path, capsys):
+    from hbfp import cli
+
+    out = tmp_path / "run"
+    assert cli.main(["train", "--recipe", "mxint8", "--models", "mlp", "--sim-epochs", "0", "-o", str(out)]) == 2
+    assert not out.exists()
+    assert "runs its forward products in MXINT8" in capsys.readouterr().err
