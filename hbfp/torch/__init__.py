@@ -555,18 +555,28 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, de
     return y + bias if bias is not None else y
 
 
-class Linear(torch.nn.Linear):
-    """``torch.nn.Linear`` whose product runs in HBFP on ``device`` (default: ``emu``)."""
+class _OnDevice:
+    """What the HBFP layers add to torch's: ``device_handle`` (None: ``default_device()``),
+    ``rounding`` (the recipe of ``convert``; None: the recipe in use where the layer runs) and
+    a ``forward`` that torch.compile runs as it is and compiles around; ``_product(x, device)``
+    is the layer's own computation."""
 
     def __init__(self, *args, device_handle=None, rounding: Rounding | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.device_handle = device_handle
-        self.rounding = rounding  # the recipe of convert(), None: the recipe in use where it runs
+        self.rounding = rounding
 
-    @torch.compiler.disable  # torch.compile runs the layer as it is and compiles around it
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with _rounding_scope(self.rounding):
-            return _linear(x, self.weight, self.bias, self.device_handle or default_device())
+            return self._product(x, self.device_handle or default_device())
+
+
+class Linear(_OnDevice, torch.nn.Linear):
+    """``torch.nn.Linear`` whose product runs in HBFP on ``device`` (default: ``emu``)."""
+
+    def _product(self, x, device):
+        return _linear(x, self.weight, self.bias, device)
 
 
 class _Patches(torch.autograd.Function):
@@ -675,34 +685,20 @@ def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y[:, :, 0]
 
 
-class Conv2d(torch.nn.Conv2d):
+class Conv2d(_OnDevice, torch.nn.Conv2d):
     """``torch.nn.Conv2d`` whose products run in HBFP on ``device`` (``conv2d``)."""
 
-    def __init__(self, *args, device_handle=None, rounding: Rounding | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.device_handle = device_handle
-        self.rounding = rounding  # the recipe of convert(), None: the recipe in use where it runs
-
-    @torch.compiler.disable  # torch.compile runs the layer as it is and compiles around it
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with _rounding_scope(self.rounding):
-            return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
-                          self.device_handle or default_device(), padding_mode=self.padding_mode)
+    def _product(self, x, device):
+        return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups, device,
+                      padding_mode=self.padding_mode)
 
 
-class Conv1d(torch.nn.Conv1d):
+class Conv1d(_OnDevice, torch.nn.Conv1d):
     """``torch.nn.Conv1d`` whose products run in HBFP on ``device`` (``conv1d``)."""
 
-    def __init__(self, *args, device_handle=None, rounding: Rounding | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.device_handle = device_handle
-        self.rounding = rounding  # the recipe of convert(), None: the recipe in use where it runs
-
-    @torch.compiler.disable  # torch.compile runs the layer as it is and compiles around it
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with _rounding_scope(self.rounding):
-            return conv1d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
-                          self.device_handle or default_device(), padding_mode=self.padding_mode)
+    def _product(self, x, device):
+        return conv1d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups, device,
+                      padding_mode=self.padding_mode)
 
 
 def _converted(layer: torch.nn.Module, device, rounding: Rounding | None = None) -> torch.nn.Module | None:
