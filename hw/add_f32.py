@@ -70,8 +70,8 @@ class AddF32Datapath(wiring.Component):
     for 150 MHz on an ECP5): 1. classify, compare magnitudes, both exponent differences;
     2. swap, DAZ, clamp the alignment shift; 3. align the smaller significand, sticky decoded
     from the shift amount; 4. add or subtract; 5. leading-zero count; 6. normalizing shift,
-    result exponent; 7. round (RNE increment) beside the range tests, specials, FTZ, overflow,
-    pack.
+    result exponent and, beside them, its range tests and the result's class (special, FTZ,
+    overflow); 7. round (RNE increment) and a multiplexer on the registered class, pack.
     """
 
     LATENCY = ADD_LATENCY  # the seven stages below (hw.params: CoreConfig checks the K-tile against it)
@@ -218,52 +218,57 @@ class AddF32Datapath(wiring.Component):
 
         # 6. Normalize: bring the leading one to the top bit. The hidden bit of the larger
         # operand sits one below the top bit: a count of zero is a carry out of the
-        # significand, one is no change, more is cancellation.
+        # significand, one is no change, more is cancellation. Beside the shifter, from the
+        # exponent alone, the range tests of stage 7 (bit tests of the signed exponent: LUTs,
+        # where comparisons with a constant would take carry chains): stage 7 is then the
+        # rounding increment and a multiplexer whose selects are registers.
         normal = (s5.total << s5.lzc)[: _EXT_BITS + 1]
         exp_res = Signal(signed(F32_EXP_BITS + 2))
         m.d.comb += exp_res.eq(s5.exp + 1 - s5.lzc)
+        # A sum of two normals below 2**-126 is a multiple of 2**-149 and so exact (no guard
+        # or sticky bit), hence "below 2**-126 after rounding" is "exponent below 1" here.
+        tiny = exp_res[-1] | (exp_res == 0)  # below 1
+        at_inf = ~exp_res[-1] & (exp_res[F32_EXP_BITS] | exp_res[:F32_EXP_BITS].all())  # _EXP_MAX or more
+        sig = normal[-_SIG_BITS:]
+        # The carry of the rounding increment reaches the inf field only from field 254 with an
+        # all-ones fraction: the largest finite magnitude rounds up to inf.
+        edge = (exp_res == _EXP_MAX - 1) & sig[:F32_FRAC_BITS].all()
         s6 = self._stage(
             m,
             "s6",
             sign=s5.sign,
-            exp=exp_res,
-            sig=normal[-_SIG_BITS:],
+            exp=exp_res[:F32_EXP_BITS],
+            sig=sig,
             guard=normal[-_SIG_BITS - 1],
             sticky=normal[: -_SIG_BITS - 1] != 0,
-            zero=s5.zero,
+            # The result's class, first match: NaN, inf, an exact zero, flushed to zero,
+            # overflow to inf (``at_inf``; ``edge`` with the increment), else the rounded sum.
             nan=s5.nan,
             inf=s5.inf,
+            zero=~s5.nan & ~s5.inf & s5.zero,
+            tiny=~s5.nan & ~s5.inf & ~s5.zero & tiny,
+            at_inf=~s5.nan & ~s5.inf & ~s5.zero & ~tiny & at_inf,
+            edge=~s5.nan & ~s5.inf & ~s5.zero & ~tiny & ~at_inf & edge,
             zero_sign=s5.zero_sign,
         )
 
         # 7. Round to nearest even and pack. Adding the rounding increment to exponent and
         # fraction together lets a carry out of the significand step the exponent (and turn the
-        # largest finite magnitude into the inf pattern). A sum of two normals below 2**-126 is a
-        # multiple of 2**-149 and so exact (no guard or sticky bit), hence "below 2**-126 after
-        # rounding" is "exponent below 1" here. The range tests read the exponent before the
-        # increment, beside the adder (the carry reaches the inf field only from field 254 with
-        # an all-ones fraction), so only a multiplexer follows the increment.
+        # largest finite magnitude into the inf pattern).
         round_up = s6.guard & (s6.sticky | s6.sig[0])
-        packed = (Cat(s6.sig[:F32_FRAC_BITS], s6.exp[:F32_EXP_BITS]) + round_up)[: FP32_WIDTH - 1]
-        # The range tests as bit tests of the (signed) exponent: LUTs, where comparisons with
-        # a constant would take carry chains.
-        exp = s6.exp
-        tiny = exp[-1] | (exp == 0)  # below 1
-        at_inf = ~exp[-1] & (exp[F32_EXP_BITS] | exp[:F32_EXP_BITS].all())  # _EXP_MAX or more
-        huge = at_inf | ((exp == _EXP_MAX - 1) & s6.sig[:F32_FRAC_BITS].all() & round_up)
+        packed = (Cat(s6.sig[:F32_FRAC_BITS], s6.exp) + round_up)[: FP32_WIDTH - 1]
         zero_magnitude = Const(0, FP32_WIDTH - 1)
         inf_magnitude = Const(_EXP_MAX << F32_FRAC_BITS, FP32_WIDTH - 1)
+        special = s6.nan | s6.inf | s6.zero | s6.tiny | s6.at_inf
         result = Signal(FP32_WIDTH)
         with m.If(s6.nan):
             m.d.comb += result.eq(F32_QNAN)
-        with m.Elif(s6.inf):
+        with m.Elif(s6.inf | s6.at_inf | (s6.edge & round_up)):
             m.d.comb += result.eq(Cat(inf_magnitude, s6.sign))
         with m.Elif(s6.zero):
             m.d.comb += result.eq(Cat(zero_magnitude, s6.zero_sign))
-        with m.Elif(tiny):
+        with m.Elif(special):  # tiny
             m.d.comb += result.eq(Cat(zero_magnitude, s6.sign))
-        with m.Elif(huge):
-            m.d.comb += result.eq(Cat(inf_magnitude, s6.sign))
         with m.Else():
             m.d.comb += result.eq(Cat(packed, s6.sign))
         s7 = self._stage(m, "s7", result=result)

@@ -19,7 +19,7 @@ from amaranth.lib.wiring import In, Out
 from .crc import chunk_layout
 
 __all__ = ["beat_layout", "chunk_layout", "reply_chunk_layout", "WindowSignature", "BeatCompactor", "ByteWindow",
-           "ChunkToBeat"]
+           "ChunkToBeat", "StreamRegister"]
 
 
 def beat_layout(stream_bytes: int) -> data.StructLayout:
@@ -74,6 +74,26 @@ class BeatCompactor(wiring.Component):
             for b in range(j, n):  # lane b lands at position popcount(keep[:b]) <= b
                 picked = picked | Mux(keep[b] & (before[b] == j), lanes[b], 0)
             m.d.comb += self.o.payload.data[j].eq(picked)
+        return m
+
+
+class StreamRegister(wiring.Component):
+    """One register stage on a stream of ``layout``: ``o`` is ``i`` a cycle later. ``o``'s
+    valid and payload are registers, and ``i.ready`` (``o`` empty or taken) is one gate of
+    ``o.ready`` and a register, so the logic in front of it and the logic behind it fall into
+    different cycles. Throughput one beat a cycle while ``o`` takes them."""
+
+    def __init__(self, layout):
+        super().__init__({
+            "i": In(stream.Signature(layout)),
+            "o": Out(stream.Signature(layout)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        m.d.comb += self.i.ready.eq(~self.o.valid | self.o.ready)
+        with m.If(self.i.ready):
+            m.d.sync += [self.o.valid.eq(self.i.valid), self.o.payload.eq(self.i.payload)]
         return m
 
 

@@ -7,7 +7,8 @@ beat brings a column of A (``rows`` codes, ``A[i0:i0+R, k]``) and a row of B (``
 sums move to a shadow bank in the same cycle the next K-tile starts, and drain while the PEs
 go on: ``groups`` beats a row (row 0 first), each of ``cols / groups`` sums (group 0 first), one
 beat per cycle (``groups`` = ``CoreConfig.acc_groups``: the accumulate lanes serve that many
-columns each).
+columns each). The shadow bank drains as a shift register (each beat moves up a place a cycle
+and leaves from row 0), so no multiplexer gathers the sums from across the array.
 
 Multipliers: the first ``dsp_macs`` PEs in row-major order multiply with ``*`` (which Yosys
 maps to a MULT18X18D on ECP5), the others with ``hbfp.hw.lut_mult.BoothProduct`` (LUTs and
@@ -118,11 +119,11 @@ class MacArray(wiring.Component):
         ma, mb = self.mantissa_bits_a, self.mantissa_bits_b
         ecp5 = getattr(platform, "family", None) == "ecp5"
 
-        # Stage 1: the operands, registered once per PE row (a[i]) and column (b[j]); the rows with
-        # LUT PEs also register -a[i], which their Booth products share. Stage 2: a copy of its
-        # operands in every PE (meant to give the fan-out across the die a cycle of its own; Yosys
-        # merges equal registers, so in portable Verilog it does not; elaborated for an ECP5 the
-        # DSP blocks' input registers are these copies). Stage 3: the products (for an ECP5 the
+        # Stage 1: the operands, registered once per PE row (a[i]) and column (b[j]). Stage 2: a
+        # copy of its operands in every PE, and -a[i] for a LUT PE's Booth product (meant to give
+        # the fan-out across the die a cycle of its own; Yosys merges equal registers, so in
+        # portable Verilog it does not; elaborated for an ECP5 the DSP blocks' input registers
+        # are these copies). Stage 3: the products (for an ECP5 the
         # DSP blocks' output registers). Stage 4: the accumulators.
         # Data registers have no reset and no enable (nothing stalls): tools that pack
         # registers into DSP blocks can; only the valid pipeline and the drain are reset.
@@ -140,6 +141,8 @@ class MacArray(wiring.Component):
         L = C // G
         row = Signal(range(R))
         group = Signal(range(G))
+        load = Signal()  # a K-tile's last beat: its sums go to the shadow bank
+        m.d.comb += load.eq(v2 & last2)
 
         m.d.comb += self.i.ready.eq(1)
         m.d.sync += [
@@ -159,9 +162,6 @@ class MacArray(wiring.Component):
             m.d.sync += k.eq(Mux(k == self.tk - 1, 0, k + 1))
 
         for i in range(R):
-            if not all(self.uses_dsp(i, j) for j in range(C)):
-                na1 = Signal(signed(ma + 1), name=f"na1_{i}", reset_less=True)
-                m.d.sync += na1.eq(-self.i.payload.a[i])
             for j in range(C):
                 if self.uses_dsp(i, j) and ecp5:
                     # The DSP block's input registers are the operand copy, its output register
@@ -174,19 +174,33 @@ class MacArray(wiring.Component):
                     if self.uses_dsp(i, j):
                         m.d.sync += prod[i][j].eq(a_pe * b_pe)
                     else:
+                        # -a from the row's register (the operand buffer's rotation before a1
+                        # and this adder after it are in different cycles).
                         na_pe = Signal(signed(ma + 1), name=f"na2_{i}_{j}", reset_less=True)
-                        m.d.sync += na_pe.eq(na1)
+                        m.d.sync += na_pe.eq(-a1[i])
                         pe = m.submodules[f"booth_{i}_{j}"] = BoothProduct(ma, mb)
                         m.d.comb += [pe.a.eq(a_pe), pe.neg_a.eq(na_pe), pe.b.eq(b_pe)]
                         m.d.sync += prod[i][j].eq(pe.p)
                 nxt = Mux(first2, prod[i][j], acc[i][j] + prod[i][j])
                 with m.If(v2):
                     m.d.sync += acc[i][j].eq(nxt)
-                    with m.If(last2):
-                        m.d.sync += shadow[i][j].eq(nxt)
+                # The shadow bank is a shift register of the drain's beats (row-major, ``groups``
+                # beats a row): beat 0 leaves from row 0's first columns and every other moves
+                # up a place a cycle, so the drain needs no multiplexer across the array.
+                g, l = divmod(j, L)
+                if g + 1 < G:
+                    behind = shadow[i][(g + 1) * L + l]
+                elif i + 1 < R:
+                    behind = shadow[i + 1][l]
+                else:
+                    behind = Const(0, signed(W))
+                with m.If(load):
+                    m.d.sync += shadow[i][j].eq(nxt)
+                with m.Elif(full):
+                    m.d.sync += shadow[i][j].eq(behind)
 
         # A K-tile's sums drain on the R * G cycles after they reach the shadow bank.
-        with m.If(v2 & last2):
+        with m.If(load):
             m.d.sync += [full.eq(1), row.eq(0), group.eq(0)]
         with m.Elif(full):
             m.d.sync += group.eq(group + 1)
@@ -196,9 +210,6 @@ class MacArray(wiring.Component):
                     m.d.sync += full.eq(0)
 
         m.d.comb += [self.o.valid.eq(full), self.o.payload.row.eq(row), self.o.payload.group.eq(group)]
-        for i in range(R):
-            for g in range(G):
-                with m.If((row == i) & (group == g)):
-                    for j in range(L):
-                        m.d.comb += self.o.payload.sums[j].eq(shadow[i][g * L + j])
+        for j in range(L):
+            m.d.comb += self.o.payload.sums[j].eq(shadow[0][j])
         return m

@@ -54,7 +54,7 @@ from .activation import ACTIVATION_INPUT, FUNC_WIDTH, UNARY_FUNCTIONS
 from .block_ram import BlockRam
 from .crc import ParallelCRC32, chunk_layout, crc32_state
 from .gemm_core import command_layout, output_layout, write_layout
-from .link import ByteWindow, WindowSignature, beat_layout, reply_chunk_layout
+from .link import ByteWindow, StreamRegister, WindowSignature, beat_layout, reply_chunk_layout
 from .params import BF16_WIDTH, EXP_WIDTH, FP32_WIDTH, CoreConfig, layout
 from .quantize import KEY_LATENCY
 
@@ -233,7 +233,14 @@ def _bounded_product(a, b, limit: int):
     Yosys 0.70's synth_ecp5, an assertion in ABC_OPS_REINTEGRATE)."""
     bits = limit.bit_length()
     a, b = a[:bits], b[:bits]
-    return sum(Mux(b[i], a << i, 0) for i in range(bits))
+    return _tree_sum([Mux(b[i], a << i, 0) for i in range(bits)])
+
+
+def _tree_sum(terms):
+    """The sum of ``terms`` as a balanced tree of adders (depth log2 of their number)."""
+    while len(terms) > 1:
+        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
+    return terms[0]
 
 
 def divmod_const(value, divisor: int, limit: int):
@@ -409,14 +416,16 @@ class FrameReceiver(wiring.Component):
 class FrameChecker(wiring.Component):
     """The decision on a received frame: ``plan`` from ``frame``.
 
-    Its products (a WRITE's elements, a result's elements and tiles, an ELEMENTWISE's
-    second region) and the checks of a WRITE's region are registered (``LATENCY`` = 1): the
-    ``plan`` of a frame is valid from the cycle after the frame is offered, and holds while
-    the frame does. The receiver holds a frame still until it is taken and the engine takes
-    the plan a cycle after it first sees the frame (``DECIDE``), so this costs no cycle; it
-    keeps the products (shifts and adds of fields the checks bound, ``_bounded_product``) out
-    of the status decision's cycle (on a ULX3S build the whole decision in one cycle, with
-    two DSP multipliers, was a 24 ns path).
+    Three register stages (``LATENCY`` = 3), each a few levels of logic: the first holds the
+    command's fields (GEMM's or READ's), the parts of a WRITE's region check and its
+    element count, and the checks of lengths and codes against constants; the second the
+    descriptor and region checks, a result's elements and tiles, and a WRITE's length check;
+    the third the reply's byte count. The status and the plan are then a few levels of logic
+    from registers. The ``plan`` of a frame is valid from the third cycle after the frame is
+    offered and holds while the frame does: the receiver holds a frame still until it is
+    taken, and the engine takes the plan ``LATENCY`` cycles after it first sees the frame
+    (``CHECK``, ``DECIDE``). On a ULX3S build the whole decision in one cycle, with two DSP
+    multipliers, was a 24 ns path; with one register stage it was still 13 levels of logic.
 
     The first failing check gives the status (docs/protocol.md): a dropped frame TIMEOUT (tag
     0xFFFF), an oversize one BAD_LENGTH, then CRC, version, opcode, then per command: a length
@@ -428,7 +437,7 @@ class FrameChecker(wiring.Component):
     execute and how many reply bytes follow the status.
     """
 
-    LATENCY = 1
+    LATENCY = 3
 
     def __init__(self, cfg: CoreConfig, *, stream_bytes: int, max_payload: int):
         self.cfg, self.stream_bytes, self.max_payload = cfg, stream_bytes, max_payload
@@ -442,7 +451,8 @@ class FrameChecker(wiring.Component):
         cfg, N, P = self.cfg, self.stream_bytes, self.max_payload
 
         def early(value, name):
-            """``value`` of the frame, registered (the frame holds still while offered)."""
+            """``value`` of the frame, registered (the frame holds still while offered): valid
+            from the cycle after the frame is offered, a cycle after the registers it reads."""
             r = Signal(Value.cast(value).shape(), name=name, reset_less=True)
             m.d.sync += r.eq(value)
             return r
@@ -467,13 +477,15 @@ class FrameChecker(wiring.Component):
         w_row_end = Signal(17)
         w_col_end = Signal(17)
         m.d.comb += [w_row_end.eq(w_row + w_rows), w_col_end.eq(w_col + w_cols)]
-        in_elements = (w_row_end <= D) & (w_col_end <= D)
-        in_tiles = (w_row_end <= D // th) & (w_col_end <= D // tw)
+        # Stage 1: the parts of the region check; stage 2: the check for the target.
+        in_elements = early((w_row_end <= D) & (w_col_end <= D), "in_elements")
+        in_tiles = early((w_row_end <= D // th) & (w_col_end <= D // tw), "in_tiles")
         # Row chunks: A's codes go R to a chunk, B's codes, the accumulator's and the bias's C.
-        chunked_c = _multiple_of(w_col, C, D) & _multiple_of(w_cols, C, D)
-        chunked_r = chunked_c if R == C else _multiple_of(w_col, R, D) & _multiple_of(w_cols, R, D)
-        tiled = (_multiple_of(w_row, th, D) & _multiple_of(w_rows, th, D)
-                 & _multiple_of(w_col, tw, D) & _multiple_of(w_cols, tw, D))
+        chunked_c = early(_multiple_of(w_col, C, D) & _multiple_of(w_cols, C, D), "chunked_c")
+        chunked_r = chunked_c if R == C else early(_multiple_of(w_col, R, D) & _multiple_of(w_cols, R, D), "chunked_r")
+        tiled = early(_multiple_of(w_row, th, D) & _multiple_of(w_rows, th, D)
+                      & _multiple_of(w_col, tw, D) & _multiple_of(w_cols, tw, D), "tiled")
+        bias_row = early((w_row == 0) & (w_rows == 1), "bias_row")
         is_a_codes = w_target == Target.A_CODES
         is_codes = is_a_codes | (w_target == Target.B_CODES)
         is_exps = (w_target == Target.A_EXPONENTS) | (w_target == Target.B_EXPONENTS)
@@ -482,7 +494,7 @@ class FrameChecker(wiring.Component):
             is_a_codes, in_elements & chunked_r,
             Mux((w_target == Target.B_CODES) | (w_target == Target.ACC), in_elements & chunked_c,
                 Mux(is_exps, in_tiles,
-                    Mux(w_target == Target.BIAS, (w_row == 0) & (w_rows == 1) & in_elements & chunked_c,
+                    Mux(w_target == Target.BIAS, bias_row & in_elements & chunked_c,
                         Mux(is_values, in_elements & tiled, 0))))), "address_ok")
         # The elements of a replay beat: a row chunk (R or C), an exponent, or a quantizer beat.
         chunk_lanes = Mux(is_exps, 1, Mux(is_a_codes, R, C))
@@ -494,30 +506,36 @@ class FrameChecker(wiring.Component):
             write_desc_ok = ~is_values
         elif not cfg.stochastic:
             write_desc_ok = write_desc_ok & (w_rounding != stochastic)
+        write_desc_ok = early(write_desc_ok, "write_desc_ok")
         element_bytes = Mux(is_codes, cb, Mux(is_exps, 1, Mux(is_values & value_bf16, 2, 4)))
         region = early(_bounded_product(w_rows, w_cols, D), "region")  # exact in a WRITE that address_ok admits
         # region * element_bytes (1, 2 or 4): a shift of the registered product
         write_bytes = Signal(35)
         element_shift = Mux(element_bytes == 4, 2, Mux(element_bytes == 2, 1, 0))
         m.d.comb += write_bytes.eq(region << early(element_shift, "element_shift"))
+        write_length_ok = early(length == WRITE_HEADER + write_bytes, "write_length_ok")
 
         # ---- GEMM and READ share one set of fields (READ: K = 0 and only the bias flag) ----
         is_read = is_op[Op.READ]
-        c_m, c_n = Mux(is_read, r_desc.m, g_desc.m), Mux(is_read, r_desc.n, g_desc.n)
-        c_k = Mux(is_read, 0, g_desc.k)
-        c_flags = Mux(is_read, r_desc.flags & GemmFlag.BIAS, g_desc.flags)
-        c_act = Mux(is_read, r_desc.activation, g_desc.activation)
-        c_format = Mux(is_read, r_desc.out_format, g_desc.out_format)
-        c_rounding = Mux(is_read, r_desc.rounding, g_desc.rounding)
-        c_seed = Mux(is_read, r_desc.seed, g_desc.seed)
+        # Stage 1: the command's fields; stage 2: their checks and products; stage 3: the
+        # result's bytes.
+        c_m = early(Mux(is_read, r_desc.m, g_desc.m), "c_m")
+        c_n = early(Mux(is_read, r_desc.n, g_desc.n), "c_n")
+        c_k = early(Mux(is_read, 0, g_desc.k), "c_k")
+        c_flags = early(Mux(is_read, r_desc.flags & GemmFlag.BIAS, g_desc.flags), "c_flags")
+        c_act = early(Mux(is_read, r_desc.activation, g_desc.activation), "c_act")
+        c_format = early(Mux(is_read, r_desc.out_format, g_desc.out_format), "c_format")
+        c_rounding = early(Mux(is_read, r_desc.rounding, g_desc.rounding), "c_rounding")
+        c_seed = early(Mux(is_read, r_desc.seed, g_desc.seed), "c_seed")
+        c_read = early(is_read, "c_read")
         flag = {f.name.lower(): c_flags & f != 0 for f in GemmFlag}
         unary_mask = functions_mask(n for n in functions if n in UNARY_FUNCTIONS)
         built_mask = functions_mask(functions)
         gradient_mask = functions_mask(n for n in functions if n not in UNARY_FUNCTIONS)
         act_ok = (c_act == protocol.NO_ACTIVATION) | Const(unary_mask, 256).bit_select(c_act, 1)
         sides_ok = ((c_m >= 1) & (c_m <= D) & (c_n >= 1) & (c_n <= D)
-                    & (is_read | ((c_k >= 1) & (c_k <= D))))
-        transposes_ok = 1 if cfg.square else (is_read | (~flag["transpose_a"] & flag["transpose_b"]))
+                    & (c_read | ((c_k >= 1) & (c_k <= D))))
+        transposes_ok = 1 if cfg.square else (c_read | (~flag["transpose_a"] & flag["transpose_b"]))
         command_ok = (sides_ok & act_ok & transposes_ok & (c_format <= max(OutFormat))
                       & (c_rounding <= max(Rounding)))
         c_bfp = c_format == OutFormat.BFP
@@ -525,11 +543,13 @@ class FrameChecker(wiring.Component):
             command_ok = command_ok & ~c_bfp
         elif not cfg.stochastic:
             command_ok = command_ok & ~(c_bfp & (c_rounding == stochastic))
+        command_ok = early(command_ok, "command_ok")
         # exact in a command that sides_ok admits
         tiles = early(_bounded_product(_ceil_div(c_m, th, D), _ceil_div(c_n, tw, D), -(-D // min(th, tw))), "tiles")
         elements = early(_bounded_product(c_m, c_n, D), "elements")
-        result_bytes = Mux(c_format == OutFormat.FP32, elements << 2,
-                           Mux(c_format == OutFormat.BF16, elements << 1, tiles * (1 + th * tw * cb)))
+        result_bytes = early(Mux(c_format == OutFormat.FP32, elements << 2,
+                                Mux(c_format == OutFormat.BF16, elements << 1, tiles * (1 + th * tw * cb))),
+                            "result_bytes")
 
         # ---- ELEMENTWISE ----------------------------------------------------------------
         e_function, e_count = e_desc.function, e_desc.count
@@ -540,6 +560,15 @@ class FrameChecker(wiring.Component):
         e_built = Const(built_mask, 256).bit_select(e_function, 1)
         e_bytes = Signal(35)
         m.d.comb += e_bytes.eq(Mux(e_gradient, e_count << 2, e_count << 1))
+        e_length_ok = early(length == ELEMENTWISE_HEADER + e_bytes, "e_length_ok")
+        e_built = early(e_built, "e_built")
+
+        # The second stage: what the status decides on, each a register.
+        bad_version = early(head.version != protocol.PROTOCOL_VERSION, "bad_version")
+        short_write = early(length < WRITE_HEADER, "short_write")
+        bad_command_length = early(length != Mux(is_read, READ_SIZE, GEMM_SIZE), "bad_command_length")
+        short_elementwise = early(length < ELEMENTWISE_HEADER, "short_elementwise")
+        has_payload = early(length != 0, "has_payload")
 
         status = Signal(8)
         event = self.frame.event
@@ -549,33 +578,33 @@ class FrameChecker(wiring.Component):
             m.d.comb += status.eq(Status.BAD_LENGTH)
         with m.Elif(~self.frame.crc_ok):
             m.d.comb += status.eq(Status.BAD_CRC)
-        with m.Elif(head.version != protocol.PROTOCOL_VERSION):
+        with m.Elif(bad_version):
             m.d.comb += status.eq(Status.BAD_VERSION)
         with m.Elif(~Cat(*is_op.values()).any()):
             m.d.comb += status.eq(Status.BAD_OPCODE)
         with m.Elif(is_op[Op.WRITE]):
-            with m.If(length < WRITE_HEADER):
+            with m.If(short_write):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
             with m.Elif(~address_ok):
                 m.d.comb += status.eq(Status.BAD_ADDRESS)
             with m.Elif(~write_desc_ok):
                 m.d.comb += status.eq(Status.BAD_DESCRIPTOR)
-            with m.Elif(length != WRITE_HEADER + write_bytes):
+            with m.Elif(~write_length_ok):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
         with m.Elif(is_op[Op.GEMM] | is_read):
-            with m.If(length != Mux(is_read, READ_SIZE, GEMM_SIZE)):
+            with m.If(bad_command_length):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
             with m.Elif(~command_ok):
                 m.d.comb += status.eq(Status.BAD_DESCRIPTOR)
         with m.Elif(is_op[Op.ELEMENTWISE]):
-            with m.If(length < ELEMENTWISE_HEADER):
+            with m.If(short_elementwise):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
             with m.Elif(~e_built):
                 m.d.comb += status.eq(Status.BAD_DESCRIPTOR)
-            with m.Elif(length != ELEMENTWISE_HEADER + e_bytes):
+            with m.Elif(~e_length_ok):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
         with m.Else():  # IDENTIFY, STATUS, RESET carry no payload
-            with m.If(length != 0):
+            with m.If(has_payload):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
 
         # ---- the plan ---------------------------------------------------------------------
@@ -1093,7 +1122,7 @@ class PacketEngine(wiring.Component):
     frame; nothing is executed before the CRC has checked: a corrupted WRITE changes no
     buffer (the reply is BAD_CRC and the host simply sends it again).
 
-    Deciding (``FrameChecker``; registered 1 cycle after the receiver hands a frame over):
+    Deciding (``FrameChecker``; registered ``FrameChecker.LATENCY`` cycles after the receiver hands a frame over):
     the status and the plan. A length beyond ``max_payload`` is refused as soon as the
     header is in, and then ``length + 4`` bytes are skipped (or until ``frame_timeout`` cycles
     pass without a byte); a frame that stops for ``frame_timeout`` cycles after its magic gets
@@ -1171,12 +1200,16 @@ class PacketEngine(wiring.Component):
         m.submodules.window_b = win_b = ByteWindow(N, 2)
         m.submodules.replay = replay = WriteReplay(cfg, value_lanes(cfg, N))
         m.submodules.serializer = ser = ResultSerializer(cfg)
+        # The reply's chunks pass a register before the window, so that the dispatch's choice
+        # of source (and the sources' own handshakes) and the window's shift are in different cycles.
+        m.submodules.reply_register = reply_register = StreamRegister(chunk_layout(R))
         m.submodules.reply_window = reply = ByteWindow(R, N)
         m.submodules.framer = framer = ReplyFramer(N)
         m.submodules.payload = buf = BlockRam(8 * N, _words(P, N), stall=True)
         buf_wr, buf_rd = buf.write, buf.read0
 
         wiring.connect(m, wiring.flipped(self.i), rx.i)
+        wiring.connect(m, reply_register.o, reply.i)
         wiring.connect(m, reply.o, framer.i)
         wiring.connect(m, framer.o, wiring.flipped(self.o))
         wiring.connect(m, reader.a, win_a.i)
@@ -1248,7 +1281,7 @@ class PacketEngine(wiring.Component):
                         last_cycles))
 
         # ---- the reply's payload: status, fixed bytes, then the stream, into the window ----
-        src = reply.i
+        src = reply_register.i
         fixed_index = Signal(range(33))
         fixed_left = Signal(range(33))  # plan.fixed - fixed_index, kept (no subtraction before the window)
         stream_left = Signal(32)
@@ -1260,13 +1293,19 @@ class PacketEngine(wiring.Component):
             framer.header.payload.length.eq(1 + plan.fixed + plan.stream),
         ]
         pushed = src.valid & src.ready
+        assert FrameChecker.LATENCY >= 2
+        check_wait = Signal(range(FrameChecker.LATENCY))
 
         with m.FSM():
             with m.State("IDLE"):
+                m.d.sync += check_wait.eq(FrameChecker.LATENCY - 2)
                 with m.If(rx.frame.valid):
+                    m.next = "CHECK"
+            with m.State("CHECK"):  # the checker's stages but its last
+                m.d.sync += check_wait.eq(check_wait - 1)
+                with m.If(check_wait == 0):
                     m.next = "DECIDE"
-            with m.State("DECIDE"):  # the frame offered since a cycle: its plan is valid
-                assert FrameChecker.LATENCY == 1
+            with m.State("DECIDE"):  # the frame offered LATENCY cycles ago: its plan is valid
                 m.d.sync += plan.eq(checker.plan)
                 m.d.comb += count_status.eq(1)
                 m.next = "DISPATCH"

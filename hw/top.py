@@ -20,7 +20,7 @@ from hbfp.contract import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_PAYLOAD
 
 from .activation import Activation
 from .gemm_core import GemmCore
-from .link import BeatCompactor, ByteWindow, ChunkToBeat, beat_layout
+from .link import BeatCompactor, ByteWindow, ChunkToBeat, StreamRegister, beat_layout
 from .packet import PacketEngine, value_lanes
 from .params import CoreConfig
 from .quantize import Quantize
@@ -103,17 +103,27 @@ class AcceleratorTop(wiring.Component):
         wiring.connect(m, engine.o, to_beat.i)
         wiring.connect(m, to_beat.o, wiring.flipped(self.o))
 
-        wiring.connect(m, engine.w, core.w)
-        wiring.connect(m, engine.cmd, core.cmd)
-        wiring.connect(m, core.o, engine.result)
+        def registered(name, source, sink):
+            """``source`` to ``sink`` through a ``StreamRegister``: the units lie apart on a
+            large FPGA, and their handshakes, each a few levels of logic, are not to add up
+            across the die in one cycle."""
+            m.submodules[name] = reg = StreamRegister(source.payload.shape())
+            wiring.connect(m, source, reg.i)
+            wiring.connect(m, reg.o, sink)
+
+        # The core's cycles and results do not move: it counts from its own acceptance of a
+        # command to its own last output beat, which the engine sees a cycle later.
+        registered("w_register", engine.w, core.w)
+        registered("cmd_register", engine.cmd, core.cmd)
+        registered("result_register", core.o, engine.result)
         m.d.comb += engine.core_cycles.eq(core.cycles)
 
         # Without the value quantizer the engine refuses WRITEs of values: q_i and q_o stay idle.
         if cfg.value_quantizer:
             m.submodules.quantize = qz = Quantize(cfg.mantissa_bits, cfg.tile, value_lanes(cfg, N), "fp32",
                                                   stochastic=cfg.stochastic)
-            wiring.connect(m, engine.q_i, qz.i)
-            wiring.connect(m, qz.o, engine.q_o)
+            registered("q_i_register", engine.q_i, qz.i)
+            registered("q_o_register", qz.o, engine.q_o)
             m.d.comb += [qz.rounding.eq(engine.q_rounding), qz.seed.eq(engine.q_seed), qz.clear.eq(engine.q_clear)]
 
         # Without activation units the engine refuses ELEMENTWISE: act_i and act_o stay idle.
