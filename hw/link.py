@@ -78,12 +78,17 @@ class BeatCompactor(wiring.Component):
 
 
 class StreamRegister(wiring.Component):
-    """One register stage on a stream of ``layout``: ``o`` is ``i`` a cycle later. ``o``'s
-    valid and payload are registers, and ``i.ready`` (``o`` empty or taken) is one gate of
-    ``o.ready`` and a register, so the logic in front of it and the logic behind it fall into
-    different cycles. Throughput one beat a cycle while ``o`` takes them."""
+    """One register stage on a stream of ``layout``: ``o`` is ``i`` a cycle later, one beat a
+    cycle while ``o`` takes them. ``o``'s valid and payload are registers; so that the logic in
+    front and the logic behind fall into different cycles.
 
-    def __init__(self, layout):
+    ``registered_ready`` False: ``i.ready`` is ``o`` empty or taken (one gate of ``o.ready``).
+    True: a skid buffer (a second register for the beat that arrives as ``o`` stalls), and
+    ``i.ready`` is a register too, which also cuts a consumer's ready logic off from the
+    producer's."""
+
+    def __init__(self, layout, *, registered_ready: bool = False):
+        self.registered_ready = registered_ready
         super().__init__({
             "i": In(stream.Signature(layout)),
             "o": Out(stream.Signature(layout)),
@@ -91,9 +96,21 @@ class StreamRegister(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        m.d.comb += self.i.ready.eq(~self.o.valid | self.o.ready)
-        with m.If(self.i.ready):
-            m.d.sync += [self.o.valid.eq(self.i.valid), self.o.payload.eq(self.i.payload)]
+        if not self.registered_ready:
+            m.d.comb += self.i.ready.eq(~self.o.valid | self.o.ready)
+            with m.If(self.i.ready):
+                m.d.sync += [self.o.valid.eq(self.i.valid), self.o.payload.eq(self.i.payload)]
+            return m
+        skid = Signal.like(self.i.payload)
+        skid_valid = Signal()
+        m.d.comb += self.i.ready.eq(~skid_valid)
+        with m.If(~self.o.valid | self.o.ready):  # o's register is free after this cycle
+            with m.If(skid_valid):
+                m.d.sync += [self.o.valid.eq(1), self.o.payload.eq(skid), skid_valid.eq(0)]
+            with m.Else():
+                m.d.sync += [self.o.valid.eq(self.i.valid), self.o.payload.eq(self.i.payload)]
+        with m.Elif(self.i.valid & ~skid_valid):  # o holds: the arriving beat waits beside it
+            m.d.sync += [skid.eq(self.i.payload), skid_valid.eq(1)]
         return m
 
 

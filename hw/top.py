@@ -103,11 +103,11 @@ class AcceleratorTop(wiring.Component):
         wiring.connect(m, engine.o, to_beat.i)
         wiring.connect(m, to_beat.o, wiring.flipped(self.o))
 
-        def registered(name, source, sink):
+        def registered(name, source, sink, **kw):
             """``source`` to ``sink`` through a ``StreamRegister``: the units lie apart on a
             large FPGA, and their handshakes, each a few levels of logic, are not to add up
             across the die in one cycle."""
-            m.submodules[name] = reg = StreamRegister(source.payload.shape())
+            m.submodules[name] = reg = StreamRegister(source.payload.shape(), **kw)
             wiring.connect(m, source, reg.i)
             wiring.connect(m, reg.o, sink)
 
@@ -122,7 +122,8 @@ class AcceleratorTop(wiring.Component):
         if cfg.value_quantizer:
             m.submodules.quantize = qz = Quantize(cfg.mantissa_bits, cfg.tile, value_lanes(cfg, N), "fp32",
                                                   stochastic=cfg.stochastic)
-            registered("q_i_register", engine.q_i, qz.i)
+            # The quantizer's ready (from its bank state) stops at a register too.
+            registered("q_i_register", engine.q_i, qz.i, registered_ready=True)
             registered("q_o_register", qz.o, engine.q_o)
             m.d.comb += [qz.rounding.eq(engine.q_rounding), qz.seed.eq(engine.q_seed), qz.clear.eq(engine.q_clear)]
 
