@@ -19,7 +19,7 @@ from amaranth.lib.wiring import In, Out
 from .crc import chunk_layout
 
 __all__ = ["beat_layout", "chunk_layout", "reply_chunk_layout", "WindowSignature", "BeatCompactor", "ByteWindow",
-           "ChunkToBeat", "StreamRegister"]
+           "ChunkToBeat", "StreamRegister", "ByteCollector"]
 
 
 def beat_layout(stream_bytes: int) -> data.StructLayout:
@@ -176,6 +176,45 @@ class ByteWindow(wiring.Component):
             held.eq(joined >> (take * 8)),
             level.eq(level + Mux(push, count, 0) - take),
         ]
+        return m
+
+
+class ByteCollector(wiring.Component):
+    """A ``ByteWindow`` for a producer of one byte a cycle and a consumer that takes whole
+    groups: it collects up to ``limit`` bytes (1 .. ``out_bytes``; held still while bytes are
+    in) and the consumer takes all it holds or none (``o.take`` is 0 or ``o.level``).
+
+    Ports as ``ByteWindow(1, out_bytes)`` (``i``: chunks of at most one byte, accepted while
+    fewer than ``limit`` bytes are held, a register test), plus ``limit``. Each byte is
+    written in place, so there is no shifter: a few LUTs a byte where a window of 64 bytes
+    costs thousands. The price: no byte enters in the cycle a group leaves, one cycle in
+    ``limit + 1``."""
+
+    def __init__(self, out_bytes: int):
+        self.out_bytes = out_bytes
+        super().__init__({
+            "i": In(stream.Signature(chunk_layout(1))),
+            "o": Out(WindowSignature(out_bytes)),
+            "limit": In(range(out_bytes + 1)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        out = self.out_bytes
+        level = Signal(range(out + 1))
+        push = self.i.valid & self.i.ready & (self.i.payload.count != 0)
+        m.d.comb += [
+            self.i.ready.eq(level < self.limit),
+            self.o.level.eq(level),
+            self.o.arrived.eq(push),
+        ]
+        for k in range(out):
+            with m.If(push & (level == k)):
+                m.d.sync += self.o.data[k].eq(self.i.payload.data[0])
+        with m.If(self.o.take != 0):
+            m.d.sync += level.eq(0)
+        with m.Elif(push):
+            m.d.sync += level.eq(level + 1)
         return m
 
 

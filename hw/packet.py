@@ -54,7 +54,7 @@ from .activation import ACTIVATION_INPUT, FUNC_WIDTH, UNARY_FUNCTIONS
 from .block_ram import BlockRam
 from .crc import ParallelCRC32, chunk_layout, crc32_state
 from .gemm_core import command_layout, output_layout, write_layout
-from .link import ByteWindow, StreamRegister, WindowSignature, beat_layout, reply_chunk_layout
+from .link import ByteCollector, ByteWindow, StreamRegister, WindowSignature, beat_layout, reply_chunk_layout
 from .params import BF16_WIDTH, EXP_WIDTH, FP32_WIDTH, CoreConfig, layout
 from .quantize import KEY_LATENCY
 
@@ -1196,7 +1196,11 @@ class PacketEngine(wiring.Component):
         # x (and WRITE data) and g. Their default depths keep ELEMENTWISE from deadlocking:
         # the reader alternates words between them, so while one window is too full to take
         # a word, the other holds at least the 2 bytes of the next element.
-        m.submodules.window_a = win_a = ByteWindow(N, 4 * write_lanes(cfg))
+        # On a 1-byte link window a collects one beat (or element) at a time: no shifter.
+        if N == 1:
+            m.submodules.window_a = win_a = ByteCollector(4 * write_lanes(cfg))
+        else:
+            m.submodules.window_a = win_a = ByteWindow(N, 4 * write_lanes(cfg))
         m.submodules.window_b = win_b = ByteWindow(N, 2)
         m.submodules.replay = replay = WriteReplay(cfg, value_lanes(cfg, N))
         m.submodules.serializer = ser = ResultSerializer(cfg)
@@ -1233,6 +1237,8 @@ class PacketEngine(wiring.Component):
             self.q_rounding.eq(replay.q_rounding), self.q_seed.eq(replay.q_seed), self.q_clear.eq(replay.q_clear),
         ]
         elementwise = plan.action == Action.ELEMENTWISE
+        if N == 1:  # what the consumer of window a takes at once: a beat, or an element's x
+            m.d.comb += win_a.limit.eq(Mux(elementwise, 2, plan.write.beat_bytes))
 
         # ---- ELEMENTWISE: x (and g) from their windows, a result a cycle --------------------
         if self.functions:

@@ -14,7 +14,7 @@ from hbfp.golden.bfp import quantize
 from hbfp.host import protocol
 from hbfp.host.protocol import OutFormat
 from hbfp.hw.crc import ParallelCRC32, crc32_state, crc32_update
-from hbfp.hw.link import BeatCompactor, ByteWindow, ChunkToBeat, StreamRegister
+from hbfp.hw.link import BeatCompactor, ByteCollector, ByteWindow, ChunkToBeat, StreamRegister
 from hbfp.hw.packet import ResultSerializer, divmod_const
 from hbfp.hw.params import CoreConfig
 
@@ -70,6 +70,48 @@ def test_stream_register_keeps_every_beat(registered_ready, in_chance, out_chanc
     assert got == beats
     if in_chance == out_chance == 1.0:
         assert taken_at == list(range(1, len(beats) + 1))
+
+
+@pytest.mark.parametrize("limit", [1, 2, 16, 64])
+def test_byte_collector_groups(limit):
+    """Bytes offered one a cycle with random gaps (and empty chunks) come out as groups of
+    ``limit`` bytes in order, each taken whole when the consumer is willing; no byte enters
+    while a full group waits, and the input's ready is ``level < limit``."""
+    rng = random.Random(limit)
+    dut = ByteCollector(64)
+    data = rng.randbytes(limit * 40)
+    groups = []
+
+    async def producer(ctx):
+        ctx.set(dut.limit, limit)
+        for byte in data:
+            while rng.random() < 0.3:  # a gap, or an empty chunk
+                ctx.set(dut.i.valid, rng.random() < 0.5)
+                ctx.set(dut.i.payload.count, 0)
+                await ctx.tick()
+            ctx.set(dut.i.valid, 1)
+            ctx.set(dut.i.payload.count, 1)
+            ctx.set(dut.i.payload.data[0], byte)
+            await ctx.tick().until(dut.i.ready)
+        ctx.set(dut.i.valid, 0)
+
+    async def consumer(ctx):
+        cycles = 0
+        while len(groups) < 40:
+            cycles += 1
+            assert cycles < 20_000
+            level = ctx.get(dut.o.level)
+            assert level <= limit
+            assert ctx.get(dut.i.ready) == (level < limit)
+            if level == limit and rng.random() < 0.6:
+                groups.append(bytes(ctx.get(dut.o.data[k]) for k in range(limit)))
+                ctx.set(dut.o.take, limit)
+            else:
+                ctx.set(dut.o.take, 0)
+            await ctx.tick()
+
+    _run(dut, producer, consumer)
+    assert b"".join(groups) == data
 
 
 @pytest.mark.parametrize("width", [1, 3, 4, 16])
