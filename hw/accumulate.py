@@ -42,10 +42,12 @@ def drain_layout(cfg: CoreConfig) -> data.StructLayout:
     })
 
 
-def delayed(m: Module, value, cycles: int, name: str):
-    """``value`` ``cycles`` cycles later (a line of registers; the value itself for 0)."""
+def delayed(m: Module, value, cycles: int, name: str, *, reset_less: bool = False):
+    """``value`` ``cycles`` cycles later (a line of registers; the value itself for 0).
+    ``reset_less`` for data that counts only beside a valid bit: a large design's reset then
+    reaches fewer registers (on a full FPGA its net spans the die)."""
     for s in range(cycles):
-        reg = Signal.like(value, name=f"{name}_d{s + 1}")
+        reg = Signal.like(value, name=f"{name}_d{s + 1}", reset_less=reset_less)
         m.d.sync += reg.eq(value)
         value = reg
     return value
@@ -93,26 +95,26 @@ class Accumulate(wiring.Component):
         m.d.comb += self.i.ready.eq(1)
 
         # The old word: read so that its registered data arrives with the normalizers' results.
-        read_addr = delayed(m, row.addr, Ln - ACC_READ_LATENCY - select, "read_addr")
+        read_addr = delayed(m, row.addr, Ln - ACC_READ_LATENCY - select, "read_addr", reset_less=True)
         # Read in every cycle (the data is taken only with a valid beat): no enable net to the
         # block RAMs.
         m.d.comb += [self.acc_read.addr.eq(read_addr), self.acc_read.en.eq(1)]
         # A beat that starts from +0 clears the register instead.
         old = Signal(data.ArrayLayout(FP32_WIDTH, L))
-        zero = delayed(m, row.zero, Ln - 1, "zero")
+        zero = delayed(m, row.zero, Ln - 1, "zero", reset_less=True)
         if G == 1:
             m.d.sync += old.eq(Mux(zero, 0, self.acc_read.data))
         else:
             word = Signal.like(self.acc_read.data)
             m.d.sync += word.eq(self.acc_read.data)
-            group = delayed(m, row.group, Ln - 1, "read_group")
+            group = delayed(m, row.group, Ln - 1, "read_group", reset_less=True)
             with m.If(zero):
                 m.d.sync += old.eq(0)
             for g in range(G):
                 with m.Elif(group == g):
                     m.d.sync += [old[j].eq(word[g * L + j]) for j in range(L)]
 
-        write_group = delayed(m, row.group, Ln + La, "write_group")
+        write_group = delayed(m, row.group, Ln + La, "write_group", reset_less=True)
         write_en = delayed(m, valid, Ln + La, "write_en")
         for c in range(C):
             m.d.comb += self.acc_write.en[c].eq(write_en & (write_group == c // L))
@@ -134,7 +136,7 @@ class Accumulate(wiring.Component):
                 *(self.acc_write.data[g * L + j].eq(ad.result) for g in range(G)),
             ]
         m.d.comb += [
-            self.acc_write.addr.eq(delayed(m, row.addr, Ln + La, "write_addr")),
+            self.acc_write.addr.eq(delayed(m, row.addr, Ln + La, "write_addr", reset_less=True)),
             self.closed.eq(delayed(m, valid & row.closes, Ln + La, "closed")),
         ]
         return m

@@ -220,8 +220,8 @@ class Epilogue(wiring.Component):
         m.d.comb += [meta0.valid.eq(issue), meta0.sel.eq(pos.sel), meta0.inside.eq(inside), meta0.last.eq(last)]
 
         # ---- the read: data registered, then the chunk selected -----------------------------
-        acc_q = Signal.like(self.acc_read.data)
-        bias_q = Signal.like(self.bias_read.data)
+        acc_q = Signal.like(self.acc_read.data, reset_less=True)
+        bias_q = Signal.like(self.bias_read.data, reset_less=True)
         m.d.sync += [acc_q.eq(self.acc_read.data), bias_q.eq(self.bias_read.data)]
         meta2 = delayed(m, meta0, ACC_READ_LATENCY, "read_meta")
         acc_chunks = Array(Array(acc_q[s * E + j] for j in range(E)) for s in range(C // E))
@@ -240,7 +240,7 @@ class Epilogue(wiring.Component):
             ad = AddF32Datapath()
             m.submodules[f"bias_add{j}"] = ad
             m.d.comb += [ad.advance.eq(1), ad.in_valid.eq(meta2.valid), ad.a.eq(vals[j]), ad.b.eq(biases[j])]
-            bypass = delayed(m, convert.flush_f32(vals[j]), La, f"no_bias{j}")
+            bypass = delayed(m, convert.flush_f32(vals[j]), La, f"no_bias{j}", reset_less=True)
             b_vals.append(Mux(desc.bias, ad.result, bypass))
         b_meta = delayed(m, meta2, La, "bias_meta")
 
@@ -260,7 +260,7 @@ class Epilogue(wiring.Component):
             for j in range(E):
                 act = ActivationDatapath(leaky_shift=cfg.leaky_shift, functions=cfg.built_functions)
                 m.submodules[f"act{j}"] = act
-                x_bf16 = delayed(m, convert.from_f32(b_vals[j]), ACTIVATION_INPUT_REGISTER, f"act_in{j}")
+                x_bf16 = delayed(m, convert.from_f32(b_vals[j]), ACTIVATION_INPUT_REGISTER, f"act_in{j}", reset_less=True)
                 m.d.comb += [
                     act.advance.eq(1),
                     act.i_valid.eq(delayed(m, b_meta.valid, ACTIVATION_INPUT_REGISTER, f"act_in_valid{j}")),
@@ -268,7 +268,7 @@ class Epilogue(wiring.Component):
                     act.i.g.eq(0),
                     act.i.func.eq(desc.act_func),
                 ]
-                acc32 = delayed(m, b_vals[j], Lact, f"no_act{j}")
+                acc32 = delayed(m, b_vals[j], Lact, f"no_act{j}", reset_less=True)
                 fp32_vals.append(Mux(desc.act_en, convert.to_f32(act.o), acc32))
                 bf16_vals.append(Mux(desc.act_en, act.o, convert.from_f32(acc32)))
 

@@ -303,7 +303,7 @@ class GemmCore(wiring.Component):
         ]
         assert OperandBuffer.LATENCY == OPERAND_READ_LATENCY
         beat_valid = delayed(m, issue, OPERAND_READ_LATENCY, "beat_valid")
-        beat_pad = delayed(m, k >= desc.k, OPERAND_READ_LATENCY, "beat_pad")  # k beyond K: stale codes
+        beat_pad = delayed(m, k >= desc.k, OPERAND_READ_LATENCY, "beat_pad", reset_less=True)  # k beyond K: stale codes
         for t in range(R):
             m.d.comb += mac.i.payload.a[t].eq(Mux(beat_pad, 0, buf_a.r_data[t]))
         for t in range(C):
@@ -388,8 +388,8 @@ class GemmCore(wiring.Component):
         # is accepted no sooner than the cycle after the last host write): no logic between
         # the host's stream or ``busy`` and the block RAMs' pins, which spread over the die.
         host_acc = Signal()
-        host_addr = Signal.like(acc_wr.addr)
-        host_data = Signal.like(acc_wr.data)
+        host_addr = Signal.like(acc_wr.addr, reset_less=True)
+        host_data = Signal.like(acc_wr.data, reset_less=True)
         m.d.sync += [host_acc.eq(w_fire & (w.target == Target.ACC)),
                      host_addr.eq(times_constant(w.row, words_per_row) + col_word)]
         m.d.sync += [host_data[j].eq(w.data[j]) for j in range(C)]

@@ -209,8 +209,10 @@ class ByteCollector(wiring.Component):
             self.o.arrived.eq(push),
         ]
         for k in range(out):
+            byte = Signal(8, name=f"byte{k}", reset_less=True)  # data: only ``level`` says what counts
+            m.d.comb += self.o.data[k].eq(byte)
             with m.If(push & (level == k)):
-                m.d.sync += self.o.data[k].eq(self.i.payload.data[0])
+                m.d.sync += byte.eq(self.i.payload.data[0])
         with m.If(self.o.take != 0):
             m.d.sync += level.eq(0)
         with m.Elif(push):
