@@ -563,7 +563,7 @@ class FrameChecker(wiring.Component):
         e_length_ok = early(length == ELEMENTWISE_HEADER + e_bytes, "e_length_ok")
         e_built = early(e_built, "e_built")
 
-        # The second stage: what the status decides on, each a register.
+        # The first stage too: the length and version checks against constants, each a register.
         bad_version = early(head.version != protocol.PROTOCOL_VERSION, "bad_version")
         short_write = early(length < WRITE_HEADER, "short_write")
         bad_command_length = early(length != Mux(is_read, READ_SIZE, GEMM_SIZE), "bad_command_length")
