@@ -51,7 +51,7 @@ from hbfp.contract import ConfigError, fewest_acc_lanes
 from hbfp.hw.boards import _nextpnr_utilisation
 from hbfp.hw.float_core import FloatCore
 from hbfp.hw.gemm_core import GemmCore
-from hbfp.hw.openflow import lut4_cells, pnr_ecp5, synth_ecp5, verilog_modules
+from hbfp.hw.openflow import ECP5, lut4_cells, pnr_ecp5, synth_ecp5, verilog_modules
 from hbfp.hw.params import CoreConfig
 
 from ecp5_area import ARRAY_MODULE, LANE_MODULES, measured_modules  # benchmarks/ecp5_area.py
@@ -122,7 +122,9 @@ def measure(name: str, mode: str, factory, work: Path, args, log) -> dict:
     d = work / f"{name}-{mode}"
     d.mkdir(parents=True, exist_ok=True)
     top, component = factory()
-    text = verilog.convert(component, name=top)
+    # Elaborated for the ECP5, as benchmarks/ecp5_area.py elaborates the core: block RAMs with
+    # their output register, DSP blocks with their input and output registers.
+    text = verilog.convert(component, name=top, platform=ECP5)
     tag = f"{name} ({'LUT-only' if nodsp else 'DSP'})"
     options = {"device": args.device, "package": args.package, "freq": args.freq, "seeds": list(args.seeds),
                "nodsp": nodsp, "verilog_sha256": hashlib.sha256(verilog_logic(text).encode()).hexdigest()}
@@ -273,6 +275,7 @@ def report(fig: dict, args, seconds: float) -> str:
            "and flow options unchanged), which were measured as the table says."),
         "",
         "Every core went through the same flow (`hbfp.hw.openflow`, as benchmarks/ecp5_area.py drives it): "
+        "elaborated for the ECP5 (block RAMs as DP16KDs with their output register, `hw/block_ram.py`), "
         "YoWASP Yosys `synth_ecp5`, once with MULT18X18D blocks and once LUT-only (`-nodsp`), the MAC array "
         "and the lanes kept as modules (`keep_hierarchy`, the rest flattened), then nextpnr-ecp5 out of context "
         f"on {_device_name(args.device)} {args.package}, target {args.freq:g} MHz, placement seed(s) "

@@ -13,7 +13,7 @@ BFP tile-major (``th`` rows of ``tw / out_lanes`` beats a tile), through the BFP
 
 from __future__ import annotations
 
-from amaranth import Array, Cat, Const, Module, Mux, Signal
+from amaranth import Array, Cat, Const, Module, Mux, Signal, Value
 from amaranth.lib import data, fifo, memory, stream, wiring
 from amaranth.lib.wiring import In, Out
 
@@ -57,6 +57,12 @@ def epilogue_latency(cfg: CoreConfig) -> int:
     unary = any(f in UNARY_FUNCTIONS for f in cfg.built_functions)
     return (ACC_READ_LATENCY + CHUNK_SELECT + AddF32Datapath.LATENCY
             + (ACTIVATION_INPUT_REGISTER + ActivationDatapath.LATENCY if unary else 0))
+
+
+#: What a read moves on, one bit each of the epilogue's ``step``: BFP output tile by tile (the
+#: chunk in the tile's row, the tile's row, the band's tile, the band), fp32 and bf16 row by
+#: row (the chunk in the row, the row).
+_STEPS = ("tile_chunk", "tile_row", "tile", "band", "chunk", "row")
 
 
 class _Column:
@@ -155,54 +161,76 @@ class Epilogue(wiring.Component):
         m.d.comb += issue.eq(going & (held < self.queue_depth) & ready_row)
         # Where the counters that end at a command's sides stand, as flags kept beside them
         # (registers, so that the next read's decision starts from flip-flops, not from
-        # compares against the plan): chunk, row, t_j and t_i at their last value.
+        # compares against the plan or a constant): chunk, row, t_c, t_r, t_j and t_i at their
+        # last value. From the flags, ``step`` (a register, one-hot) says which counters the
+        # next read moves on (``_STEPS``): each counter's enable is the read's decision and
+        # one bit of it, one LUT level.
         chunk_last, row_last, tj_last, ti_last = Signal(), Signal(), Signal(), Signal()
+        tc_last, tr_last = Signal(), Signal()
+        step = Signal(len(_STEPS))
+
+        def flags(tc=None, tr=None, tj=None, ti=None, ch=None, rw=None):
+            """Statements setting the flags given (the others stay) and ``step`` from them."""
+            new = dict(tc=tc_last, tr=tr_last, tj=tj_last, ti=ti_last, ch=chunk_last, rw=row_last)
+            given = dict(tc=tc, tr=tr, tj=tj, ti=ti, ch=ch, rw=rw)
+            regs = dict(tc=tc_last, tr=tr_last, tj=tj_last, ti=ti_last, ch=chunk_last, rw=row_last)
+            out = []
+            for k, v in given.items():
+                if v is not None:
+                    v = Value.cast(v)  # a comparison of constants is a Python bool
+                    new[k] = v
+                    out.append(regs[k].eq(v))
+            tc_, tr_, tj_, ch_ = new["tc"], new["tr"], new["tj"], new["ch"]
+            out.append(step.eq(Cat(
+                bfp & ~tc_, bfp & tc_ & ~tr_, bfp & tc_ & tr_ & ~tj_, bfp & tc_ & tr_ & tj_,
+                ~bfp & ~ch_, ~bfp & ch_)))
+            return out
+
         last = Signal()
-        m.d.comb += last.eq(Mux(
-            bfp,
-            ti_last & tj_last & (t_r == th - 1) & (t_c == tile_chunks - 1),
-            row_last & chunk_last,
-        ))
+        m.d.comb += last.eq((step[_STEPS.index("band")] & ti_last) | (step[_STEPS.index("row")] & row_last))
 
         # The accumulator's read address (row_addr + pos.word) is a register of its own, set with
         # the two: the adder stays before a flip-flop, and the flip-flop alone drives the address
         # pins of the accumulator's block RAMs across the die.
         read_addr = Signal.like(self.acc_read.addr)
+        on = {name: step[k] for k, name in enumerate(_STEPS)}
         with m.If(self.start):
             m.d.sync += [going.eq(1), row.eq(0), row_addr.eq(0), chunk.eq(0), t_i.eq(0), t_j.eq(0), t_r.eq(0),
-                         t_c.eq(0), band_row.eq(0), band_addr.eq(0), *pos.clear(), *tile_pos.clear(),
-                         read_addr.eq(0), chunk_last.eq(plan.chunks == 1), row_last.eq(desc.m == 1),
-                         tj_last.eq(plan.tiles_n == 1), ti_last.eq(plan.tiles_m == 1)]
+                         t_c.eq(0), band_row.eq(0), band_addr.eq(0), *pos.clear(), *tile_pos.clear(), read_addr.eq(0),
+                         *flags(tc=tile_chunks == 1, tr=th == 1, tj=plan.tiles_n == 1, ti=plan.tiles_m == 1,
+                                ch=plan.chunks == 1, rw=desc.m == 1)]
         with m.Elif(issue):
             with m.If(last):
                 m.d.sync += going.eq(0)
-            with m.If(bfp):
-                with m.If(t_c != tile_chunks - 1):
-                    m.d.sync += [t_c.eq(t_c + 1), *pos.advanced(pos, 1),
-                                 read_addr.eq(row_addr + pos.word_after(pos, 1))]
-                with m.Elif(t_r != th - 1):  # the tile's next row
-                    m.d.sync += [t_c.eq(0), t_r.eq(t_r + 1), row.eq(row + 1), row_addr.eq(row_addr + words_per_row),
-                                 *pos.set(tile_pos), read_addr.eq(row_addr + words_per_row + tile_pos.word)]
-                with m.Elif(~tj_last):  # the band's next tile
-                    m.d.sync += [t_c.eq(0), t_r.eq(0), t_j.eq(t_j + 1), row.eq(band_row), row_addr.eq(band_addr),
-                                 *tile_pos.advanced(tile_pos, tile_chunks), *pos.advanced(tile_pos, tile_chunks),
-                                 read_addr.eq(band_addr + pos.word_after(tile_pos, tile_chunks)),
-                                 tj_last.eq(t_j + 2 == plan.tiles_n)]
-                with m.Else():  # the next band of tiles
-                    m.d.sync += [t_c.eq(0), t_r.eq(0), t_j.eq(0), t_i.eq(t_i + 1), row.eq(band_row + th),
-                                 row_addr.eq(band_addr + th * words_per_row), band_row.eq(band_row + th),
-                                 band_addr.eq(band_addr + th * words_per_row), *tile_pos.clear(), *pos.clear(),
-                                 read_addr.eq(band_addr + th * words_per_row), tj_last.eq(plan.tiles_n == 1),
-                                 ti_last.eq(t_i + 2 == plan.tiles_m)]
-            with m.Else():
-                with m.If(~chunk_last):
-                    m.d.sync += [chunk.eq(chunk + 1), *pos.advanced(pos, 1),
-                                 read_addr.eq(row_addr + pos.word_after(pos, 1)),
-                                 chunk_last.eq(chunk + 2 == plan.chunks)]
-                with m.Else():
-                    m.d.sync += [chunk.eq(0), row.eq(row + 1), row_addr.eq(row_addr + words_per_row), *pos.clear(),
-                                 read_addr.eq(row_addr + words_per_row), chunk_last.eq(plan.chunks == 1),
-                                 row_last.eq(row + 2 == desc.m)]
+            # BFP: tile by tile, each row by row.
+            with m.If(on["tile_chunk"]):  # the tile row's next chunk
+                m.d.sync += [t_c.eq(t_c + 1), *pos.advanced(pos, 1),
+                             read_addr.eq(row_addr + pos.word_after(pos, 1)),
+                             *flags(tc=t_c + 2 == tile_chunks)]
+            with m.If(on["tile_row"]):  # the tile's next row
+                m.d.sync += [t_c.eq(0), t_r.eq(t_r + 1), row.eq(row + 1), row_addr.eq(row_addr + words_per_row),
+                             *pos.set(tile_pos), read_addr.eq(row_addr + words_per_row + tile_pos.word),
+                             *flags(tc=tile_chunks == 1, tr=t_r + 2 == th)]
+            with m.If(on["tile"]):  # the band's next tile
+                m.d.sync += [t_c.eq(0), t_r.eq(0), t_j.eq(t_j + 1), row.eq(band_row), row_addr.eq(band_addr),
+                             *tile_pos.advanced(tile_pos, tile_chunks), *pos.advanced(tile_pos, tile_chunks),
+                             read_addr.eq(band_addr + pos.word_after(tile_pos, tile_chunks)),
+                             *flags(tc=tile_chunks == 1, tr=th == 1, tj=t_j + 2 == plan.tiles_n)]
+            with m.If(on["band"]):  # the next band of tiles
+                m.d.sync += [t_c.eq(0), t_r.eq(0), t_j.eq(0), t_i.eq(t_i + 1), row.eq(band_row + th),
+                             row_addr.eq(band_addr + th * words_per_row), band_row.eq(band_row + th),
+                             band_addr.eq(band_addr + th * words_per_row), *tile_pos.clear(), *pos.clear(),
+                             read_addr.eq(band_addr + th * words_per_row),
+                             *flags(tc=tile_chunks == 1, tr=th == 1, tj=plan.tiles_n == 1, ti=t_i + 2 == plan.tiles_m)]
+            # fp32 and bf16: row by row.
+            with m.If(on["chunk"]):  # the row's next chunk
+                m.d.sync += [chunk.eq(chunk + 1), *pos.advanced(pos, 1),
+                             read_addr.eq(row_addr + pos.word_after(pos, 1)),
+                             *flags(ch=chunk + 2 == plan.chunks)]
+            with m.If(on["row"]):  # the next row
+                m.d.sync += [chunk.eq(0), row.eq(row + 1), row_addr.eq(row_addr + words_per_row), *pos.clear(),
+                             read_addr.eq(row_addr + words_per_row),
+                             *flags(ch=plan.chunks == 1, rw=row + 2 == desc.m)]
 
         # The block RAMs read in every cycle (their data is taken only with a read's metadata):
         # no enable net from the read decision to the accumulator's two dozen block RAMs.

@@ -32,14 +32,19 @@ __all__ = ["BoothProduct", "LutMultiplier"]
 
 class BoothProduct(wiring.Component):
     """``p = a * b`` (signed ``width_a`` x ``width_b`` bits, product ``width_a + width_b``), given
-    ``neg_a = -a``; combinational: one LUT level of partial products and ``ceil(log2(digits))``
-    carry chains, ``digits = ceil(width_b / 2)``."""
+    ``neg_a = -a``: one LUT level of partial products and ``ceil(log2(digits))`` carry chains,
+    ``digits = ceil(width_b / 2)``. Combinational (``LATENCY`` 0), or with ``staged`` the
+    partial products are registered (no reset, no enable; ``LATENCY`` 1): ``p`` is the product
+    of the previous cycle's operands, and a cycle holds the LUT level or the adder tree, not
+    both."""
 
-    def __init__(self, width_a: int, width_b: int):
+    def __init__(self, width_a: int, width_b: int, staged: bool = False):
         if width_a < 2 or width_b < 2:
             self._MustUse__used = True  # never to be elaborated: no "unused" warning
             raise ValueError(f"operands must have at least 2 bits (sign included), got {width_a} x {width_b}")
         self.width_a, self.width_b = width_a, width_b
+        self.staged = staged
+        self.LATENCY = int(staged)
         super().__init__({
             "a": In(signed(width_a)),
             "neg_a": In(signed(width_a + 1)),
@@ -62,6 +67,13 @@ class BoothProduct(wiring.Component):
         # prefix bit stands for the sign extension.
         a2 = Cat(a, a[-1], a[-1])
         na2 = Cat(na, na[-1])
+        def stage(value, name):  # the partial products' register, if staged
+            if not self.staged:
+                return value
+            r = Signal(len(value), name=f"{name}_q", reset_less=True)
+            m.d.sync += r.eq(value)
+            return r
+
         r0 = Signal(wa + 2, name="row0_pp")
         with m.Switch(Cat(b[0], b[1])):
             with m.Case(1):
@@ -70,6 +82,7 @@ class BoothProduct(wiring.Component):
                 m.d.comb += r0.eq(Cat(Const(0, 1), na2[:-1]))
             with m.Case(3):
                 m.d.comb += r0.eq(na2)
+        r0 = stage(r0, "row0_pp")
         rows = [(0, top(Cat(r0, ~r0[-1]), 0))]
         negs = [None]
         for k in range(1, n):
@@ -81,6 +94,7 @@ class BoothProduct(wiring.Component):
             s = Mux(one, Cat(a, a[-1]), Mux(two, Cat(Const(0, 1), a), 0))
             x = Signal(wa + 1, name=f"row{k}_pp")
             m.d.comb += x.eq(s ^ hi.replicate(wa + 1))
+            x, hi = stage(x, f"row{k}_pp"), stage(hi, f"row{k}_neg")
             rows.append((2 * k, top(Cat(x[:wa], ~x[wa], Const(1, 1)), 2 * k)))
             negs.append(hi)
 
@@ -107,12 +121,16 @@ class BoothProduct(wiring.Component):
 class LutMultiplier(wiring.Component):
     """``p = a * b`` (signed), ``LATENCY`` = 2 cycles from ``a``, ``b`` to ``p``, one product per
     cycle: registered operands (and ``-a``), a ``BoothProduct``, a registered product: the
-    stages of a DSP block with input and output registers, in LUTs and carry chains."""
+    stages of a DSP block with input and output registers, in LUTs and carry chains. With
+    ``staged`` the first register holds the partial products instead (a staged
+    ``BoothProduct`` fed from ``a``, ``-a`` and ``b``): the same latency, the LUT level in the
+    first cycle and the adder tree in the second."""
 
     LATENCY = 2
 
-    def __init__(self, width_a: int, width_b: int):
+    def __init__(self, width_a: int, width_b: int, staged: bool = False):
         self.width_a, self.width_b = width_a, width_b
+        self.staged = staged
         super().__init__({
             "a": In(signed(width_a)),
             "b": In(signed(width_b)),
@@ -121,7 +139,11 @@ class LutMultiplier(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        m.submodules.product = product = BoothProduct(self.width_a, self.width_b)
+        m.submodules.product = product = BoothProduct(self.width_a, self.width_b, staged=self.staged)
+        if self.staged:
+            m.d.comb += [product.a.eq(self.a), product.neg_a.eq(-self.a), product.b.eq(self.b)]
+            m.d.sync += self.p.eq(product.p)
+            return m
         # Data registers without reset: what a DSP block's input and output registers are.
         a1 = Signal.like(self.a, reset_less=True)
         na1 = Signal(signed(self.width_a + 1), reset_less=True)

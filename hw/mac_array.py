@@ -119,12 +119,12 @@ class MacArray(wiring.Component):
         ma, mb = self.mantissa_bits_a, self.mantissa_bits_b
         ecp5 = getattr(platform, "family", None) == "ecp5"
 
-        # Stage 1: the operands, registered once per PE row (a[i]) and column (b[j]). Stage 2: a
-        # copy of its operands in every PE, and -a[i] for a LUT PE's Booth product (meant to give
-        # the fan-out across the die a cycle of its own; Yosys merges equal registers, so in
-        # portable Verilog it does not; elaborated for an ECP5 the DSP blocks' input registers
-        # are these copies). Stage 3: the products (for an ECP5 the
-        # DSP blocks' output registers). Stage 4: the accumulators.
+        # Stage 1: the operands, registered once per PE row (a[i]) and column (b[j]). Stage 2: in
+        # a DSP PE a copy of its operands (meant to give the fan-out across the die a cycle of
+        # its own; Yosys merges equal registers, so in portable Verilog it does not; elaborated
+        # for an ECP5 the DSP blocks' input registers are these copies), in a LUT PE its Booth
+        # partial products. Stage 3: the products (for an ECP5 the DSP blocks' output
+        # registers). Stage 4: the accumulators.
         # Data registers have no reset and no enable (nothing stalls): tools that pack
         # registers into DSP blocks can; only the valid pipeline and the drain are reset.
         k = Signal(range(self.tk))
@@ -161,26 +161,27 @@ class MacArray(wiring.Component):
         with m.If(self.i.valid):
             m.d.sync += k.eq(Mux(k == self.tk - 1, 0, k + 1))
 
+        # -a1[i], one adder per row for its LUT PEs (the operand buffer's rotation before a1 and
+        # this adder after it are in different cycles).
+        na1 = [Signal(signed(ma + 1), name=f"na1_{i}") for i in range(R)]
+        m.d.comb += [na1[i].eq(-a1[i]) for i in range(R)]
         for i in range(R):
             for j in range(C):
                 if self.uses_dsp(i, j) and ecp5:
                     # The DSP block's input registers are the operand copy, its output register
                     # the product's (``ecp5_multiplier``).
                     ecp5_multiplier(m, f"dsp_{i}_{j}", a1[i], b1[j], prod[i][j])
-                else:
+                elif self.uses_dsp(i, j):
                     a_pe = Signal(signed(ma), name=f"a2_{i}_{j}", reset_less=True)
                     b_pe = Signal(signed(mb), name=f"b2_{i}_{j}", reset_less=True)
-                    m.d.sync += [a_pe.eq(a1[i]), b_pe.eq(b1[j])]
-                    if self.uses_dsp(i, j):
-                        m.d.sync += prod[i][j].eq(a_pe * b_pe)
-                    else:
-                        # -a from the row's register (the operand buffer's rotation before a1
-                        # and this adder after it are in different cycles).
-                        na_pe = Signal(signed(ma + 1), name=f"na2_{i}_{j}", reset_less=True)
-                        m.d.sync += na_pe.eq(-a1[i])
-                        pe = m.submodules[f"booth_{i}_{j}"] = BoothProduct(ma, mb)
-                        m.d.comb += [pe.a.eq(a_pe), pe.neg_a.eq(na_pe), pe.b.eq(b_pe)]
-                        m.d.sync += prod[i][j].eq(pe.p)
+                    m.d.sync += [a_pe.eq(a1[i]), b_pe.eq(b1[j]), prod[i][j].eq(a_pe * b_pe)]
+                else:
+                    # A staged Booth product: its partial products (from the row's a1 and -a1
+                    # and the column's b1) are stage 2, its adder tree ends at stage 3.
+                    pe = m.submodules[f"booth_{i}_{j}"] = BoothProduct(ma, mb, staged=True)
+                    assert pe.LATENCY == 1
+                    m.d.comb += [pe.a.eq(a1[i]), pe.neg_a.eq(na1[i]), pe.b.eq(b1[j])]
+                    m.d.sync += prod[i][j].eq(pe.p)
                 nxt = Mux(first2, prod[i][j], acc[i][j] + prod[i][j])
                 with m.If(v2):
                     m.d.sync += acc[i][j].eq(nxt)

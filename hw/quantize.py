@@ -6,12 +6,12 @@ from types import SimpleNamespace
 
 from amaranth.hdl import Array, Cat, Const, Module, Mux, Shape, Signal, Value, signed, unsigned
 from amaranth.lib import data, stream, wiring
-from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from hbfp.contract import QUANTIZE_LATENCY, Rounding
 from hbfp.golden.bfp import Format
 
+from .block_ram import BlockRam
 from .params import BF16_WIDTH, EXP_NAN, EXP_WIDTH, F32_FRAC_BITS, FP32_WIDTH, MIX32_MULTIPLIERS, RANDOM_BITS, SEED_SALT
 
 __all__ = ["Quantize", "INPUT_FORMATS", "KEY_LATENCY", "LATENCY", "MIX32_MULTIPLIERS", "SERIAL_KEY_BEATS"]
@@ -182,8 +182,8 @@ class Quantize(wiring.Component):
     Pipeline (every stage at most two chained carry chains or one chain and a LUT level, for
     150 MHz on an ECP5): the fill side registers each beat three times beside a tree that
     takes the max of its exponent fields (one level per stage), then writes it into the free
-    bank; one cycle hands a completed bank over; the drain side reads the memory (stage 1)
-    and registers the block RAM's output twice (2-3); mix32 takes n's first xor-shift in
+    bank; one cycle hands a completed bank over; the drain side reads the memory (1; ECP5:
+    a DP16KD, its output register stage 2), registers the data once more (3); mix32 takes n's first xor-shift in
     stage 2 and then five stages (3: the xor with the key and the first multiply's
     first adder level; 4: its levels 2-3; 5: its level 4 and the xor-shift; 6: the second
     multiply's levels 1-2; 7: its levels 3-4) while the element is decoded (4), its shift
@@ -277,11 +277,13 @@ class Quantize(wiring.Component):
 
         # ---- the tile buffer: two banks of B beats -----------------------------------------------
         # The drain reads only a full bank and the fill writes only a free one, so a read never
-        # meets a write of its address: ``no_rw_check`` spares Yosys the logic that would
+        # meets a write of its address: ``BlockRam``'s ``NO_RW_CHECK`` spares Yosys the logic to
         # forward write data on such a collision (a multiplexer behind the block RAM's output).
-        m.submodules.mem = mem = Memory(shape=unsigned(ew * L), depth=2 * B, init=[], attrs={"no_rw_check": 1})
-        wr = mem.write_port()
-        rd = mem.read_port(domain="sync")
+        # A ``BlockRam`` that stalls: its two stages (on an ECP5 the block RAM's address and
+        # output registers) are the drain's stages 1 and 2, held while the pipeline waits.
+        m.submodules.mem = mem = BlockRam(unsigned(ew * L), 2 * B, stall=True)
+        wr = mem.write
+        rd = mem.read0
 
         # Per-bank state, written by the fill side while the bank is free and read by the drain
         # side while it is full, so the two sides never race on it.
@@ -453,7 +455,7 @@ class Quantize(wiring.Component):
         s0_valid = full.bit_select(rd_bank, 1)
         m.d.comb += [
             rd.addr.eq(rd_beat + Mux(rd_bank, B, 0)),
-            # A stalled pipeline keeps the read data: the memory's output register is stage 1.
+            # A stalled pipeline keeps the read data: the memory's two stages hold too.
             rd.en.eq(advance),
         ]
         drain_done = Signal(2)
@@ -476,11 +478,11 @@ class Quantize(wiring.Component):
         s1_rnd = register(bank.rnd[rd_bank], "s1_rnd")
         s1_last = register(rd_beat == B - 1, "s1_last")
 
-        # Stages 2-3: the block RAM's output registered twice: its clock-to-out leaves no time
-        # for logic or a long route after it, and a register that feeds only another one can
-        # sit beside the block RAM. The tile's exponent less the alignment offset, the NaN-tile
-        # flag.
-        word = register(register(rd.data, "s2_word"), "s3_word")
+        # Stages 2-3: the block RAM's output register (``BlockRam``'s second stage), then one
+        # more: its clock-to-out leaves no time for logic or a long route after it. The tile's
+        # exponent less the alignment offset, the NaN-tile flag.
+        assert BlockRam.LATENCY == 2
+        word = register(rd.data, "s3_word")
         exp_adj = delay(s1_exp + (_MAX_MANTISSA - mb), 2, "exp_adj")
         nan_tile = delay(s1_exp == EXP_NAN, 2, "nan_tile")
         key = register(s1_key, "s2_key")

@@ -12,9 +12,9 @@ from amaranth.sim import Simulator
 from hbfp.hw.lut_mult import BoothProduct, LutMultiplier
 
 
-def products(width_a: int, width_b: int, pairs: list[tuple[int, int]]) -> list[int]:
+def products(width_a: int, width_b: int, pairs: list[tuple[int, int]], staged: bool = False) -> list[int]:
     """The multiplier's ``p`` for ``pairs``, one pair a cycle, read ``LATENCY`` cycles later."""
-    dut = LutMultiplier(width_a, width_b)
+    dut = LutMultiplier(width_a, width_b, staged=staged)
     got: list[int] = []
 
     async def bench(ctx):
@@ -39,23 +39,25 @@ def every_pair(width_a: int, width_b: int) -> list[tuple[int, int]]:
     return list(itertools.product(ra, rb))
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["registered-operands", "staged"])
 @pytest.mark.parametrize("width_a, width_b", [(8, 8), (4, 4), (2, 2), (5, 3), (3, 6), (7, 7), (6, 9)])
-def test_every_pair(width_a, width_b):
+def test_every_pair(width_a, width_b, staged):
     pairs = every_pair(width_a, width_b)
     want = [a * b for a, b in pairs]
-    got = products(width_a, width_b, pairs)
+    got = products(width_a, width_b, pairs, staged)
     bad = [(p, g, w) for p, g, w in zip(pairs, got, want) if g != w]
     assert not bad, f"{len(bad)} of {len(pairs)} products wrong, first: {bad[0]}"
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["registered-operands", "staged"])
 @pytest.mark.parametrize("width_a, width_b", [(16, 8), (8, 16), (16, 16), (12, 11)])
-def test_random_and_extreme_pairs(width_a, width_b):
+def test_random_and_extreme_pairs(width_a, width_b, staged):
     rng = np.random.default_rng(width_a * 100 + width_b)
     lo_a, hi_a = -(1 << (width_a - 1)), (1 << (width_a - 1)) - 1
     lo_b, hi_b = -(1 << (width_b - 1)), (1 << (width_b - 1)) - 1
     corners = list(itertools.product([lo_a, lo_a + 1, -1, 0, 1, hi_a], [lo_b, lo_b + 1, -1, 0, 1, hi_b]))
     pairs = corners + list(zip(rng.integers(lo_a, hi_a + 1, 3000).tolist(), rng.integers(lo_b, hi_b + 1, 3000).tolist()))
-    assert products(width_a, width_b, pairs) == [a * b for a, b in pairs]
+    assert products(width_a, width_b, pairs, staged) == [a * b for a, b in pairs]
 
 
 def test_built_from_adders_only():
