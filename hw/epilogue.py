@@ -26,7 +26,7 @@ from .add_f32 import AddF32Datapath
 from .params import ACC_READ_LATENCY, EXP_WIDTH, FP32_WIDTH, CoreConfig
 from .quantize import KEY_LATENCY, Quantize
 
-__all__ = ["Epilogue", "output_layout", "plan_layout", "epilogue_latency"]
+__all__ = ["Epilogue", "output_layout", "plan_layout", "epilogue_latency", "rows_closed"]
 
 
 def output_layout(cfg: CoreConfig) -> data.StructLayout:
@@ -63,6 +63,28 @@ def epilogue_latency(cfg: CoreConfig) -> int:
 #: chunk in the tile's row, the tile's row, the band's tile, the band), fp32 and bf16 row by
 #: row (the chunk in the row, the row).
 _STEPS = ("tile_chunk", "tile_row", "tile", "band", "chunk", "row")
+
+
+def rows_closed(m: Module, cfg: CoreConfig, start, k_zero, closed, rows_total) -> tuple[Signal, Signal]:
+    """A core's count of the accumulator rows that are final: reset by ``start`` (every row at
+    once when ``k_zero``: K = 0 reads the accumulator as it is), moved on by ``cfg.rows`` with
+    each ``closed`` (a row-block's last word written), all of them at ``rows_total``. Adds the
+    counters to ``m`` and returns the values they take at the coming clock edge,
+    ``(rows_done_next, all_rows_next)``: the ``Epilogue``'s ports of the same names."""
+    R = cfg.rows
+    rows_done = Signal(range(cfg.size + R + 1), name="rows_done")
+    all_rows = Signal(name="all_rows")
+    rows_done_next = Signal.like(rows_done, name="rows_done_next")
+    all_rows_next = Signal(name="all_rows_next")
+    m.d.comb += [rows_done_next.eq(rows_done), all_rows_next.eq(all_rows)]
+    with m.If(start):
+        m.d.comb += [rows_done_next.eq(0), all_rows_next.eq(k_zero)]
+    with m.Elif(closed):
+        m.d.comb += rows_done_next.eq(rows_done + R)
+        with m.If(rows_done + R == rows_total):
+            m.d.comb += all_rows_next.eq(1)
+    m.d.sync += [rows_done.eq(rows_done_next), all_rows.eq(all_rows_next)]
+    return rows_done_next, all_rows_next
 
 
 class _Column:
@@ -103,9 +125,11 @@ class Epilogue(wiring.Component):
 
     Ports: ``start`` (strobe: ``desc`` and ``plan`` hold the command from this cycle on; the
     previous command's output is out), ``desc`` (``hw.gemm_core.command_layout``), ``plan``
-    (``plan_layout``), ``rows_done`` (rows 0 .. rows_done - 1 of the accumulator are final)
-    and ``all_rows`` (every row is), ``acc_read`` and ``bias_read`` (read ports of the
-    accumulator and bias buffers, data registered here), ``o`` (``output_layout``).
+    (``plan_layout``), ``rows_done_next`` and ``all_rows_next`` (from the next cycle on, rows
+    0 .. rows_done_next - 1 of the accumulator are final, or with ``all_rows_next`` every row
+    is: the values the core's counters take at the coming clock edge, ``rows_closed``),
+    ``acc_read`` and ``bias_read`` (read ports of the accumulator and bias buffers, data
+    registered here), ``o`` (``output_layout``).
 
     Throughput: one beat of ``out_lanes`` values a cycle while rows are complete and ``o`` takes
     them. Latency: a read issued in cycle t reaches the output queue in t +
@@ -123,8 +147,8 @@ class Epilogue(wiring.Component):
             "start": In(1),
             "desc": In(command),
             "plan": In(plan_layout(cfg)),
-            "rows_done": In(range(D + 1)),
-            "all_rows": In(1),
+            "rows_done_next": In(range(D + cfg.rows + 1)),
+            "all_rows_next": In(1),
             "acc_read": In(memory.ReadPort.Signature(addr_width=max(1, (words - 1).bit_length()), shape=word)),
             "bias_read": In(memory.ReadPort.Signature(addr_width=max(1, (D // C - 1).bit_length()), shape=word)),
             "o": Out(stream.Signature(output_layout(cfg))),
@@ -156,9 +180,13 @@ class Epilogue(wiring.Component):
         tile_pos = _Column(cfg, "tile")
 
         held = Signal(range(self.queue_depth + 1))  # reads in flight and values queued
-        ready_row = self.all_rows | (row < self.rows_done)
+        # The read's decision from three registers: going, room (held < queue_depth) and
+        # ready_row (the read's row is final: all rows are, or row < rows done), each computed
+        # a cycle ahead from the next values of what it compares (below).
+        room = Signal(init=1)
+        ready_row = Signal()
         issue = Signal()
-        m.d.comb += issue.eq(going & (held < self.queue_depth) & ready_row)
+        m.d.comb += issue.eq(going & room & ready_row)
         # Where the counters that end at a command's sides stand, as flags kept beside them
         # (registers, so that the next read's decision starts from flip-flops, not from
         # compares against the plan or a constant): chunk, row, t_c, t_r, t_j and t_i at their
@@ -231,6 +259,15 @@ class Epilogue(wiring.Component):
                 m.d.sync += [chunk.eq(0), row.eq(row + 1), row_addr.eq(row_addr + words_per_row), *pos.clear(),
                              read_addr.eq(row_addr + words_per_row),
                              *flags(ch=plan.chunks == 1, rw=row + 2 == desc.m)]
+
+        # ready_row for the next cycle: the row after this cycle's read (if any) against the rows
+        # done from the next cycle on; a read moves the row on by one (the next row, the next
+        # band) or back to the band's first (the next tile) or keeps it.
+        moves = on["tile_row"] | on["band"] | on["row"]
+        row_after = Mux(moves, row + 1, Mux(on["tile"], band_row, row))
+        m.d.sync += ready_row.eq(self.all_rows_next | Mux(
+            self.start, self.rows_done_next != 0,
+            Mux(issue, row_after < self.rows_done_next, row < self.rows_done_next)))
 
         # The block RAMs read in every cycle (their data is taken only with a read's metadata):
         # no enable net from the read decision to the accumulator's two dozen block RAMs.
@@ -311,6 +348,9 @@ class Epilogue(wiring.Component):
         q_out = data.View(entry, queue.r_data)
         pop = queue.r_en & queue.r_rdy
         m.d.sync += held.eq(held + issue - pop)
+        # held + issue - pop < queue_depth, without the sum.
+        m.d.sync += room.eq(Mux(issue & ~pop, held < self.queue_depth - 1,
+                                Mux(~issue & pop, 1, held < self.queue_depth)))
 
         # fp32 and bf16 leave straight from the queue.
         direct = [

@@ -28,7 +28,7 @@ from .accumulate import delayed
 from .add_f32 import AddF32Datapath
 from .block_ram import BlockRam
 from .buffers import READ_COLUMN, READ_ROW, OperandBuffer, times_constant
-from .epilogue import Epilogue, plan_layout
+from .epilogue import Epilogue, plan_layout, rows_closed
 from .float_mac import FloatMacArray
 from .gemm_core import _ceil_table, accept_command, command_layout, core_signature
 from .params import ACC_READ_LATENCY, FP32_WIDTH, OPERAND_READ_LATENCY, CoreConfig
@@ -253,19 +253,12 @@ class FloatCore(wiring.Component):
             acc_wr.data.eq(Mux(host_acc, host_data, wb_data)),
         ]
 
-        rows_done = Signal(range(D + R + 1))
-        all_rows = Signal()
-        with m.If(start):
-            m.d.sync += [rows_done.eq(0), all_rows.eq(cmd.k == 0)]
-        with m.Elif(closed):
-            m.d.sync += rows_done.eq(rows_done + R)
-            with m.If(rows_done + R == rows_total):
-                m.d.sync += all_rows.eq(1)
+        rows_done, all_rows = rows_closed(m, cfg, start, cmd.k == 0, closed, rows_total)
 
         # ---- epilogue: the BFP core's --------------------------------------------------------
         m.submodules.epilogue = epi = Epilogue(cfg, command_layout(cfg))
-        m.d.comb += [epi.start.eq(started), epi.desc.eq(desc), epi.plan.eq(plan), epi.rows_done.eq(rows_done),
-                     epi.all_rows.eq(all_rows)]
+        m.d.comb += [epi.start.eq(started), epi.desc.eq(desc), epi.plan.eq(plan), epi.rows_done_next.eq(rows_done),
+                     epi.all_rows_next.eq(all_rows)]
         wiring.connect(m, epi.acc_read, acc_mem.read1)
         wiring.connect(m, epi.bias_read, bias_mem.read0)
         wiring.connect(m, epi.o, wiring.flipped(self.o))

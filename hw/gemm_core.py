@@ -31,7 +31,7 @@ from .accumulate import Accumulate, delayed, drain_layout
 from .activation import FUNC_WIDTH
 from .block_ram import BlockRam
 from .buffers import NO_RW_CHECK, READ_COLUMN, READ_ROW, OperandBuffer, times_constant
-from .epilogue import Epilogue, output_layout, plan_layout
+from .epilogue import Epilogue, output_layout, plan_layout, rows_closed
 from .mac_array import MacArray
 from .params import ACC_READ_LATENCY, EXP_WIDTH, FP32_WIDTH, OPERAND_READ_LATENCY, PREFETCH_CYCLES, CoreConfig
 
@@ -193,14 +193,22 @@ class GemmCore(wiring.Component):
             exp_b_wr.en.eq(w_fire & (w.target == Target.B_EXPONENTS)),
             exp_b_wr.addr.eq(exp_w_addr),
             exp_b_wr.data.eq(w.data[0]),
-            bias_wr.en.eq(w_fire & (w.target == Target.BIAS)),
-            bias_wr.addr.eq(col_word),
         ]
         m.d.comb += [buf_a.w_skip.eq(w.skip[:R]), buf_b.w_skip.eq(w.skip[:C])]
         for t in range(R):
             m.d.comb += buf_a.w_data[t].eq(w.data[t])
         for t in range(C):
-            m.d.comb += [buf_b.w_data[t].eq(w.data[t]), bias_wr.data[t].eq(w.data[t])]
+            m.d.comb += buf_b.w_data[t].eq(w.data[t])
+        # Host writes of the accumulator and the bias are registered before they reach the block
+        # RAMs (whose pins spread over the die): no logic between the host's stream or ``busy``
+        # and those pins. A command is accepted no sooner than the cycle after the last host
+        # write, and reads neither memory in its first cycles.
+        host_data = Signal.like(acc_wr.data, reset_less=True)
+        m.d.sync += [host_data[j].eq(w.data[j]) for j in range(C)]
+        host_bias = Signal()
+        host_bias_addr = Signal.like(bias_wr.addr, reset_less=True)
+        m.d.sync += [host_bias.eq(w_fire & (w.target == Target.BIAS)), host_bias_addr.eq(col_word)]
+        m.d.comb += [bias_wr.en.eq(host_bias), bias_wr.addr.eq(host_bias_addr), bias_wr.data.eq(host_data)]
 
         # Command acceptance and validation.
         cmd = self.cmd.payload
@@ -383,16 +391,12 @@ class GemmCore(wiring.Component):
         m.d.comb += [acc_lanes.i.valid.eq(drained_valid), acc_lanes.i.payload.eq(drained)]
         wiring.connect(m, acc_lanes.acc_read, acc_mem.read0)
         acc_w = acc_lanes.acc_write
-        # A host write of the accumulator is registered before it meets the lanes' writes, and
-        # the registered write itself selects (the lanes write only while busy, and a command
-        # is accepted no sooner than the cycle after the last host write): no logic between
-        # the host's stream or ``busy`` and the block RAMs' pins, which spread over the die.
+        # The registered host write of the accumulator (above) meets the lanes' writes, and
+        # itself selects (the lanes write only while busy).
         host_acc = Signal()
         host_addr = Signal.like(acc_wr.addr, reset_less=True)
-        host_data = Signal.like(acc_wr.data, reset_less=True)
         m.d.sync += [host_acc.eq(w_fire & (w.target == Target.ACC)),
                      host_addr.eq(times_constant(w.row, words_per_row) + col_word)]
-        m.d.sync += [host_data[j].eq(w.data[j]) for j in range(C)]
         m.d.comb += [
             acc_wr.en.eq(Mux(host_acc, Const((1 << C) - 1, C), acc_w.en)),
             acc_wr.addr.eq(Mux(host_acc, host_addr, acc_w.addr)),
@@ -401,15 +405,8 @@ class GemmCore(wiring.Component):
             m.d.comb += acc_wr.data[j].eq(Mux(host_acc, host_data[j], acc_w.data[j]))
 
         # Rows whose accumulation is final: whole row-blocks as the lanes close them; every row
-        # at once for K = 0.
-        rows_done = Signal(range(D + R + 1))
-        all_rows = Signal()
-        with m.If(start):
-            m.d.sync += [rows_done.eq(0), all_rows.eq(cmd.k == 0)]
-        with m.Elif(acc_lanes.closed):
-            m.d.sync += rows_done.eq(rows_done + R)
-            with m.If(rows_done + R == rows_total):
-                m.d.sync += all_rows.eq(1)
+        # at once for K = 0 (the epilogue takes the counters' next values).
+        rows_done, all_rows = rows_closed(m, cfg, start, cmd.k == 0, acc_lanes.closed, rows_total)
 
         # ---- epilogue ------------------------------------------------------------------------
         m.submodules.epilogue = epi = Epilogue(cfg, command_layout(cfg))
@@ -417,8 +414,8 @@ class GemmCore(wiring.Component):
             epi.start.eq(started),
             epi.desc.eq(desc),
             epi.plan.eq(plan),
-            epi.rows_done.eq(rows_done),
-            epi.all_rows.eq(all_rows),
+            epi.rows_done_next.eq(rows_done),
+            epi.all_rows_next.eq(all_rows),
         ]
         wiring.connect(m, epi.acc_read, acc_mem.read1)
         wiring.connect(m, epi.bias_read, bias_mem.read0)
