@@ -118,26 +118,26 @@ class OperandBuffer(wiring.Component):
             return quotient[value], remainder[value]
 
         # Write a row chunk: lane t -> bank (r + c0 + t) % L at address base + c0 + t, i.e. bank b
-        # takes lane (b - r - c0) % L. The request is registered first (one adder then remains
-        # before a bank's address).
+        # takes lane (b - r - c0) % L. The request is registered first, each bank's address
+        # computed before that register: a register drives each bank's address pins.
         w_quot, w_rem = split(self.w_row, self.rows)
         _, wc_rem = split(self.w_col, self.cols)
         w_en = Signal()
         w_rot = Signal(lane)
-        w_base = Signal(range(depth + L))
         w_data = Signal.like(self.w_data)
         w_skip = Signal.like(self.w_skip)
-        m.d.sync += [w_en.eq(self.w_en), w_rot.eq(wrap(w_rem + wc_rem)),
-                     w_base.eq(times_constant(w_quot, self.cols) + self.w_col), w_data.eq(self.w_data),
-                     w_skip.eq(self.w_skip)]
+        rot = Signal(lane)
+        base = Signal(range(depth + L))
+        m.d.comb += [rot.eq(wrap(w_rem + wc_rem)), base.eq(times_constant(w_quot, self.cols) + self.w_col)]
+        m.d.sync += [w_en.eq(self.w_en), w_rot.eq(rot), w_data.eq(self.w_data), w_skip.eq(self.w_skip)]
         # Bank b takes lane (b - rot) % L: the lanes (with their skip bits) rotated by -rot.
         w_lanes = rotate([Cat(w_data[t], w_skip[t]) for t in range(L)], w_rot, -1)
         for b, (_, wp) in enumerate(banks):
-            t = Signal(lane, name=f"w_lane{b}")
+            addr = Signal.like(wp.addr, name=f"w_addr{b}", reset_less=True)
+            m.d.sync += addr.eq(base + wrap(b - rot))
             m.d.comb += [
-                t.eq(wrap(b - w_rot)),
                 wp.en.eq(w_en & ~w_lanes[b][-1]),
-                wp.addr.eq(w_base + t),
+                wp.addr.eq(addr),
                 wp.data.eq(w_lanes[b][:-1]),
             ]
 

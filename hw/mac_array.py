@@ -161,10 +161,11 @@ class MacArray(wiring.Component):
         with m.If(self.i.valid):
             m.d.sync += k.eq(Mux(k == self.tk - 1, 0, k + 1))
 
-        # -a1[i], one adder per row for its LUT PEs (the operand buffer's rotation before a1 and
-        # this adder after it are in different cycles).
-        na1 = [Signal(signed(ma + 1), name=f"na1_{i}") for i in range(R)]
-        m.d.comb += [na1[i].eq(-a1[i]) for i in range(R)]
+        # -a[i] for a row's LUT PEs, registered beside a1[i]: the row's operands then reach its
+        # PEs across the die from flip-flops, with no adder on the way.
+        lut_rows = [i for i in range(R) if not all(self.uses_dsp(i, j) for j in range(C))]
+        na1 = {i: Signal(signed(ma + 1), name=f"na1_{i}", reset_less=True) for i in lut_rows}
+        m.d.sync += [na1[i].eq(-self.i.payload.a[i]) for i in lut_rows]
         for i in range(R):
             for j in range(C):
                 if self.uses_dsp(i, j) and ecp5:
