@@ -199,9 +199,9 @@ class Epilogue(wiring.Component):
 
         def flags(tc=None, tr=None, tj=None, ti=None, ch=None, rw=None):
             """Statements setting the flags given (the others stay) and ``step`` from them."""
-            new = dict(tc=tc_last, tr=tr_last, tj=tj_last, ti=ti_last, ch=chunk_last, rw=row_last)
-            given = dict(tc=tc, tr=tr, tj=tj, ti=ti, ch=ch, rw=rw)
             regs = dict(tc=tc_last, tr=tr_last, tj=tj_last, ti=ti_last, ch=chunk_last, rw=row_last)
+            new = dict(regs)
+            given = dict(tc=tc, tr=tr, tj=tj, ti=ti, ch=ch, rw=rw)
             out = []
             for k, v in given.items():
                 if v is not None:
