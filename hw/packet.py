@@ -1142,9 +1142,9 @@ class PacketEngine(wiring.Component):
       stochastic rounding restarts at stream position 0 in both).
     - ELEMENTWISE streams x (and g, from its own window) through ``act_i``, and ``act_o``
       into the reply, two bytes a result.
-    - IDENTIFY, STATUS, RESET reply from registers. Every reply counts in STATUS when its
-      status is decided (so a STATUS reply counts itself); RESET then zeroes the counters,
-      the last error and the last cycles.
+    - IDENTIFY, STATUS, RESET reply from registers. Every reply counts in STATUS the cycle
+      after its status is decided, from the registered plan (so a STATUS reply counts
+      itself); RESET then zeroes the counters, the last error and the last cycles.
 
     Replying: every payload byte passes a window of ``result_chunk_bytes`` + N bytes in
     front of the ``ReplyFramer``, which sends N a cycle. Throughput: N bytes a cycle each way
@@ -1272,15 +1272,16 @@ class PacketEngine(wiring.Component):
             self.result.ready.eq(draining | ser.i.ready),
         ]
 
-        # ---- STATUS counters (docs/protocol.md, 0x06): every reply counts once, when its
-        # status is decided; a STATUS reply thus counts itself.
+        # ---- STATUS counters (docs/protocol.md, 0x06): every reply counts once, the cycle
+        # after its status is decided (from the plan's register, not the checker's last
+        # stage); a STATUS reply thus counts itself, and RESET's zeroing comes after its count.
         accepted, refused, last_cycles, last_error = Signal(32), Signal(32), Signal(32), Signal(8)
         count_status = Signal()
         with m.If(count_status):
-            with m.If(checker.plan.status == Status.OK):
+            with m.If(plan.status == Status.OK):
                 m.d.sync += accepted.eq(accepted + 1)
             with m.Else():
-                m.d.sync += [refused.eq(refused + 1), last_error.eq(checker.plan.status)]
+                m.d.sync += [refused.eq(refused + 1), last_error.eq(plan.status)]
         identity = int.from_bytes(self.identity(), "little")
         fixed = Mux(op == Op.IDENTIFY, Const(identity, 256),
                     Mux(op == Op.STATUS, Cat(accepted, refused, last_cycles, last_error, Const(0, 24)),
@@ -1313,9 +1314,9 @@ class PacketEngine(wiring.Component):
                     m.next = "DECIDE"
             with m.State("DECIDE"):  # the frame offered LATENCY cycles ago: its plan is valid
                 m.d.sync += plan.eq(checker.plan)
-                m.d.comb += count_status.eq(1)
                 m.next = "DISPATCH"
             with m.State("DISPATCH"):
+                m.d.comb += count_status.eq(1)
                 with m.Switch(plan.action):
                     with m.Case(Action.WRITE):
                         m.d.comb += [reader.start.eq(1), replay.start.eq(1)]

@@ -115,7 +115,9 @@ class AcceleratorTop(wiring.Component):
         # command to its own last output beat, which the engine sees a cycle later.
         registered("w_register", engine.w, core.w)
         registered("cmd_register", engine.cmd, core.cmd)
-        registered("result_register", core.o, engine.result)
+        # The engine's ready (the serializer's, the reply window's) stops at the result
+        # register: with a plain one it reached through the core's output quantizer.
+        registered("result_register", core.o, engine.result, registered_ready=True)
         m.d.comb += engine.core_cycles.eq(core.cycles)
 
         # Without the value quantizer the engine refuses WRITEs of values: q_i and q_o stay idle.
@@ -124,7 +126,7 @@ class AcceleratorTop(wiring.Component):
                                                   stochastic=cfg.stochastic)
             # The quantizer's ready (from its bank state) stops at a register too.
             registered("q_i_register", engine.q_i, qz.i, registered_ready=True)
-            registered("q_o_register", qz.o, engine.q_o)
+            registered("q_o_register", qz.o, engine.q_o, registered_ready=True)
             m.d.comb += [qz.rounding.eq(engine.q_rounding), qz.seed.eq(engine.q_seed), qz.clear.eq(engine.q_clear)]
 
         # Without activation units the engine refuses ELEMENTWISE: act_i and act_o stay idle.
