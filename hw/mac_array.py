@@ -23,7 +23,7 @@ register, so the latency and every bit are the same.
 
 from __future__ import annotations
 
-from amaranth import ClockSignal, Const, Instance, Module, Mux, Signal, signed
+from amaranth import ClockSignal, Const, Instance, Module, Mux, ResetSignal, Signal, signed
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
@@ -32,7 +32,7 @@ from hbfp.contract import MAC_LATENCY
 from .lut_mult import BoothProduct
 from .params import psum_width
 
-__all__ = ["MacArray", "ecp5_multiplier"]
+__all__ = ["CONTROL_PES", "MacArray", "control_register", "ecp5_multiplier"]
 
 
 def ecp5_multiplier(m: Module, name: str, a, b, p) -> None:
@@ -58,6 +58,24 @@ def ecp5_multiplier(m: Module, name: str, a, b, p) -> None:
     m.d.comb += [a18.eq(a), b18.eq(b), p.eq(p36)]
 
 
+#: PEs that one copy of the array's control registers drives at most (``MacArray``'s
+#: ``control_pes``): the 8x8 core's 64, one copy, meet 100 MHz on an ECP5; a 16x16 array has 4.
+CONTROL_PES = 64
+
+
+def control_register(m: Module, name: str, d, q, ecp5: bool) -> None:
+    """``q`` is ``d`` a cycle later (sync domain, reset to 0): one copy of a control register.
+    Yosys merges flip-flops that have the same input, so elaborated for an ECP5 each copy is a
+    TRELLIS_FF instance (synchronous reset on LSR, always enabled), which it keeps."""
+    if not ecp5:
+        m.d.sync += q.eq(d)
+        return
+    m.submodules[name] = Instance(
+        "TRELLIS_FF", p_GSR="DISABLED", p_CEMUX="1", p_CLKMUX="CLK", p_LSRMUX="LSR", p_SRMODE="LSR_OVER_CE",
+        p_REGSET="RESET", i_CLK=ClockSignal("sync"), i_LSR=ResetSignal("sync"), i_CE=Const(1, 1), i_DI=d,
+        i_M=Const(0, 1), o_Q=q)
+
+
 class MacArray(wiring.Component):
     """``rows`` x ``cols`` int MACs; equals ``hbfp.golden.gemm.partial_sums`` per K-tile.
 
@@ -75,15 +93,21 @@ class MacArray(wiring.Component):
 
     ``dsp_macs``: how many PEs (row-major) use a DSP multiplier; the rest use LUT multipliers.
     Default: all of them.
+
+    ``control_pes``: the PEs that one copy of the last stage's control registers (valid,
+    first and last beat of the K-tile, the shadow bank's ``full``) serves at most; every
+    ``control_rows = control_pes // cols`` PE rows (at least one) have their copy, so that no
+    control net spans the whole array (16x16: 4 copies, each driving 64 PEs' accumulators and
+    shadow registers). All copies hold the same bits; with one copy the array is as before.
     """
 
     LATENCY = MAC_LATENCY
 
     def __init__(self, rows: int, cols: int, tk: int, mantissa_bits_a: int = 8, mantissa_bits_b: int = 8,
-                 dsp_macs: int | None = None, groups: int = 1):
+                 dsp_macs: int | None = None, groups: int = 1, control_pes: int = CONTROL_PES):
         try:
-            if rows < 1 or cols < 1 or tk < 1 or groups < 1:
-                raise ValueError("rows, cols, tk and groups must be positive")
+            if rows < 1 or cols < 1 or tk < 1 or groups < 1 or control_pes < 1:
+                raise ValueError("rows, cols, tk, groups and control_pes must be positive")
             if cols % groups:
                 raise ValueError(f"groups ({groups}) must divide cols ({cols})")
             if tk < rows * groups:
@@ -97,6 +121,10 @@ class MacArray(wiring.Component):
         self.rows, self.cols, self.tk, self.groups = rows, cols, tk, groups
         self.mantissa_bits_a, self.mantissa_bits_b = mantissa_bits_a, mantissa_bits_b
         self.dsp_macs = rows * cols if dsp_macs is None else dsp_macs
+        self.control_pes = control_pes
+        #: PE rows per copy of the control registers, and the copies (``control_copy(i)``).
+        self.control_rows = max(1, control_pes // cols)
+        self.control_copies = -(-rows // self.control_rows)
         self.psum_width = psum_width(mantissa_bits_a, mantissa_bits_b, tk)
         in_layout = data.StructLayout({
             "a": data.ArrayLayout(signed(mantissa_bits_a), rows),
@@ -108,6 +136,10 @@ class MacArray(wiring.Component):
             "group": range(groups),
         })
         super().__init__({"i": In(stream.Signature(in_layout)), "o": Out(stream.Signature(out_layout))})
+
+    def control_copy(self, i: int) -> int:
+        """The copy of the control registers (valid, first, last, full) that PE row ``i`` uses."""
+        return i // self.control_rows
 
     def uses_dsp(self, i: int, j: int) -> bool:
         """Whether PE (i, j) multiplies in a DSP block."""
@@ -161,12 +193,31 @@ class MacArray(wiring.Component):
         with m.If(self.i.valid):
             m.d.sync += k.eq(Mux(k == self.tk - 1, 0, k + 1))
 
+        # The control registers of the last stage, one copy per ``control_rows`` PE rows: the
+        # accumulators' enable and the shadow bank's load and shift reach PE_W * control_pes
+        # flip-flops each, not the whole array's. One copy: v2, first2, last2, full themselves.
+        n = self.control_copies
+        if n == 1:
+            v2_c, first2_c, last2_c, load_c, full_c = [v2], [first2], [last2], [load], [full]
+        else:
+            # ``full``'s next value, which its copies take as it does.
+            full_next = Mux(load, 1, Mux(full & (group == G - 1) & (row == R - 1), 0, full))
+            copies = {}
+            for name, d in (("v2", v1b), ("first2", first1b), ("last2", last1b), ("full", full_next)):
+                copies[name] = [Signal(name=f"{name}_c{c}") for c in range(n)]
+                for c, q in enumerate(copies[name]):
+                    control_register(m, f"{name}_c{c}", d, q, ecp5)
+            v2_c, first2_c, last2_c, full_c = (copies[x] for x in ("v2", "first2", "last2", "full"))
+            load_c = [Signal(name=f"load_c{c}") for c in range(n)]
+            m.d.comb += [load_c[c].eq(v2_c[c] & last2_c[c]) for c in range(n)]
+
         # -a[i] for a row's LUT PEs, registered beside a1[i]: the row's operands then reach its
         # PEs across the die from flip-flops, with no adder on the way.
         lut_rows = [i for i in range(R) if not all(self.uses_dsp(i, j) for j in range(C))]
         na1 = {i: Signal(signed(ma + 1), name=f"na1_{i}", reset_less=True) for i in lut_rows}
         m.d.sync += [na1[i].eq(-self.i.payload.a[i]) for i in lut_rows]
         for i in range(R):
+            c = self.control_copy(i)
             for j in range(C):
                 if self.uses_dsp(i, j) and ecp5:
                     # The DSP block's input registers are the operand copy, its output register
@@ -183,8 +234,8 @@ class MacArray(wiring.Component):
                     assert pe.LATENCY == 1
                     m.d.comb += [pe.a.eq(a1[i]), pe.neg_a.eq(na1[i]), pe.b.eq(b1[j])]
                     m.d.sync += prod[i][j].eq(pe.p)
-                nxt = Mux(first2, prod[i][j], acc[i][j] + prod[i][j])
-                with m.If(v2):
+                nxt = Mux(first2_c[c], prod[i][j], acc[i][j] + prod[i][j])
+                with m.If(v2_c[c]):
                     m.d.sync += acc[i][j].eq(nxt)
                 # The shadow bank is a shift register of the drain's beats (row-major, ``groups``
                 # beats a row): beat 0 leaves from row 0's first columns and every other moves
@@ -196,9 +247,9 @@ class MacArray(wiring.Component):
                     behind = shadow[i + 1][l]
                 else:
                     behind = Const(0, signed(W))
-                with m.If(load):
+                with m.If(load_c[c]):
                     m.d.sync += shadow[i][j].eq(nxt)
-                with m.Elif(full):
+                with m.Elif(full_c[c]):
                     m.d.sync += shadow[i][j].eq(behind)
 
         # A K-tile's sums drain on the R * G cycles after they reach the shadow bank.

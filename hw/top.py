@@ -113,10 +113,12 @@ class AcceleratorTop(wiring.Component):
 
         # The core's cycles and results do not move: it counts from its own acceptance of a
         # command to its own last output beat, which the engine sees a cycle later.
-        registered("w_register", engine.w, core.w)
+        # Where a ready enables many flip-flops, or comes through a unit's logic, it stops at a
+        # skid buffer: the core's w ready enables the engine's write replay (some 500
+        # flip-flops 16x16), and the engine's ready (the serializer's, the reply window's)
+        # reached through the core's output quantizer.
+        registered("w_register", engine.w, core.w, registered_ready=True)
         registered("cmd_register", engine.cmd, core.cmd)
-        # The engine's ready (the serializer's, the reply window's) stops at the result
-        # register: with a plain one it reached through the core's output quantizer.
         registered("result_register", core.o, engine.result, registered_ready=True)
         m.d.comb += engine.core_cycles.eq(core.cycles)
 

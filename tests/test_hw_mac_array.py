@@ -25,6 +25,9 @@ CONFIGS = [
     (4, 4, 24, 8, 8, 0, 4),
     (3, 6, 12, 8, 8, None, 3),
 ]
+#: (rows, cols, control_pes): the control registers in copies (a copy per 2 rows, per row,
+#: a last copy of 1 row), each run by the generic elaboration and by the ECP5's.
+CONTROL_COPIES = [(4, 4, 8), (3, 4, 4), (3, 4, 8)]
 
 
 @pytest.mark.parametrize("sim", runner.SIMULATORS)
@@ -52,6 +55,37 @@ def test_mac_array_for_ecp5_equals_partial_sums(sim, rows, cols, tk, ma, mb, dsp
     assert tests == 3 and failed == 0
 
 
+@pytest.mark.parametrize("sim", runner.SIMULATORS)
+@pytest.mark.parametrize("platform", [None, ECP5], ids=["generic", "ecp5"])
+@pytest.mark.parametrize("rows, cols, control_pes", CONTROL_COPIES)
+def test_mac_array_with_control_copies_equals_partial_sums(sim, platform, rows, cols, control_pes):
+    """The control registers in copies (``control_pes``; elaborated for an ECP5, TRELLIS_FF
+    instances, simulated with sim/trellis_ff_model.v), DSP and LUT PEs and a grouped drain:
+    the same sums and latency."""
+    runner.require(sim)
+    tk, groups, dsp_macs = 24, 2, 5
+    cfg = dict(rows=rows, cols=cols, tk=tk, ma=8, mb=8, psum_width=psum_width(8, 8, tk), seed=rows * 7 + control_pes,
+               tiles=40, latency=MacArray.LATENCY, dsp_macs=dsp_macs, groups=groups)
+    make = lambda: MacArray(rows, cols, tk, 8, 8, dsp_macs, groups, control_pes=control_pes)  # noqa: E731
+    assert make().control_copies == -(-rows // max(1, control_pes // cols)) > 1
+    tests, failed = runner.run(make, "mac_array", "tb_mac_array", sim, cfg, platform=platform)
+    assert tests == 3 and failed == 0
+
+
+def test_control_copies_are_kept_for_an_ecp5():
+    """One TRELLIS_FF per copy and control register (valid, first, last, full) for an ECP5,
+    none with one copy (the default for up to ``CONTROL_PES`` PEs) or in portable Verilog."""
+    from amaranth.back import verilog
+
+    from hbfp.hw.mac_array import CONTROL_PES
+
+    mac = MacArray(16, 16, 24, 8, 8, dsp_macs=144)
+    assert (mac.control_rows, mac.control_copies) == (CONTROL_PES // 16, 16 * 16 // CONTROL_PES)
+    assert verilog.convert(mac, name="m", platform=ECP5).count("TRELLIS_FF ") == 4 * mac.control_copies
+    assert "TRELLIS_FF" not in verilog.convert(MacArray(4, 4, 24, 8, 8, control_pes=4), name="m")
+    assert "TRELLIS_FF" not in verilog.convert(MacArray(8, 8, 24, 8, 8), name="m", platform=ECP5)
+
+
 def test_ecp5_elaboration_instantiates_registered_dsps():
     from amaranth.back import verilog
 
@@ -72,6 +106,7 @@ def test_latency_is_the_contracts():
     ((4, 4, 15, 8, 8, None, 4), r"K-tile \(15\) must be at least as long as rows x groups \(4 x 4\)"),
     ((4, 4, 24, 8, 8, 17), r"dsp_macs must be 0\.\.16"),
     ((0, 4, 24), "must be positive"),
+    ((4, 4, 24, 8, 8, None, 1, 0), "control_pes must be positive"),
 ])
 def test_refused(args, message):
     with pytest.raises(ValueError, match=message):
