@@ -66,14 +66,14 @@ CONTROL_PES = 64
 def control_register(m: Module, name: str, d, q, ecp5: bool) -> None:
     """``q`` is ``d`` a cycle later (sync domain, reset to 0): one copy of a control register.
     Yosys merges flip-flops that have the same input, so elaborated for an ECP5 each copy is a
-    TRELLIS_FF instance (synchronous reset on LSR, always enabled), which it keeps."""
+    TRELLIS_FF instance (synchronous reset on LSR, always enabled; CE and M unconnected, as
+    Yosys' own mapping leaves them: nextpnr's packer takes M), which it keeps."""
     if not ecp5:
         m.d.sync += q.eq(d)
         return
     m.submodules[name] = Instance(
         "TRELLIS_FF", p_GSR="DISABLED", p_CEMUX="1", p_CLKMUX="CLK", p_LSRMUX="LSR", p_SRMODE="LSR_OVER_CE",
-        p_REGSET="RESET", i_CLK=ClockSignal("sync"), i_LSR=ResetSignal("sync"), i_CE=Const(1, 1), i_DI=d,
-        i_M=Const(0, 1), o_Q=q)
+        p_REGSET="RESET", i_CLK=ClockSignal("sync"), i_LSR=ResetSignal("sync"), i_DI=d, o_Q=q)
 
 
 class MacArray(wiring.Component):
