@@ -280,17 +280,23 @@ class UartTop(wiring.Component):
             self.overrun.eq(rx.overrun),
         ]
         wiring.connect(m, rx.o, rx_fifo.w_stream)
-        # A register between the FIFO and the top: the FIFO's byte comes from its block RAM
-        # late in the cycle (on ECP5 5.8 ns clock-to-output, then the route from wherever the
-        # placer put a 4 kB memory), too late for the receiver's decoding behind it. It takes
-        # a byte only when empty, so neither path crosses it in one cycle (the receiver's
-        # ready to the FIFO's level): a byte every 2 cycles, where the line brings one every
-        # 10 * divisor.
-        rx_byte, rx_valid = Signal(8), Signal()
+        # Two registers between the FIFO and the top: the FIFO's byte comes from its block RAM
+        # late in the cycle (on ECP5 5.8 ns clock-to-output), and the placer puts a 4 kB memory
+        # wherever one is free, on a full part across the die from the receiver's decoding
+        # (16 x 16 on an LFE5U-85F: 11 ns of the placement's estimate), so the byte crosses in a
+        # cycle of its own. Each takes a byte only when empty, so no path crosses them in one
+        # cycle (the receiver's ready to the FIFO's level): a byte every 2 cycles, where the
+        # line brings one every 10 * divisor.
         fifo_out = rx_fifo.r_stream
-        m.d.comb += fifo_out.ready.eq(~rx_valid)
+        rx_byte0, rx_valid0 = Signal(8), Signal()
+        rx_byte, rx_valid = Signal(8), Signal()
+        m.d.comb += fifo_out.ready.eq(~rx_valid0)
+        with m.If(~rx_valid0):
+            m.d.sync += [rx_valid0.eq(fifo_out.valid), rx_byte0.eq(fifo_out.payload)]
+        with m.Elif(~rx_valid):
+            m.d.sync += rx_valid0.eq(0)
         with m.If(~rx_valid):
-            m.d.sync += [rx_valid.eq(fifo_out.valid), rx_byte.eq(fifo_out.payload)]
+            m.d.sync += [rx_valid.eq(rx_valid0), rx_byte.eq(rx_byte0)]
         with m.Elif(top.i.ready):
             m.d.sync += rx_valid.eq(0)
         # Bytes to beats of one lane, and back (a beat with an empty keep carries no byte).
