@@ -631,9 +631,9 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
         if board.flow == "ecp5":
             # nextpnr's analytic "static" placer: on the 16 x 16 ULX3S top its placement
             # estimate was 48.9 MHz where the default HeAP placer's was 43.7 (same netlist).
-            # router2: on that top the default router1 stopped gaining with some 200,000 arcs
-            # unrouted, where router2 came within a hundred overused wires.
-            kwargs["nextpnr_opts"] += " --placer static --router router2"
+            # The default router1: router2 found no route from the reset synchronizer into the
+            # reset's global buffer (DCCA) on the 4 x 4 top, which router1 routes.
+            kwargs["nextpnr_opts"] += " --placer static"
         kwargs["script_after_read"] = ABC9_XAIGER1
     if board.flow == "ice40":
         kwargs["synth_opts"] = "-dsp -dff"

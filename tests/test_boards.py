@@ -94,7 +94,7 @@ def test_ecp5_project_has_the_board_pins_and_clock(tmp_path):
     assert re.search(r"cell \\DCCA \\reset_buffer", il)
     script = (d / f"build_{project}.sh").read_text()
     assert "--report" in script and "--timing-allow-fail" in script and "ECPPACK" in script
-    assert "--placer static --router router2" in script
+    assert "--placer static" in script
     config = json.loads((d / "config.json").read_text())
     assert config["baud"] == 1000000 and config["clock_hz"] == boards.BOARDS["ulx3s"].pll_hz == 75_000_000
     # Yosys' ABC9 step through the older XAIGER writer (0.70's default mis-synthesized the 16x16 top)
