@@ -69,7 +69,8 @@ def mac_array_logic(flow: str, cfg, work: Path) -> dict:
     (ECP5: LUT4 + 2 per CCU2C carry cell, as nextpnr counts TRELLIS_COMB)."""
     work.mkdir(parents=True, exist_ok=True)
     src = work / "mac_array.v"
-    src.write_text(verilog.convert(MacArray(cfg.rows, cfg.cols, cfg.tk, cfg.mantissa_bits, cfg.mantissa_bits),
+    src.write_text(verilog.convert(MacArray(cfg.rows, cfg.cols, cfg.tk, cfg.mantissa_bits, cfg.mantissa_bits,
+                                            dsp_macs=cfg.dsp_macs, groups=cfg.acc_groups),
                                    name="mac_array"))
     if flow == "ecp5":
         cells = synth_ecp5(src, "mac_array", work)["cells"]
