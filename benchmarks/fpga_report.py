@@ -33,7 +33,7 @@ build of the same configuration (``build/boards/<board>``, ``build/ecp5/core-8x8
 docs/reports/ecp5-core-8x8-s96.json when the tree's core has its Verilog (its ``verilog_sha256``),
 whose report then stays. ``--no-density --keep-density`` keeps the density figures of the
 existing summary.json, for a run after changes outside the cores (the packet engine, a board top).
-The ULX3S build (16x16 at 75 MHz) takes about 90 minutes on 2 cores, the core's three placements
+The ULX3S build (16x16 at 75 MHz) takes about 45 minutes on 2 cores, the core's three placements
 about 20 (two at a time), the density experiment about 70.
 """
 
