@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from . import bf16, native
+from . import bf16
 
 __all__ = [
     "ROUNDINGS",
@@ -250,12 +250,14 @@ def _check_stochastic(fmt: Format, seed) -> None:
         raise ValueError("stochastic rounding needs a seed (quantize(..., seed=N)) to be reproducible")
 
 
-def quantize(x, fmt: Format = HBFP8, *, seed: int | None = None) -> BFPTensor:
+def quantize(x, fmt: Format = HBFP8, *, seed: int | None = None, impl: str | None = None) -> BFPTensor:
     """Quantize a matrix (or a stack: the last two axes; a 1-D array becomes one row, shape ``(1, n)``) to ``fmt``.
 
     fp32 is read as it is, bf16 is widened exactly, fp16/fp64/integers are first converted
     to fp32 (RNE). Ragged edges are padded with zeros that take part in no maximum.
-    ``seed`` selects the stochastic rounding stream (required for ``stochastic``)."""
+    ``seed`` selects the stochastic rounding stream (required for ``stochastic``). ``impl``:
+    ``"reference"`` (this module's NumPy bands), a name of ``hbfp.kernels.IMPLS``, or None: the
+    registry's fastest for a matrix (the same bits)."""
     if not isinstance(fmt, Format):
         raise TypeError(f"fmt must be a Format (for example HBFP8), got {fmt!r}")
     _check_stochastic(fmt, seed)
@@ -265,9 +267,10 @@ def quantize(x, fmt: Format = HBFP8, *, seed: int | None = None) -> BFPTensor:
     if x.ndim == 1:
         x = x[None, :]
     *lead, m, n = x.shape
-    if not lead and native.available():
-        # The same bits, compiled for this CPU (golden/native.c).
-        codes, expo = native.quantize(x, fmt, None if fmt.rounding != "stochastic" else int(_key(seed)))
+    if impl != "reference" and not lead:
+        from hbfp import kernels
+
+        codes, expo = kernels.quantize(x, fmt, seed=seed, impl=impl)
         return BFPTensor(codes, expo, fmt)
     th, tw = fmt.tile
     tr, tc = _tiles(m, th), _tiles(n, tw)

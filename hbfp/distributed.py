@@ -74,7 +74,7 @@ class GradExchange:
             self.bytes_sent += 2 * (world - 1) * n * flat.element_size() // world
             dist.all_reduce(flat, group=self.group)
             return flat.div_(world)
-        from hbfp.golden import kernels
+        from hbfp import kernels
 
         # a matrix one tile wide: every tile a run of consecutive gradient values (576 for
         # HBFP8's 24 x 24 tiles, 32 for MXINT8's 1 x 32)

@@ -210,7 +210,7 @@ def stack_codes(x, fmt: Format, seed: int = 0):
     quantization's."""
     import torch
 
-    from hbfp.golden import kernels
+    from hbfp import kernels
 
     t = fmt.tile[0]
     nb, r, c = x.shape
@@ -442,15 +442,15 @@ class Device:
                      transpose_a: bool = False, transpose_b: bool = False, c=None, rounding: str = "nearest_even",
                      seed=None):
         """``gemm`` of torch tensors on an in-process device (``direct_device``), computed where
-        the tensors are (CPU or CUDA) with ``hbfp.golden.kernels``, equal bit for bit to
+        the tensors are (CPU or CUDA) by the registry ``hbfp.kernels``, equal bit for bit to
         ``gemm`` with ``input="codes"``: a float32 tensor (``out="fp32"``) or a bfloat16 one
         (``"bf16"``). ``a``, ``b``: float tensors (quantized here in the device's format, with
         ``rounding`` and the seeds as ``gemm`` gives them) or ``(codes, exponents)`` pairs in
-        the device's format (e.g. ``hbfp.golden.kernels.quantize``'s), of the stored matrices.
+        the device's format (e.g. ``hbfp.kernels.quantize``'s), of the stored matrices.
         ``bias`` (N) and ``c`` (M x N): float tensors. Counts cycles and MACs as ``gemm`` does."""
         import torch
 
-        from hbfp.golden import kernels
+        from hbfp import kernels
 
         direct = self.direct_device
         if direct is None:
@@ -489,8 +489,9 @@ class Device:
                 final = OutFormat.BF16
         if M and N:
             self._count_direct(direct, M, N, K, self._blocks(M, N, K, transpose_a, transpose_b, False), final)
-        acc = kernels.gemm((ca, ea), (cb, eb), fa, fb, c=c, bias=bias)
-        return kernels.epilogue(acc, activation, out, leaky_shift=ident.leaky_shift)
+        f32 = (lambda t: None if t is None else t.detach().to(torch.float32))
+        return kernels.gemm((ca, ea), (cb, eb), fa=fa, fb=fb, c=f32(c), bias=f32(bias), activation=activation,
+                            out=out, leaky_shift=ident.leaky_shift)
 
     def bmm_tensors(self, a, b, *, rounding: str = "nearest_even", seed=None):
         """The stack of products ``a[i] @ b[i]`` (``a`` B x M x K, ``b`` B x K x N float
@@ -499,14 +500,13 @@ class Device:
         With square tiles each stack is quantized as one matrix, its matrices padded to whole
         tiles (so that no tile spans two of them; ``stack_codes``): to nearest, each product
         equals ``gemm_tensors(a[i], b[i])`` bit for bit; with ``rounding`` "stochastic" the
-        stacks take the seeds ``gemm``'s ``seed`` gives A and B. Where every K-tile's products
-        are exact in fp32 and no tile is NaN (the fast path's conditions, checked on the whole
-        stack), the products are formed at once; else product by product from the same codes.
-        With blocks along K only (MXINT8's), product by product: ``gemm_tensors(a[i],
-        b[i]^T, transpose_b=True, rounding, seed)``."""
+        stacks take the seeds ``gemm``'s ``seed`` gives A and B. The products then run at once
+        (one call of the registry's ``gemm`` on the stacks). With blocks along K only
+        (MXINT8's), product by product: ``gemm_tensors(a[i], b[i]^T, transpose_b=True,
+        rounding, seed)``."""
         import torch
 
-        from hbfp.golden import kernels
+        from hbfp import kernels
 
         direct = self.direct_device
         if direct is None:
@@ -527,25 +527,14 @@ class Device:
         ca, ea = stack_codes(a, fmt, sa)
         cb, eb = stack_codes(b, fmt, sb)
         mp, kp, np_ = ca.shape[0] // nb, cb.shape[0] // nb, cb.shape[1]
-        nan = kernels.EXP_NAN
-        if (bool((ea == nan).any()) or bool((eb == nan).any())
-                or not kernels._fast_path_ok((ca, ea), (cb, eb), fmt, fmt, t, None)):
-            return torch.stack([self.gemm_tensors(
-                (ca[i * mp:i * mp + m, :k], ea[i * mp // t:(i + 1) * mp // t]),
-                (cb[i * kp:i * kp + k, :n], eb[i * kp // t:(i + 1) * kp // t]), rounding=rounding, seed=seed)
-                for i in range(nb)])
-        kt = kp // t
-        af = kernels._scaled(ca, ea, fmt, nb * mp, kp).view(nb, mp, kt, t).transpose(1, 2)
-        bf = kernels._scaled(cb, eb, fmt, nb * kp, np_).view(nb, kt, t, np_)
-        p = torch.matmul(af, bf)  # every K-tile's products, exact
-        acc = torch.zeros((nb, mp, np_), dtype=torch.float32, device=a.device)
-        for j in range(kt):  # in K-tile order, as the device adds them
-            acc += p[:, j]
+        # the stacks as 3-d views: matrix i's codes and exponents, without the padding
+        a3 = (ca.view(nb, mp, kp)[:, :m, :k], ea.view(nb, mp // t, kp // t))
+        b3 = (cb.view(nb, kp, np_)[:, :k, :n], eb.view(nb, kp // t, np_ // t))
         before = (self.stats.cycles, self.stats.macs)
         self._count_direct(direct, m, n, k, self._blocks(m, n, k, False, False, False), OutFormat.FP32)
         self.stats.cycles += (nb - 1) * (self.stats.cycles - before[0])
         self.stats.macs += (nb - 1) * (self.stats.macs - before[1])
-        return acc[:, :m, :n].contiguous()
+        return kernels.gemm(a3, b3, fa=fmt, fb=fmt)
 
     @property
     def direct_device(self):

@@ -175,7 +175,7 @@ def _device_gemm_inner(device, a, b, **kw) -> torch.Tensor:
     if getattr(device, "direct_device", None) is not None:
         return device.gemm_tensors(a.detach() if isinstance(a, torch.Tensor) else a,
                                    b.detach() if isinstance(b, torch.Tensor) else b, **kw)
-    from hbfp.golden.kernels import to_bfp_tensor
+    from hbfp.kernels.torch_ops import to_bfp_tensor
 
     # Tensors go as NumPy arrays, codes (stored weights) as BFPTensors.
     a, b = (to_bfp_tensor(*x, device.format()) if isinstance(x, tuple) else _numpy(x) for x in (a, b))
@@ -278,13 +278,13 @@ def _quantized(device, x: torch.Tensor, rounding: str = "nearest_even", seed: in
     quantization rounds to nearest), except on a device with blocks along K, whose product
     rounds both operands so (``_product``)."""
     if rounding != "nearest_even" and _square(device):
-        from hbfp.golden import kernels
+        from hbfp import kernels
 
         with _device_work():
             return kernels.quantize(x.detach().contiguous(), device.format(rounding), seed=seed)
     if getattr(device, "direct_device", None) is None or not _square(device):
         return x  # quantized by the product itself (blocks along K: in the layout it stores)
-    from hbfp.golden import kernels
+    from hbfp import kernels
 
     fmt = device.format()
     with _device_work():
@@ -350,10 +350,10 @@ def _product(device, a, b, cfg: ProductConfig, rounding: Rounding, **kw) -> torc
 
 def _out(y: torch.Tensor, cfg: ProductConfig) -> torch.Tensor:
     if cfg.out == "bf16":  # the device's bf16 output: the fp32 sums rounded to nearest even
-        from hbfp.golden import kernels
+        from hbfp.kernels import torch_ops
 
         with _device_work():
-            y = kernels.epilogue(y, None, "bf16").to(torch.float32)
+            y = torch_ops.epilogue(y, None, "bf16").to(torch.float32)
     return y
 
 
@@ -454,7 +454,7 @@ def _matrix(weight: torch.Tensor) -> torch.Tensor:
 def _stored_operand(weight: torch.Tensor, device, matrix: torch.Tensor | None = None) -> _StoredOperand | None:
     """The codes the device reads of a wide-stored weight (None if stored as fp32): of its
     matrix, or of ``matrix`` (a group's rows of it)."""
-    from hbfp.golden import kernels
+    from hbfp import kernels
 
     storage = weight_storage(weight)
     if storage is None:
@@ -469,7 +469,7 @@ def _stored_operand(weight: torch.Tensor, device, matrix: torch.Tensor | None = 
 
 
 def _snap(weight: torch.Tensor, storage) -> None:
-    from hbfp.golden import kernels
+    from hbfp import kernels
 
     with torch.no_grad():
         snapped = kernels.dequantize(*kernels.quantize(_matrix(weight), storage), storage)
@@ -581,32 +581,23 @@ class Linear(_OnDevice, torch.nn.Linear):
 
 class _Patches(torch.autograd.Function):
     """The patches of a convolution as one matrix, (N*OH*OW) x (C*KH*KW): ``F.unfold`` with its
-    columns as rows, gathered in one pass by the compiled kernel (``hbfp.golden.native.im2col``;
-    ``F.unfold`` and a transposed copy without it). The backward sums the gradient back onto the
-    image as ``unfold``'s own backward (``F.fold``) does, in its order (``native.col2im``), so
-    gradients keep their bits."""
+    columns as rows, gathered in one pass (``hbfp.kernels.im2col``). The backward sums the
+    gradient back onto the image as ``unfold``'s own backward (``F.fold``) does, in its order
+    (``hbfp.kernels.col2im``), so gradients keep their bits."""
 
     @staticmethod
     def forward(ctx, x, kernel, stride, padding, dilation):
-        from hbfp.golden import native
+        from hbfp import kernels
 
-        n = x.shape[0]
-        ctx.geometry = (n, x.shape[1], tuple(x.shape[-2:]), kernel, stride, padding, dilation)
-        if x.device.type == "cpu" and x.dtype == torch.float32 and native.available():
-            return torch.from_numpy(native.im2col(x.detach().contiguous().numpy(), kernel, stride, padding, dilation))
-        cols = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
-        return cols.transpose(1, 2).reshape(n * cols.shape[2], cols.shape[1])
+        ctx.geometry = (x.shape[0], x.shape[1], tuple(x.shape[-2:]), kernel, stride, padding, dilation)
+        return kernels.im2col(x, kernel, stride, padding, dilation)
 
     @staticmethod
     def backward(ctx, grad):
-        from hbfp.golden import native
+        from hbfp import kernels
 
         n, c, size, kernel, stride, padding, dilation = ctx.geometry
-        if grad.device.type == "cpu" and grad.dtype == torch.float32 and native.available():
-            g = native.col2im(grad.contiguous().numpy(), (n, c, *size), kernel, stride, padding, dilation)
-            return torch.from_numpy(g), None, None, None, None
-        cols = grad.reshape(n, grad.shape[0] // n, grad.shape[1]).transpose(1, 2)
-        return F.fold(cols, size, kernel, dilation=dilation, padding=padding, stride=stride), None, None, None, None
+        return kernels.col2im(grad, (n, c, *size), kernel, stride, padding, dilation), None, None, None, None
 
 
 def _same_padding(kernel, dilation) -> tuple[int, ...]:

@@ -41,12 +41,11 @@ aten = torch.ops.aten
 def patches(x: torch.Tensor, kernel, stride, padding, dilation) -> torch.Tensor:
     """The patches of ``x`` (N, C, *S) as one matrix (N * prod(O), C * prod(K)), rows in
     (n, *o) order, columns in (c, *k) order (``F.unfold``'s columns as rows); zero padding."""
-    from hbfp.golden import native
+    from hbfp import kernels
 
     n, c = x.shape[:2]
-    if (len(kernel) == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and native.available()):
-        return torch.from_numpy(native.im2col(x.detach().contiguous().numpy(), tuple(kernel), tuple(stride), tuple(padding),
-                                              tuple(dilation)))
+    if len(kernel) == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+        return kernels.im2col(x, tuple(kernel), tuple(stride), tuple(padding), tuple(dilation))
     pads = [p for q in reversed(padding) for p in (q, q)]
     v = F.pad(x, pads) if any(pads) else x
     for d, (k, s, dl) in enumerate(zip(kernel, stride, dilation)):
@@ -62,13 +61,12 @@ def col2im(cols: torch.Tensor, shape, kernel, stride, padding, dilation) -> torc
     """The adjoint of ``patches``: every patch entry of ``cols`` added back onto an image of
     ``shape`` (N, C, *S) (each kernel offset in turn; rows and columns past the last patch
     position, such as a transposed convolution's output padding, stay zero)."""
-    from hbfp.golden import native
+    from hbfp import kernels
 
     n, c, *size = shape
     nd = len(kernel)
-    if nd == 2 and cols.dtype == torch.float32 and cols.device.type == "cpu" and native.available():
-        return torch.from_numpy(native.col2im(cols.detach().contiguous().numpy(), tuple(shape), tuple(kernel), tuple(stride),
-                                              tuple(padding), tuple(dilation)))
+    if nd == 2 and cols.dtype == torch.float32 and cols.device.type == "cpu":
+        return kernels.col2im(cols, tuple(shape), tuple(kernel), tuple(stride), tuple(padding), tuple(dilation))
     out = [(s + 2 * p - dl * (k - 1) - 1) // st + 1 for s, k, st, p, dl in zip(size, kernel, stride, padding, dilation)]
     c6 = cols.reshape(n, *out, c, *kernel).permute(0, nd + 1, *range(1, nd + 1), *range(nd + 2, 2 * nd + 2))
     image = torch.zeros(n, c, *(s + 2 * p for s, p in zip(size, padding)), dtype=cols.dtype, device=cols.device)

@@ -1,23 +1,18 @@
-"""The golden numerics as torch operations: the same bits as ``hbfp.golden``'s NumPy functions
-of the same names, computed where the tensors are (CPU, or a CUDA device: the same code).
-
-The NumPy model (``bfp``, ``bf16``, ``gemm``) stays the definition; these kernels are the fast
-path that trainings run on (``hbfp.host``'s in-process ``emu``, ``hbfp.torch``), and the tests
-hold them equal to it bit for bit (tests/test_kernels.py).
+"""The golden numerics as torch operations, computed where the tensors are (a CPU or a CUDA
+device: the same code): the registry's ``torch`` implementations (``hbfp.kernels``), equal bit
+for bit to ``hbfp.golden``'s NumPy functions of the same names (tests/test_kernels.py).
 
 - ``quantize(x, fmt, seed)``: a matrix of floats to ``(codes, exponents)``, every rounding
   (stochastic with the generator of ``bfp.random_bits``, whose positions are the tile-major
   stream of ``bfp.stream_index``); ``requantize`` narrows codes in place of their tiles.
 - ``gemm(a, b, ...)``: the product's fp32 sums (``C + A @ B + bias``; docs/numerics.md, section
   3): each K-tile's exact integer sum times its two tiles' powers of two is one fp32 product of
-  scaled codes (exact under ``bfp``'s preconditions, checked here as ``gemm._fast_path_ok``
-  checks them), added to the accumulator in K-tile order: on a CPU by the compiled kernel
-  (``hbfp.golden.native``, on the tensors' memory), elsewhere by batched torch products;
-  inputs outside those preconditions go through the NumPy model.
+  scaled codes (exact under ``bfp``'s preconditions, checked here as the NumPy fast path checks
+  them), added to the accumulator in K-tile order by batched torch products (``impl="fp32"``) or
+  ``torch._int_mm``'s exact int32 sums (``"int8"``, a CPU whose torch has it); inputs outside
+  those preconditions go through the NumPy reference.
 - ``epilogue(acc, activation, out, seed)``: the activation as a table of the bf16 unit over
   all 65,536 inputs (``activations.get``), then fp32, bf16 patterns or a BFP output.
-
-Torch is optional for ``hbfp.golden``: importing this module needs it.
 """
 
 from __future__ import annotations
@@ -27,11 +22,14 @@ import functools
 import numpy as np
 import torch
 
-from . import activations as _activations
-from . import bf16 as _bf16
-from . import native as _native
-from .bfp import EXP_BIAS, EXP_NAN, MIX32_MULTIPLIERS, RANDOM_BITS, SEED_SALT, BFPTensor, Format, mix32 as _mix32_np
-from .gemm import _MAX_EXP, _MIN_NORMAL_EXP
+from hbfp.golden import activations as _activations
+from hbfp.golden import bf16 as _bf16
+from hbfp.golden.bfp import (EXP_BIAS, EXP_NAN, MIX32_MULTIPLIERS, RANDOM_BITS, SEED_SALT, BFPTensor, Format,
+                             mix32 as _mix32_np)
+
+#: Exponent of the smallest fp32 normal, and of fp32's largest power of two.
+_MIN_NORMAL_EXP = -126
+_MAX_EXP = 127
 
 __all__ = ["mix32", "random_bits", "stream_index", "quantize", "requantize", "dequantize", "gemm", "epilogue",
            "bf16_from_f32", "flush_f32", "to_bfp_tensor", "from_bfp_tensor"]
@@ -106,28 +104,14 @@ def _round(y: torch.Tensor, rounding: str, rand: torch.Tensor | None) -> torch.T
     return torch.where(y < 0, -q, q)
 
 
-def quantize(x: torch.Tensor, fmt: Format, *, seed: int | None = None,
-             impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, fmt: Format, *, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``bfp.quantize`` of a matrix: ``(codes, exponents)``, codes of ``x``'s shape (int8 up to 8
-    mantissa bits, int16 up to 16, else int32), exponents one E8M0 code per tile (uint8).
-    ``x``: fp32, or bf16/fp16/fp64 (converted to fp32 first, RNE). ``impl``: ``"torch"``
-    (torch operations where the tensor is), ``"numpy"`` (the NumPy model on the CPU tensor's
-    memory: band by band in cache, a thread per core, 32-bit stochastic rounding; several
-    times the torch operations' rate on a CPU) or None: NumPy for a CPU tensor, torch
-    elsewhere."""
+    mantissa bits, else int16), exponents one E8M0 code per tile (uint8). ``x``: fp32, or
+    bf16/fp16/fp64 (converted to fp32 first, RNE), on any device."""
     if x.dim() != 2:
         raise ValueError(f"quantize takes a matrix, got shape {tuple(x.shape)}")
     if fmt.rounding == "stochastic" and seed is None:
         raise ValueError("stochastic rounding needs a seed (quantize(..., seed=N)) to be reproducible")
-    impl = impl or ("numpy" if x.device.type == "cpu" else "torch")
-    if impl == "numpy":
-        from .bfp import quantize as golden_quantize
-
-        # (torch's blocked copy of a transposed view is a few times faster than NumPy's)
-        t = golden_quantize(x.detach().to(torch.float32).contiguous().numpy(), fmt, seed=seed)
-        return torch.from_numpy(t.codes), torch.from_numpy(t.exponents)
-    if impl != "torch":
-        raise ValueError(f"impl must be 'torch', 'numpy' or None, got {impl!r}")
     x = x.to(torch.float32)
     m, n = x.shape
     th, tw = fmt.tile
@@ -157,15 +141,8 @@ def quantize(x: torch.Tensor, fmt: Format, *, seed: int | None = None,
 
 
 def requantize(codes: torch.Tensor, exponents: torch.Tensor, src: Format, fmt: Format, *,
-               seed: int | None = None, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``bfp.requantize``: narrower mantissas on the same tiles and exponents. ``impl``:
-    ``"torch"`` (torch operations where the tensors are), ``"numpy"`` (on a CPU tensor's
-    memory; nearest even and toward zero) or None: NumPy where it applies, else torch."""
-    if impl not in (None, "torch", "numpy"):
-        raise ValueError(f"impl must be 'torch', 'numpy' or None, got {impl!r}")
-    numpy_applies = codes.device.type == "cpu" and fmt.rounding != "stochastic"
-    if impl == "numpy" and not numpy_applies:
-        raise ValueError("impl='numpy' takes CPU tensors and a rounding other than stochastic")
+               seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bfp.requantize``: narrower mantissas on the same tiles and exponents."""
     if fmt.tile != src.tile:
         raise ValueError(f"requantize keeps the tiles: {src.tile} != {fmt.tile}")
     shift = src.mantissa_bits - fmt.mantissa_bits
@@ -173,7 +150,7 @@ def requantize(codes: torch.Tensor, exponents: torch.Tensor, src: Format, fmt: F
         raise ValueError("requantize narrows mantissas; it cannot widen them")
     if fmt.rounding == "stochastic" and seed is None:
         raise ValueError("stochastic rounding needs a seed (quantize(..., seed=N)) to be reproducible")
-    if numpy_applies and impl != "torch":
+    if codes.device.type == "cpu" and fmt.rounding != "stochastic":
         # NumPy on the CPU tensor's memory: the same exact halving and rounding, a few times
         # faster than torch's small operations
         y = np.ldexp(codes.numpy().astype(np.float64), -shift)
@@ -196,8 +173,6 @@ def _scale_exponents(exponents: torch.Tensor, fmt: Format) -> torch.Tensor:
 def dequantize(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format) -> torch.Tensor:
     """``BFPTensor.dequantize``: fp32 values by the device rules (``bf16.round_f32``: RNE,
     a result below 2**-126 a zero of its sign, overflow to inf); NaN tiles give NaN."""
-    if codes.device.type == "cpu" and _native.available() and codes.dim() == 2:
-        return torch.from_numpy(_native.dequantize(codes.numpy(), exponents.numpy(), fmt))
     th, tw = fmt.tile
     m, n = codes.shape
     tr, tc = exponents.shape
@@ -234,33 +209,9 @@ def from_bfp_tensor(t: BFPTensor, device=None) -> tuple[torch.Tensor, torch.Tens
 # ---- the product ---------------------------------------------------------------------------
 
 def _live_range(codes: torch.Tensor, exponents: torch.Tensor, fmt: Format) -> tuple[int, int] | None:
-    """(min, max) of ``E - frac_bits`` over tiles that hold a nonzero finite value
-    (``gemm._nonzero_range``): exponent code 0 counts only where its tile holds a nonzero code."""
-    if exponents.device.type == "cpu":
-        # NumPy on the same memory: a few microseconds where torch's small operations cost tens
-        e = exponents.numpy()
-        if e.size:
-            lo, hi = int(e.min()), int(e.max())
-            if lo != 0 and hi != EXP_NAN:  # the common case: every tile live
-                return lo - EXP_BIAS - fmt.frac_bits, hi - EXP_BIAS - fmt.frac_bits
-        live = (e != 0) & (e != EXP_NAN)
-        if not live.all() and (e == 0).any():
-            if _native.available():
-                # (only the tiles of exponent code 0 are read, and only to the first nonzero code)
-                m, n = codes.shape
-                if _native.dead_tiles_hold_codes((codes.data_ptr(), codes.element_size(), *codes.stride()), m, n,
-                                                 (exponents.data_ptr(), *exponents.stride()), fmt.tile):
-                    from .gemm import _tiles_with_codes
-
-                    live |= (e == 0) & _tiles_with_codes(BFPTensor(codes.numpy(), e, fmt))
-            else:
-                from .gemm import _tiles_with_codes
-
-                live |= (e == 0) & _tiles_with_codes(BFPTensor(codes.numpy(), e, fmt))
-        if not live.any():
-            return None
-        s = e[live]
-        return int(s.min()) - EXP_BIAS - fmt.frac_bits, int(s.max()) - EXP_BIAS - fmt.frac_bits
+    """(min, max) of ``E - frac_bits`` over tiles that hold a nonzero finite value (the NumPy
+    fast path's ``_nonzero_range``): exponent code 0 counts only where its tile holds a nonzero
+    code."""
     live = (exponents != 0) & (exponents != EXP_NAN)
     empty = exponents == 0
     if bool(empty.any()):
@@ -345,15 +296,8 @@ def _add_in_order(p: torch.Tensor, acc: torch.Tensor) -> None:
         acc += p[j]
 
 
-#: ``gemm``'s products when no ``impl`` is given: the compiled kernel (golden/native.c) for CPU
-#: tensors where it builds, else the batched fp32 products (measured by ``make bench``: of the
-#: torch paths, the faster on the development machine's CPU for a training step's shapes).
-DEFAULT_IMPL = "native"
-IMPLS = ("native", "fp32", "int8", "numpy")
-
-
-def _native_applies(ca: torch.Tensor) -> bool:
-    return ca.device.type == "cpu" and _native.available()
+#: The ways ``gemm`` forms each K-tile's products.
+IMPLS = ("fp32", "int8")
 
 
 @functools.lru_cache(maxsize=None)
@@ -412,21 +356,6 @@ def _accumulate_int8(ca, ea, cb, eb, fa: Format, fb: Format, acc: torch.Tensor) 
         _add_in_order(p, acc[r0:min(m, r1)])
 
 
-def _native_gemm(ca, ea, fa: Format, cb, eb, fb: Format, acc: torch.Tensor, *, zero: bool) -> None:
-    """``native.gemm_codes`` on CPU tensors' memory (no NumPy views): shapes and tiles checked
-    by ``gemm``, dtypes and layout here."""
-    for name, t in (("A's codes", ca), ("B's codes", cb)):
-        if t.dtype not in (torch.int8, torch.int16, torch.int32):
-            raise TypeError(f"{name} must be int8, int16 or int32, got {t.dtype}")
-    for name, t in (("A's exponents", ea), ("B's exponents", eb)):
-        if t.dtype != torch.uint8 or t.dim() != 2:
-            raise TypeError(f"{name} must be a uint8 matrix, got {t.dtype} {tuple(t.shape)}")
-    (m, k), n = ca.shape, cb.shape[1]
-    _native.gemm_raw((ca.data_ptr(), ca.element_size(), *ca.stride(), ea.data_ptr(), *ea.stride()), fa,
-                     (cb.data_ptr(), cb.element_size(), *cb.stride(), eb.data_ptr(), *eb.stride()), fb,
-                     acc.data_ptr(), acc.stride(0), m, n, k, zero=zero)
-
-
 def _accumulate_fp32(af: torch.Tensor, bf: torch.Tensor, acc: torch.Tensor, tk: int, kt: int) -> None:
     """``acc`` += every K-tile's p in K-tile order: A as (KT, M, tk), B as (KT, tk, N), every
     K-tile's p of a block of rows in one batched product (exact), then the additions in order."""
@@ -443,29 +372,20 @@ def _accumulate_fp32(af: torch.Tensor, bf: torch.Tensor, acc: torch.Tensor, tk: 
 
 
 def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], fa: Format, fb: Format, *,
-         c: torch.Tensor | None = None, bias: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
+         c: torch.Tensor | None = None, bias: torch.Tensor | None = None, impl: str = "fp32") -> torch.Tensor:
     """The fp32 sums ``C + A @ B + bias`` of ``hbfp.golden.gemm.gemm`` (before its epilogue):
     ``a`` = (codes M x K, exponents), ``b`` = (codes K x N, exponents) in formats ``fa``,
     ``fb`` whose tiles agree along K; ``c`` (M x N) and ``bias`` (N) fp32.
 
-    ``impl``: how each K-tile's products are formed: ``"int8"`` (exact int32 sums of int8
-    codes, ``torch._int_mm``, then scaled by the tiles' powers of two: int8 codes on a CPU
-    whose torch has it, VNNI or AMX), ``"fp32"`` (batched fp32 products of the codes scaled
-    into fp32 operands), ``"numpy"`` (the NumPy model on the same memory, CPU tensors only)
-    ``"native"`` (the K-tile loop compiled for this CPU, ``hbfp.golden.native``: CPU tensors
-    where a C compiler built it) or None: ``DEFAULT_IMPL`` where it applies, else fp32. All
-    give the same bits."""
-    if impl is None:
-        applies = {"native": _native_applies, "int8": lambda ca: _int8_applies(ca, b[0])}.get(DEFAULT_IMPL)
-        impl = DEFAULT_IMPL if applies is None or applies(a[0]) else "fp32"
-    if impl == "numpy":
-        return _gemm_numpy(a, b, fa, fb, c, bias)
+    ``impl``: how each K-tile's products are formed: ``"fp32"`` (batched fp32 products of the
+    codes scaled into fp32 operands, any device) or ``"int8"`` (exact int32 sums of int8 codes,
+    ``torch._int_mm``, then scaled by the tiles' powers of two: int8 codes on a CPU whose torch
+    has it). Both give the same bits; inputs outside the fp32 route's preconditions go through
+    the NumPy reference."""
     if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "int8" and not _int8_applies(a[0], b[0]):
         raise ValueError("impl='int8' takes int8 codes on a CPU whose torch has _int_mm")
-    if impl == "native" and not _native_applies(a[0]):
-        raise ValueError(f"impl='native' takes CPU tensors and the compiled kernels ({_native.why() or 'not a CPU tensor'})")
     (ca, ea), (cb, eb) = a, b
     m, k = ca.shape
     k2, n = cb.shape
@@ -479,56 +399,32 @@ def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tens
     if c is not None:
         c = flush_f32(c.to(torch.float32).contiguous())
     if kt and not _fast_path_ok(a, b, fa, fb, tk, c):
-        from .gemm import gemm as golden_gemm
+        from hbfp.golden.gemm import gemm as golden_gemm
 
         acc = golden_gemm(to_bfp_tensor(ca, ea, fa), to_bfp_tensor(cb, eb, fb),
                           c=None if c is None else c.cpu().numpy(),
-                          bias=None if bias is None else bias.to(torch.float32).cpu().numpy())
+                          bias=None if bias is None else bias.to(torch.float32).cpu().numpy(), impl="reference")
         return torch.from_numpy(acc).to(dev)
-    if kt and m and n and impl == "native":
-        # acc + 0 (or +0), then the K-tiles, in one pass of the compiled kernel
-        # (NumPy's empty: torch's deterministic mode would fill a torch.empty first)
-        acc = torch.from_numpy(np.empty((m, n), dtype=np.float32)) if c is None else c.clone()
-        _native_gemm(ca, ea, fa, cb, eb, fb, acc, zero=c is None)
-    else:
-        acc = torch.zeros((m, n), dtype=torch.float32, device=dev) if c is None else c.clone()
-    if kt and m and n and impl != "native":
-        acc += 0.0  # -0 + p and +0 + p agree (golden.gemm); a NaN of C stays NaN
+    acc = torch.zeros((m, n), dtype=torch.float32, device=dev) if c is None else c.clone()
+    if kt and m and n:
+        acc += 0.0  # -0 + p and +0 + p agree on every p of the fast route; a NaN of C stays NaN
     if kt and m and n and impl == "int8":
         _accumulate_int8(ca, ea, cb, eb, fa, fb, acc)
-    elif kt and m and n and impl != "native":
+    elif kt and m and n:
         ma = ea.shape[0] * fa.tile[0]
         nb = eb.shape[1] * fb.tile[1]
         af = _scaled(ca, ea, fa, ma, kt * tk)[:m]
         bf = _scaled(cb, eb, fb, kt * tk, nb)[:, :n]
         _accumulate_fp32(af, bf, acc, tk, kt)
     # A NaN tile on either side makes every output it meets NaN.
-    if dev.type == "cpu":
-        nan_a, nan_b = ea.numpy() == EXP_NAN, eb.numpy() == EXP_NAN
-        any_nan = bool(nan_a.any()) or bool(nan_b.any())
-        nan_a, nan_b = torch.from_numpy(nan_a), torch.from_numpy(nan_b)
-    else:
-        nan_a, nan_b = ea == EXP_NAN, eb == EXP_NAN
-        any_nan = bool(nan_a.any()) or bool(nan_b.any())
-    if any_nan:
+    nan_a, nan_b = ea == EXP_NAN, eb == EXP_NAN
+    if bool(nan_a.any()) or bool(nan_b.any()):
         rows_nan = nan_a.any(dim=1).repeat_interleave(fa.tile[0])[:m]
         cols_nan = nan_b.any(dim=0).repeat_interleave(fb.tile[1])[:n]
         acc = torch.where(rows_nan[:, None] | cols_nan[None, :], torch.full((), float("nan"), device=dev), acc)
     if bias is not None:
         acc = flush_f32(acc + flush_f32(bias.to(torch.float32))[None, :])
     return acc
-
-
-def _gemm_numpy(a, b, fa: Format, fb: Format, c, bias) -> torch.Tensor:
-    """``gemm`` by the NumPy model on the CPU tensors' memory (no copy of codes that are
-    already the format's integer type)."""
-    from .gemm import gemm as golden_gemm
-
-    def cpu(t):
-        return None if t is None else t.detach().to(torch.float32).cpu().numpy()
-
-    acc = golden_gemm(to_bfp_tensor(*a, fa), to_bfp_tensor(*b, fb), c=cpu(c), bias=cpu(bias))
-    return torch.from_numpy(acc)
 
 
 # ---- the epilogue --------------------------------------------------------------------------

@@ -1,0 +1,496 @@
+"""One boundary for every fast implementation of the golden numerics (docs/numerics.md).
+
+``hbfp.golden`` is the reference, slow and obvious. Everything that computes the same bits
+faster sits behind this registry, and every caller (``hbfp.golden``'s own ``gemm`` and
+``quantize`` by default, the ``emu`` device, ``hbfp.torch``, the gradient exchange) calls it:
+
+- ``gemm(a, b, ...)``: the product's results (``C + A @ B + bias``, an activation, fp32 or
+  bf16) of two stored operands, matrices or stacks of them;
+- ``quantize(x, fmt, ...)``, ``dequantize(codes, exponents, fmt)``;
+- ``im2col``/``col2im``: a convolution's patches as one matrix and back.
+
+Implementations (``IMPLS``), each chosen with ``impl=`` and tested against the reference:
+
+- compiled integer kernels (``build.VARIANTS``): ``avx2`` (exact int32 K-tile sums by
+  vpmaddwd), ``c`` (portable C, any CPU); built on first use for the CPU's features and loaded
+  only where the CPU has them;
+- ``numpy``: NumPy fp32 BLAS on the scaled codes, exact under checked preconditions (the
+  reference outside them); no compiler needed;
+- ``torch``: torch operations where the tensors are (CUDA included), ``torch_int8``: exact
+  int32 sums by ``torch._int_mm`` (CPUs whose torch has it);
+- ``reference``: ``hbfp.golden`` itself.
+
+``impl=None`` takes the first available of ``preferred(device)``: the fastest compiled
+variant for CPU memory (``numpy`` without a compiler, with one warning saying why), ``torch``
+for tensors on an accelerator. Arguments are NumPy arrays or torch tensors; results come back
+as the same kind. ``threads`` (default ``default_threads()``: torch's intra-op count when torch is
+loaded, else the CPUs this process may run on; ``$HBFP_NUM_THREADS`` overrides) is how many
+threads a compiled kernel shares its work over.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+
+from hbfp.golden.bfp import BFPTensor, Format
+
+from . import build
+from .native import Compiled
+
+__all__ = ["IMPLS", "COMPILED", "Codes", "KernelWarning", "available", "why", "preferred", "resolve", "default_threads",
+           "gemm", "quantize", "requantize", "dequantize", "im2col", "col2im", "conv_geometry", "activation_table"]
+
+#: The compiled variants, fastest first.
+COMPILED = tuple(v.name for v in build.VARIANTS)
+#: Every implementation's name.
+IMPLS = (*COMPILED, "numpy", "torch", "torch_int8", "reference")
+
+_COMPILED = {name: Compiled(name) for name in COMPILED}
+
+
+class KernelWarning(UserWarning):
+    """The compiled kernels are not in use (issued once, with the reason)."""
+
+
+class Codes(NamedTuple):
+    """A stored operand: integer ``codes``, E8M0 ``exponents`` (one per tile) and its ``fmt``
+    (NumPy arrays or torch tensors)."""
+
+    codes: object
+    exponents: object
+    fmt: Format
+
+
+def default_threads() -> int:
+    """The threads a compiled kernel shares its work over by default."""
+    env = os.environ.get("HBFP_NUM_THREADS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ValueError(f"HBFP_NUM_THREADS must be a positive integer, got {env!r}") from None
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "get_num_threads"):
+        return torch.get_num_threads()
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _torch_available() -> str | None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "torch is not installed (pip install 'hbfp[torch]')"
+    return None
+
+
+def why(impl: str) -> str | None:
+    """Why ``impl`` cannot run here (None when it can)."""
+    if impl in _COMPILED:
+        return _COMPILED[impl].why()
+    if impl in ("numpy", "reference"):
+        return None
+    if impl == "torch":
+        return _torch_available()
+    if impl == "torch_int8":
+        missing = _torch_available()
+        if missing:
+            return missing
+        from . import torch_ops
+
+        return None if torch_ops._int_mm_works() else "this torch has no exact torch._int_mm on the CPU"
+    raise ValueError(f"no implementation {impl!r}; known: {', '.join(IMPLS)}")
+
+
+def available(impl: str) -> bool:
+    return why(impl) is None
+
+
+def preferred(device: str = "cpu") -> tuple[str, ...]:
+    """The implementations ``impl=None`` tries, in order, for memory on ``device``."""
+    if device != "cpu":
+        return ("torch",)
+    return (*COMPILED, "numpy")
+
+
+_warned = False
+
+
+@functools.lru_cache(maxsize=None)
+def _best_cpu() -> str:
+    global _warned
+    for name in COMPILED:
+        if available(name):
+            return name
+    reason = why("c")
+    if not _warned and "HBFP_NATIVE=0" not in (reason or ""):
+        _warned = True
+        warnings.warn(f"hbfp's compiled kernels are not in use ({reason}); products run on NumPy BLAS, several "
+                      "times slower", KernelWarning, stacklevel=3)
+    return "numpy"
+
+
+def resolve(impl: str | None, device: str = "cpu") -> str:
+    """The implementation ``impl`` names (checked), or the preferred one for ``device``."""
+    if impl is None:
+        return _best_cpu() if device == "cpu" else "torch"
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)} or None, got {impl!r}")
+    reason = why(impl)
+    if reason:
+        raise RuntimeError(f"impl={impl!r} cannot run here: {reason}")
+    if device != "cpu" and impl not in ("torch",):
+        raise ValueError(f"impl={impl!r} takes CPU memory; the operands are on {device}")
+    return impl
+
+
+# ---- arrays of either kind -----------------------------------------------------------------
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _device(x) -> str:
+    return x.device.type if _is_torch(x) else "cpu"
+
+
+def _numpy(x):
+    """The NumPy view of a CPU array or tensor (a copy where its strides run backwards)."""
+    if _is_torch(x):
+        x = x.detach()
+        if any(s < 0 for s in x.stride()):
+            x = x.contiguous()
+        return x.numpy()
+    x = np.asarray(x)
+    return np.ascontiguousarray(x) if any(s < 0 for s in x.strides) else x
+
+
+def _like(x, arr: np.ndarray):
+    """``arr`` as the kind of array ``x`` is."""
+    if _is_torch(x):
+        import torch
+
+        return torch.from_numpy(arr)
+    return arr
+
+
+def _operand(x, fmt: Format | None, what: str) -> tuple:
+    """(codes, exponents, fmt) of a BFPTensor, a Codes or a (codes, exponents) pair with ``fmt``."""
+    if isinstance(x, (BFPTensor, Codes)):
+        return x.codes, x.exponents, x.fmt
+    if isinstance(x, tuple) and len(x) == 2:
+        if fmt is None:
+            raise ValueError(f"{what} given as (codes, exponents) needs its format")
+        return x[0], x[1], fmt
+    raise TypeError(f"{what} must be a BFPTensor, a Codes or (codes, exponents), got {type(x).__name__}")
+
+
+@functools.lru_cache(maxsize=None)
+def activation_table(name: str, leaky_shift: int | None = None) -> np.ndarray:
+    """The bf16 unit ``name`` over all 65,536 bf16 patterns (uint16), as the kernels apply it."""
+    from hbfp.golden import activations
+
+    f = activations.get(name, leaky_shift=leaky_shift)
+    t = f(np.arange(1 << 16, dtype=np.uint16)).astype(np.uint16)
+    t.setflags(write=False)
+    return t
+
+
+# ---- the product ---------------------------------------------------------------------------
+
+def gemm(a, b, *, fa: Format | None = None, fb: Format | None = None, c=None, bias=None,
+         activation: str | None = None, out: str = "fp32", leaky_shift: int | None = None, impl: str | None = None,
+         threads: int | None = None, qmax_a: int | None = None, qmax_b: int | None = None):
+    """``act(C + A @ B + bias)`` of stored operands, bit for bit ``hbfp.golden.gemm.gemm``.
+
+    ``a``, ``b``: BFPTensors, ``Codes`` or ``(codes, exponents)`` pairs in ``fa``/``fb``:
+    matrices, or stacks with one leading axis (as many products). Transposed views are read
+    as they are. ``c``: fp32 of the result's shape (``acc`` starts there; may be ``out``'s
+    memory for an in-place update), ``bias``: N fp32 values, ``activation``: a bf16 unit of
+    ``hbfp.golden.activations`` (``leaky_shift`` for leaky_relu), ``out``: "fp32" (float32)
+    or "bf16" (bf16 patterns as uint16 for NumPy, a torch.bfloat16 tensor for torch).
+    ``qmax_*``: the largest code magnitude an operand may hold where it is not its format's
+    (a raw stored operand may hold one more)."""
+    ca, ea, fa = _operand(a, fa, "A")
+    cb, eb, fb = _operand(b, fb, "B")
+    if out not in ("fp32", "bf16"):
+        raise ValueError(f"out must be 'fp32' or 'bf16', got {out!r}")
+    name = resolve(impl, _device(ca))
+    if name in _COMPILED:
+        return _gemm_compiled(_COMPILED[name], ca, ea, fa, cb, eb, fb, c, bias, activation, out, leaky_shift,
+                              default_threads() if threads is None else threads, qmax_a, qmax_b)
+    torch_in = _is_torch(ca)
+    if name in ("torch", "torch_int8"):
+        import torch
+
+        from . import torch_ops
+
+        t = (lambda x: x if x is None or isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x)))
+        ca, ea, cb, eb, c, bias = (t(x) for x in (ca, ea, cb, eb, c, bias))
+        if ca.dim() == 3:
+            sums = torch.stack([torch_ops.gemm((ca[i], ea[i]), (cb[i], eb[i]), fa, fb,
+                                               c=None if c is None else c[i], bias=bias,
+                                               impl="int8" if name == "torch_int8" else "fp32")
+                                for i in range(ca.shape[0])])
+        else:
+            sums = torch_ops.gemm((ca, ea), (cb, eb), fa, fb, c=c, bias=bias,
+                                  impl="int8" if name == "torch_int8" else "fp32")
+        y = torch_ops.epilogue(sums, activation, out, leaky_shift=leaky_shift)
+        if not torch_in:
+            y = y.view(torch.int16).numpy().view(np.uint16) if out == "bf16" else y.numpy()
+        return y
+    # NumPy: the BLAS route or the reference, product by product
+    from hbfp.golden import bf16 as _bf16
+    from hbfp.golden.gemm import epilogue, reference_sums
+
+    from . import numpy_ops
+
+    na, xa, nb, xb = _numpy(ca), _numpy(ea), _numpy(cb), _numpy(eb)
+    nc = None if c is None else _numpy(c)
+    nbias = None if bias is None else _numpy(bias)
+    sums_of = numpy_ops.gemm_sums if name == "numpy" else reference_sums
+
+    def one(i=None):
+        pick = (lambda x: x) if i is None else (lambda x: x[i])
+        s = sums_of(BFPTensor(pick(na), pick(xa), fa), BFPTensor(pick(nb), pick(xb), fb),
+                    c=None if nc is None else pick(nc), bias=nbias)
+        y = epilogue(s, activation, out, leaky_shift=leaky_shift)
+        return np.asarray(y).view(np.uint16) if out == "bf16" else y
+
+    y = np.stack([one(i) for i in range(na.shape[0])]) if na.ndim == 3 else one()
+    if torch_in:
+        import torch
+
+        return torch.from_numpy(y.view(np.int16)).view(torch.bfloat16) if out == "bf16" else torch.from_numpy(y)
+    return y
+
+
+def _code_bound(codes: np.ndarray, fmt: Format) -> int:
+    """The largest code magnitude an operand may hold, less one (the kernel allows for one
+    more, -2**(m-1)): its dtype's for int8 codes, its format's for 16 bits, else its own."""
+    if codes.dtype == np.int8:
+        return 127
+    if fmt.mantissa_bits == 16 or codes.size == 0:
+        return 32767 if fmt.mantissa_bits == 16 else fmt.qmax
+    return max(fmt.qmax, int(codes.max()), -int(codes.min()) - 1)
+
+
+def _gemm_compiled(lib: Compiled, ca, ea, fa, cb, eb, fb, c, bias, activation, out, leaky_shift, nthreads, qmax_a,
+                   qmax_b):
+    if _is_torch(ca):  # torch's memory as it is (no NumPy views: they cost more than small products)
+        import torch
+
+        ca, ea, cb, eb = (x.detach() for x in (ca, ea, cb, eb))
+        if min(ca.stride()) < 0 or min(cb.stride()) < 0:
+            ca, cb = ca.contiguous(), cb.contiguous()
+        qmax_a = (127 if ca.dtype == torch.int8 else _code_bound(ca.numpy(), fa)) if qmax_a is None else qmax_a
+        qmax_b = (127 if cb.dtype == torch.int8 else _code_bound(cb.numpy(), fb)) if qmax_b is None else qmax_b
+        shape = (*ca.shape[:-1], cb.shape[-1])
+        y = torch.empty(shape, dtype=torch.bfloat16 if out == "bf16" else torch.float32)
+        if c is not None:
+            c = c.detach()
+            if c.dtype != torch.float32:
+                raise TypeError(f"c must be float32 (the fp32 accumulator), got {c.dtype}")
+            if c.shape[-1] > 1 and c.stride(-1) != 1:
+                c = c.contiguous()
+        if bias is not None:
+            bias = bias.detach()
+            if bias.dtype != torch.float32:
+                raise TypeError(f"bias must be float32, got {bias.dtype}")
+            bias = bias.contiguous()
+    else:
+        ca, ea, cb, eb = _numpy(ca), _numpy(ea), _numpy(cb), _numpy(eb)
+        qmax_a = _code_bound(ca, fa) if qmax_a is None else qmax_a
+        qmax_b = _code_bound(cb, fb) if qmax_b is None else qmax_b
+        y = np.empty((*ca.shape[:-1], cb.shape[-1]), np.uint16 if out == "bf16" else np.float32)
+        if c is not None:
+            c = _numpy(c)
+            if c.dtype != np.float32:
+                raise TypeError(f"c must be float32 (the fp32 accumulator), got {c.dtype}")
+            if c.shape[-1] > 1 and c.strides[-1] != 4:
+                c = np.ascontiguousarray(c)
+        if bias is not None:
+            bias = np.ascontiguousarray(_numpy(bias))
+            if bias.dtype != np.float32:
+                raise TypeError(f"bias must be float32, got {bias.dtype}")
+    table = activation_table(activation, leaky_shift) if activation is not None else None
+    lib.gemm((ca, ea), fa, (cb, eb), fb, y, c=c, bias=bias, table=table, threads=nthreads, qmax_a=qmax_a,
+             qmax_b=qmax_b)
+    return y
+
+
+# ---- quantization ----------------------------------------------------------------------------
+
+def quantize(x, fmt: Format, *, seed: int | None = None, impl: str | None = None, threads: int | None = None):
+    """``hbfp.golden.quantize`` of a matrix: ``(codes, exponents)`` of ``x``'s kind (int8 codes
+    up to 8 mantissa bits, else int16; uint8 exponents, one per tile). ``x``: fp32, or another
+    float type (converted to fp32 first, RNE; bf16 exactly)."""
+    from hbfp.golden import bfp
+
+    if not isinstance(fmt, Format):
+        raise TypeError(f"fmt must be a Format (for example HBFP8), got {fmt!r}")
+    bfp._check_stochastic(fmt, seed)
+    name = resolve(impl, _device(x))
+    if name in ("torch", "torch_int8"):
+        import torch
+
+        from . import torch_ops
+
+        t = x if _is_torch(x) else torch.from_numpy(np.asarray(x))
+        codes, exps = torch_ops.quantize(t, fmt, seed=seed)
+        return (codes, exps) if _is_torch(x) else (codes.numpy(), exps.numpy())
+    torch_in = _is_torch(x)
+    if torch_in:
+        import torch
+
+        xn = x.detach()
+        if xn.dtype != torch.float32:
+            xn = xn.to(torch.float32)
+        if xn.dim() != 2:
+            raise ValueError(f"quantize takes a matrix, got shape {tuple(xn.shape)}")
+        if xn.shape[1] > 1 and xn.stride(1) != 1 or min(xn.stride()) < 0:
+            xn = xn.contiguous()  # rows of consecutive values (torch's blocked copy of a transposed view is fast)
+        if name not in _COMPILED:
+            xn = xn.numpy()
+    else:
+        xn = bfp._as_f32(x)
+        if xn.ndim == 1:
+            xn = xn[None, :]
+        if xn.ndim != 2:
+            raise ValueError(f"quantize takes a matrix, got shape {xn.shape}")
+        if xn.shape[1] > 1 and xn.strides[1] != 4 or any(s < 0 for s in xn.strides):
+            xn = np.ascontiguousarray(xn)
+    if name in _COMPILED:
+        m, n = xn.shape
+        th, tw = fmt.tile
+        if torch_in:
+            codes = torch.empty((m, n), dtype=torch.int8 if fmt.mantissa_bits <= 8 else torch.int16)
+            exps = torch.empty((-(-m // th), -(-n // tw)), dtype=torch.uint8)
+        else:
+            codes = np.empty((m, n), fmt.code_dtype)
+            exps = np.empty((-(-m // th), -(-n // tw)), np.uint8)
+        if m and n:
+            key = int(bfp._key(seed)) if fmt.rounding == "stochastic" else None
+            _COMPILED[name].quantize(xn, fmt, key, codes, exps, threads=default_threads() if threads is None else threads)
+        else:
+            exps[...] = 0
+        return codes, exps
+    t = bfp.quantize(xn, fmt, seed=seed, impl="reference")  # numpy and reference: the golden bands
+    return (_like(x, t.codes), _like(x, t.exponents)) if torch_in else (t.codes, t.exponents)
+
+
+def requantize(codes, exponents, src: Format, fmt: Format, *, seed: int | None = None):
+    """``hbfp.golden.requantize`` (narrower mantissas on the same tiles and exponents, e.g.
+    HBFP16 storage read as HBFP8) of a matrix's codes and exponents, of their kind."""
+    if _is_torch(codes):
+        from . import torch_ops
+
+        return torch_ops.requantize(codes, exponents, src, fmt, seed=seed)
+    from hbfp.golden.bfp import requantize as golden_requantize
+
+    t = golden_requantize(BFPTensor(np.asarray(codes), np.asarray(exponents), src), fmt, seed=seed)
+    return t.codes, t.exponents
+
+
+def dequantize(codes, exponents, fmt: Format, *, impl: str | None = None):
+    """``BFPTensor.dequantize`` (fp32 by the device rules) of a matrix's codes and exponents."""
+    name = resolve(impl, _device(codes))
+    if name in ("torch", "torch_int8"):
+        from . import torch_ops
+
+        return torch_ops.dequantize(codes, exponents, fmt)
+    nc, ne = _numpy(codes), _numpy(exponents)
+    if name in _COMPILED and nc.ndim == 2:
+        if nc.shape[1] > 1 and nc.strides[1] != nc.itemsize:
+            nc = np.ascontiguousarray(nc)
+        ne = np.ascontiguousarray(ne)
+        y = np.empty(nc.shape, np.float32)
+        if y.size:
+            _COMPILED[name].dequantize(nc, ne, fmt, y, threads=default_threads())
+    else:
+        y = BFPTensor(nc, ne, fmt).dequantize()
+    return _like(codes, y)
+
+
+# ---- convolutions ----------------------------------------------------------------------------
+
+def conv_geometry(shape, kernel, stride, padding, dilation) -> tuple:
+    """(n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow) of a 2-d convolution of ``shape``."""
+    n, c, h, w = shape
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, padding, dilation
+    if min(kh, kw, sh, sw, dh, dw) < 1 or min(ph, pw) < 0:
+        raise ValueError(f"convolution geometry: kernel {kernel}, stride {stride}, padding {padding}, "
+                         f"dilation {dilation}")
+    oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    if oh < 1 or ow < 1:
+        raise ValueError(f"no convolution output for input {tuple(shape)}, kernel {kernel}, stride {stride}, "
+                         f"padding {padding}, dilation {dilation}")
+    return (n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow)
+
+
+def _conv_lib(x) -> Compiled | None:
+    if _device(x) != "cpu":
+        return None
+    name = _best_cpu()
+    return _COMPILED.get(name)
+
+
+def im2col(x, kernel, stride, padding, dilation):
+    """The patches of a convolution of ``x`` (N x C x H x W float32) as one matrix,
+    (N * OH * OW) x (C * KH * KW): torch's ``unfold`` transposed to rows of output positions,
+    zero padding. Compiled where a CPU build is available, else torch's ``unfold``."""
+    g = conv_geometry(tuple(x.shape), tuple(kernel), tuple(stride), tuple(padding), tuple(dilation))
+    lib = _conv_lib(x)
+    xn = None
+    if lib is not None:
+        xn = np.ascontiguousarray(_numpy(x))
+        if xn.dtype != np.float32:
+            lib = None
+    if lib is None:
+        import torch
+        import torch.nn.functional as F
+
+        t = x if _is_torch(x) else torch.from_numpy(np.asarray(x))
+        cols = F.unfold(t, tuple(kernel), dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride))
+        y = cols.transpose(1, 2).reshape(g[0] * cols.shape[2], cols.shape[1])
+        return y if _is_torch(x) else y.numpy()
+    out = np.empty((g[0] * g[12] * g[13], g[1] * g[4] * g[5]), np.float32)
+    lib.im2col(xn, g, out, threads=default_threads())
+    return _like(x, out)
+
+
+def col2im(cols, shape, kernel, stride, padding, dilation):
+    """The adjoint of ``im2col``: the patches' values summed back onto an N x C x H x W image
+    ``shape``, bit for bit as torch's ``fold`` of the transposed patches sums them."""
+    g = conv_geometry(tuple(shape), tuple(kernel), tuple(stride), tuple(padding), tuple(dilation))
+    want = (g[0] * g[12] * g[13], g[1] * g[4] * g[5])
+    if tuple(cols.shape) != want:
+        raise ValueError(f"col2im takes a {want[0]} x {want[1]} matrix, got {tuple(cols.shape)}")
+    lib = _conv_lib(cols)
+    cn = None
+    if lib is not None:
+        cn = np.ascontiguousarray(_numpy(cols))
+        if cn.dtype != np.float32:
+            lib = None
+    if lib is None:
+        import torch
+        import torch.nn.functional as F
+
+        t = cols if _is_torch(cols) else torch.from_numpy(np.asarray(cols))
+        n = g[0]
+        c3 = t.reshape(n, t.shape[0] // n, t.shape[1]).transpose(1, 2)
+        y = F.fold(c3, tuple(shape[-2:]), tuple(kernel), dilation=tuple(dilation), padding=tuple(padding),
+                   stride=tuple(stride))
+        return y if _is_torch(cols) else y.numpy()
+    out = np.empty(tuple(shape), np.float32)
+    lib.col2im(cn, g, out, threads=default_threads())
+    return _like(cols, out)

@@ -1,0 +1,205 @@
+"""The compiled kernels of one variant (``build``) called on the memory of NumPy arrays or CPU
+torch tensors: ``gemm``, ``quantize``, ``dequantize``, ``im2col``, ``col2im``. Shapes, dtypes
+and layouts are checked here; the bits are the C code's (src/)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from . import build, capi
+
+__all__ = ["Compiled", "ROUNDINGS", "Mem"]
+
+#: The rounding codes of ``hbfp_quantize``.
+ROUNDINGS = {"nearest_even": 0, "toward_zero": 1, "stochastic": 2}
+
+
+class Mem:
+    """An array's memory as the C code reads it: address, shape, strides in elements, item
+    size and the NumPy dtype (NumPy arrays and CPU torch tensors alike, no copy)."""
+
+    __slots__ = ("ptr", "shape", "strides", "itemsize", "dtype", "base")
+
+    def __init__(self, x, what: str):
+        if isinstance(x, np.ndarray):
+            self.ptr = x.ctypes.data
+            self.shape = x.shape
+            self.itemsize = size = x.itemsize
+            st = x.strides
+            self.strides = tuple(s // size for s in st)
+            if any(s % size for s in st):
+                raise ValueError(f"{what} has strides {st} that are not whole elements")
+            self.dtype = x.dtype
+        else:  # a torch tensor
+            if x.device.type != "cpu":
+                raise ValueError(f"{what} is on {x.device}: the compiled kernels take CPU memory")
+            self.ptr = x.data_ptr()
+            self.shape = tuple(x.shape)
+            self.strides = x.stride()
+            self.itemsize = x.element_size()
+            self.dtype = _TORCH_DTYPES[x.dtype]
+            if self.dtype is None:
+                raise TypeError(f"{what} has dtype {x.dtype}, which the compiled kernels do not take")
+        if self.strides and min(self.strides) < 0:
+            raise ValueError(f"{what} has negative strides {self.strides} (a flipped view): copy it first")
+        self.base = x  # keeps the memory alive for the call
+
+
+def _torch_dtypes():
+    try:
+        import torch
+    except ImportError:
+        return {}
+    return {torch.int8: np.dtype(np.int8), torch.int16: np.dtype(np.int16), torch.uint8: np.dtype(np.uint8),
+            torch.float32: np.dtype(np.float32), torch.uint16: np.dtype(np.uint16),
+            torch.bfloat16: np.dtype(np.uint16)}
+
+
+class _LazyDtypes(dict):
+    def __missing__(self, key):
+        self.update(_torch_dtypes())
+        if key not in self:
+            self[key] = None
+        return self[key]
+
+
+_TORCH_DTYPES = _LazyDtypes()
+_CODES = (np.dtype(np.int8), np.dtype(np.int16))
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == -1:
+        raise MemoryError(f"{what}: the compiled kernel could not allocate its buffers")
+    if rc != 0:
+        raise ValueError(f"{what}: the compiled kernel refused its arguments (error {rc})")
+
+
+class Compiled:
+    """The kernels of one compiled variant (``build.VARIANTS``)."""
+
+    def __init__(self, variant: str):
+        self.name = variant
+        self._lib = None
+
+    @property
+    def lib(self):
+        if self._lib is None:
+            self._lib = build.load(self.name)
+            if self._lib is None:
+                raise RuntimeError(f"the {self.name} kernels are not available: {build.why(self.name)}")
+        return self._lib
+
+    def available(self) -> bool:
+        return build.load(self.name) is not None
+
+    def why(self) -> str | None:
+        return build.why(self.name)
+
+    # ---- the product ------------------------------------------------------------------
+
+    def gemm(self, a, fa, b, fb, out, *, c=None, bias=None, table=None, threads: int = 1,
+             qmax_a: int | None = None, qmax_b: int | None = None) -> None:
+        """``out`` = the product's results of stored operands ``a`` = (codes, exponents) in
+        ``fa`` and ``b`` in ``fb`` (matrices, or stacks of them with a leading axis), as
+        ``hbfp_gemm`` computes them: ``c`` to start from, ``bias``, ``table`` (an activation's
+        65,536 bf16 patterns as uint16), ``out`` float32 or 16-bit (bf16 patterns) of the
+        product's shape. ``qmax_*``: the largest code magnitude the operand may hold (default
+        the format's; a raw operand may hold one more, which the kernel allows for)."""
+        (ca, ea), (cb, eb) = a, b
+        ma, mb = Mem(ca, "A's codes"), Mem(cb, "B's codes")
+        xa, xb = Mem(ea, "A's exponents"), Mem(eb, "B's exponents")
+        mo = Mem(out, "the output")
+        batched = len(ma.shape) == 3
+        if len(ma.shape) not in (2, 3) or len(mb.shape) != len(ma.shape) or len(xa.shape) != len(ma.shape) \
+                or len(xb.shape) != len(ma.shape) or len(mo.shape) != len(ma.shape):
+            raise ValueError("gemm takes matrices, or stacks of them (a leading axis) throughout")
+        for m_, what in ((ma, "A's codes"), (mb, "B's codes")):
+            if m_.dtype not in _CODES:
+                raise TypeError(f"{what} must be int8 or int16, got {m_.dtype}")
+        for m_, what in ((xa, "A's exponents"), (xb, "B's exponents")):
+            if m_.dtype != np.uint8:
+                raise TypeError(f"{what} must be uint8 E8M0 codes, got {m_.dtype}")
+        nb = ma.shape[0] if batched else 1
+        (m, k), (k2, n) = ma.shape[-2:], mb.shape[-2:]
+        if k != k2 or fa.tile[1] != fb.tile[0]:
+            raise ValueError(f"gemm: A {ma.shape} in tiles {fa.tile} and B {mb.shape} in tiles {fb.tile} do not "
+                             "agree along K")
+        if batched and (mb.shape[0] != nb or xa.shape[0] != nb or xb.shape[0] != nb or mo.shape[0] != nb):
+            raise ValueError("gemm: the stacks differ in length")
+        th, tk = fa.tile
+        tw = fb.tile[1]
+        if xa.shape[-2:] != (-(-m // th), -(-k // tk)) or xb.shape[-2:] != (-(-k // tk), -(-n // tw)):
+            raise ValueError(f"gemm: exponents {xa.shape} and {xb.shape} do not match the tiles of the codes")
+        if mo.shape[-2:] != (m, n) or mo.dtype not in (np.dtype(np.float32), np.dtype(np.uint16)):
+            raise ValueError(f"gemm: out must be float32 or bf16 of shape {(m, n)}, got {mo.dtype} {mo.shape}")
+        if n > 1 and mo.strides[-1] != 1:
+            raise ValueError("gemm: out must have contiguous rows")
+        oa = capi.Operand(ma.ptr, ma.itemsize, ma.strides[-2], ma.strides[-1], ma.strides[0] if batched else 0,
+                          xa.ptr, xa.strides[-2], xa.strides[-1], xa.strides[0] if batched else 0,
+                          th, tk, fa.frac_bits, fa.qmax if qmax_a is None else qmax_a)
+        ob = capi.Operand(mb.ptr, mb.itemsize, mb.strides[-2], mb.strides[-1], mb.strides[0] if batched else 0,
+                          xb.ptr, xb.strides[-2], xb.strides[-1], xb.strides[0] if batched else 0,
+                          tk, tw, fb.frac_bits, fb.qmax if qmax_b is None else qmax_b)
+        cptr = ldc = bsc = 0
+        if c is not None:
+            mc = Mem(c, "C")
+            if mc.dtype != np.float32 or mc.shape != mo.shape or (n > 1 and mc.strides[-1] != 1):
+                raise ValueError(f"gemm: C must be float32 of shape {mo.shape} with contiguous rows")
+            cptr, ldc, bsc = mc.ptr, mc.strides[-2], mc.strides[0] if batched else 0
+        bptr = 0
+        if bias is not None:
+            mbias = Mem(bias, "the bias")
+            if mbias.dtype != np.float32 or mbias.shape != (n,) or (n > 1 and mbias.strides[0] != 1):
+                raise ValueError(f"gemm: the bias must be {n} contiguous float32 values")
+            bptr = mbias.ptr
+        tptr = 0
+        if table is not None:
+            mt = Mem(table, "the activation table")
+            if mt.shape != (65536,) or mt.itemsize != 2 or mt.strides[0] != 1:
+                raise ValueError("gemm: the activation table must be 65,536 contiguous 16-bit patterns")
+            tptr = mt.ptr
+        oo = capi.Output(mo.ptr, mo.strides[-2], mo.strides[0] if batched else 0, int(mo.dtype == np.uint16),
+                         cptr, ldc, bsc, bptr, tptr)
+        _check(self.lib.hbfp_gemm(ctypes.addressof(oa), ctypes.addressof(ob), ctypes.addressof(oo), nb, m, n, k,
+                                  threads), "gemm")
+
+    # ---- quantization ---------------------------------------------------------------------
+
+    def quantize(self, x, fmt, key: int | None, codes, exps, *, threads: int = 1) -> None:
+        """``bfp.quantize`` of an fp32 matrix ``x`` (consecutive columns) into ``codes`` (int8 or
+        int16 of its shape, contiguous rows) and ``exps`` (uint8, one per tile, contiguous rows).
+        ``key``: the stochastic generator's key (``bfp._key(seed)``)."""
+        mx, mc, me = Mem(x, "x"), Mem(codes, "the codes"), Mem(exps, "the exponents")
+        if mx.dtype != np.float32 or len(mx.shape) != 2 or (mx.shape[1] > 1 and mx.strides[1] != 1):
+            raise ValueError("quantize takes an fp32 matrix with consecutive columns")
+        m, n = mx.shape
+        th, tw = fmt.tile
+        if mc.shape != (m, n) or mc.dtype != fmt.code_dtype or me.shape != (-(-m // th), -(-n // tw)):
+            raise ValueError("quantize: codes or exponents of the wrong shape or type")
+        if fmt.rounding == "stochastic" and key is None:
+            raise ValueError("stochastic rounding needs the generator's key")
+        _check(self.lib.hbfp_quantize(mx.ptr, mx.strides[0], m, n, th, tw, fmt.mantissa_bits, ROUNDINGS[fmt.rounding],
+                                      int(key or 0), mc.ptr, mc.itemsize, mc.strides[0], me.ptr, me.strides[0],
+                                      threads), "quantize")
+
+    def dequantize(self, codes, exps, fmt, out, *, threads: int = 1) -> None:
+        mc, me, mo = Mem(codes, "the codes"), Mem(exps, "the exponents"), Mem(out, "out")
+        m, n = mc.shape
+        th, tw = fmt.tile
+        if mc.dtype not in _CODES or (n > 1 and mc.strides[1] != 1) or me.dtype != np.uint8 \
+                or me.shape != (-(-m // th), -(-n // tw)) or (me.shape[1] > 1 and me.strides[1] != 1):
+            raise ValueError("dequantize: codes (contiguous rows) and exponents do not match")
+        if mo.shape != (m, n) or mo.dtype != np.float32 or (n > 1 and mo.strides[1] != 1) or mo.strides[0] != n:
+            raise ValueError("dequantize: out must be a contiguous float32 matrix of the codes' shape")
+        _check(self.lib.hbfp_dequantize(mc.ptr, mc.itemsize, m, n, mc.strides[0], me.ptr, me.strides[0], th, tw,
+                                        fmt.frac_bits, mo.ptr, threads), "dequantize")
+
+    # ---- convolutions ---------------------------------------------------------------------
+
+    def im2col(self, x, geometry: tuple, out, *, threads: int = 1) -> None:
+        _check(self.lib.hbfp_im2col(Mem(x, "x").ptr, *geometry, Mem(out, "out").ptr, threads), "im2col")
+
+    def col2im(self, cols, geometry: tuple, out, *, threads: int = 1) -> None:
+        _check(self.lib.hbfp_col2im(Mem(cols, "cols").ptr, *geometry, Mem(out, "out").ptr, threads), "col2im")

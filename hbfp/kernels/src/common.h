@@ -1,0 +1,100 @@
+/* What the kernels' sources share: the generated interface (hbfp_abi.h, from
+   hbfp/kernels/capi.py), the thread pool and the fp32 environment of the device's rules. */
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "hbfp_abi.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HBFP_X86 1
+#endif
+
+/* The instruction set of this build, chosen by the compiler flags build.py passes. */
+#if defined(__AMX_INT8__) && defined(__AVX512VNNI__)
+#define HBFP_ISA "amx"
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HBFP_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HBFP_ISA "avx2"
+#else
+#define HBFP_ISA "c"
+#endif
+
+typedef signed char i8;
+typedef short i16;
+typedef int i32;
+
+#define HBFP_ENOMEM (-1)
+#define HBFP_EINVAL (-2)
+
+/* ---- the thread pool (pool.c) ---------------------------------------------------------- */
+
+/* fn(ctx, part) for part = 0 .. parts - 1, shared out over `threads` threads (the caller's
+   and threads - 1 of the pool's): parts are taken one at a time as threads come free, so a
+   thread that the OS preempts holds back one part only, and waits are passive (a thread
+   with nothing to do sleeps, so that it leaves its core to the thread it waits for). Runs
+   everything on the caller's thread when threads <= 1 or parts <= 1. Every part runs in the
+   device's fp32 environment (hbfp_fp_enter). Returns the OR of fn's results. */
+typedef int (*hbfp_task)(void *ctx, long part);
+int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads);
+
+/* ---- the device's fp32 rules ------------------------------------------------------------ */
+
+/* Flush to zero and denormals are zero for this thread's SSE/AVX arithmetic: a result below
+   2**-126 becomes a zero of its sign (x86 detects tininess after rounding, as the contract's
+   FTZ does: docs/numerics.md, section 1) and a subnormal input reads as zero. Returns the
+   previous state for hbfp_fp_leave. Elsewhere a no-op: the portable code flushes by hand. */
+static inline unsigned hbfp_fp_enter(void)
+{
+#ifdef HBFP_X86
+    unsigned old = _mm_getcsr();
+    _mm_setcsr(old | 0x8040u); /* FTZ (bit 15) and DAZ (bit 6) */
+    return old;
+#else
+    return 0;
+#endif
+}
+
+static inline void hbfp_fp_leave(unsigned old)
+{
+#ifdef HBFP_X86
+    _mm_setcsr(old);
+#else
+    (void)old;
+#endif
+}
+
+static inline unsigned f32_bits(float f)
+{
+    union { float f; unsigned u; } v = {f};
+    return v.u;
+}
+
+static inline float bits_f32(unsigned u)
+{
+    union { unsigned u; float f; } v = {u};
+    return v.f;
+}
+
+/* fp32 addition by the device's rules without relying on the FP environment: a sum below
+   2**-126 is a zero of its sign (the operands are never subnormal). */
+static inline float add_ftz(float a, float b)
+{
+    float r = a + b;
+    return (f32_bits(r) & 0x7F800000u) == 0 ? bits_f32(f32_bits(r) & 0x80000000u) : r;
+}
+
+/* fp32 to bf16 by the device's rules (golden/bf16.py from_f32): RNE, subnormals to zeros of
+   their sign, every NaN the quiet NaN with its sign. */
+static inline unsigned short bf16_from_f32(float f)
+{
+    unsigned u = f32_bits(f);
+    if ((u & 0x7F800000u) == 0)
+        return (unsigned short)((u >> 16) & 0x8000u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return (unsigned short)(((u >> 16) & 0x8000u) | 0x7FC0u);
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}

@@ -1,0 +1,153 @@
+/* The kernels' thread pool: one job at a time, split into parts that threads take as they come
+   free; every wait is a sleep on a condition variable.
+
+   Why not OpenMP: libgomp's threads spin at the end of a parallel region. With another process
+   busy on one of two cores, the spinning thread keeps its core from ever going idle, so the
+   scheduler never moves the preempted thread (the one everybody waits for) to it; a product of
+   milliseconds then waits for the other process's time slices (issue 29 measured 32 s against
+   1.7 s on one thread). A thread that sleeps instead leaves its core idle, the scheduler's idle
+   balancing pulls the preempted thread over, and the job ends at the speed of the free core. */
+
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+#define MAX_WORKERS 255
+
+typedef struct {
+    hbfp_task fn;
+    void *ctx;
+    long parts;
+    int helpers;          /* pool threads that may take part (their index < helpers) */
+    int active;           /* pool threads inside the job (under `lock`) */
+    atomic_long next;     /* the next part to take */
+    atomic_long done;     /* parts finished */
+    atomic_int result;
+} job_t;
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;      /* a new job for the workers */
+static pthread_cond_t finished = PTHREAD_COND_INITIALIZER;  /* the job is done and left */
+static pthread_mutex_t caller = PTHREAD_MUTEX_INITIALIZER;  /* one job at a time */
+static job_t *current;
+static unsigned long generation;
+static int workers;       /* pool threads started */
+
+static void run_parts(job_t *job)
+{
+    unsigned fp = hbfp_fp_enter();
+    long p;
+    while ((p = atomic_fetch_add(&job->next, 1)) < job->parts) {
+        int r = job->fn(job->ctx, p);
+        if (r)
+            atomic_fetch_or(&job->result, r);
+        if (atomic_fetch_add(&job->done, 1) + 1 == job->parts) {
+            pthread_mutex_lock(&lock);
+            pthread_cond_broadcast(&finished);
+            pthread_mutex_unlock(&lock);
+        }
+    }
+    hbfp_fp_leave(fp);
+}
+
+static void *worker(void *arg)
+{
+    int index = (int)(long)arg;
+    unsigned long seen = 0;
+    pthread_mutex_lock(&lock);
+    for (;;) {
+        while (generation == seen)
+            pthread_cond_wait(&wake, &lock);
+        seen = generation;
+        job_t *job = current;
+        if (job == NULL || index >= job->helpers)
+            continue;
+        /* the caller waits for `active` to fall to 0 before its job (on its stack) is gone */
+        job->active++;
+        pthread_mutex_unlock(&lock);
+        run_parts(job);
+        pthread_mutex_lock(&lock);
+        if (--job->active == 0 && atomic_load(&job->done) == job->parts)
+            pthread_cond_broadcast(&finished);
+    }
+    return NULL;
+}
+
+/* After fork() only the forking thread exists in the child: the pool starts again there. */
+static void child_after_fork(void)
+{
+    pthread_mutex_init(&lock, NULL);
+    pthread_mutex_init(&caller, NULL);
+    pthread_cond_init(&wake, NULL);
+    pthread_cond_init(&finished, NULL);
+    current = NULL;
+    workers = 0;
+}
+
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+static void init_once(void)
+{
+    pthread_atfork(NULL, NULL, child_after_fork);
+}
+
+/* Starts pool threads up to `want` (under `lock`); returns how many there are. */
+static int grow(int want)
+{
+    if (want > MAX_WORKERS)
+        want = MAX_WORKERS;
+    while (workers < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&t, &attr, worker, (void *)(long)workers);
+        pthread_attr_destroy(&attr);
+        if (rc != 0)
+            break;
+        workers++;
+    }
+    return workers;
+}
+
+int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads)
+{
+    if (parts <= 0)
+        return 0;
+    if (threads <= 1 || parts == 1) {
+        unsigned fp = hbfp_fp_enter();
+        int result = 0;
+        for (long p = 0; p < parts; p++)
+            result |= fn(ctx, p);
+        hbfp_fp_leave(fp);
+        return result;
+    }
+    pthread_once(&once, init_once);
+    /* A second caller (another Python thread) waits for the pool rather than sharing it. */
+    pthread_mutex_lock(&caller);
+    job_t job = {fn, ctx, parts, 0, 0};
+    atomic_init(&job.next, 0);
+    atomic_init(&job.done, 0);
+    atomic_init(&job.result, 0);
+    pthread_mutex_lock(&lock);
+    int helpers = threads - 1 < parts - 1 ? threads - 1 : (int)(parts - 1);
+    job.helpers = grow(helpers) < helpers ? workers : helpers;
+    current = &job;
+    generation++;
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&lock);
+
+    run_parts(&job);
+
+    pthread_mutex_lock(&lock);
+    while (atomic_load(&job.done) < parts || job.active > 0)
+        pthread_cond_wait(&finished, &lock);
+    current = NULL;
+    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&caller);
+    return atomic_load(&job.result);
+}

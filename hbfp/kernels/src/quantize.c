@@ -1,0 +1,331 @@
+/* bfp.quantize of a matrix, bit for bit (docs/numerics.md, section 2): per tile the largest
+   exponent field, then every element scaled exactly by the tile's power of two and rounded
+   (nearest even, toward zero, or stochastically with the generator of bfp.random_bits). */
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+/* ---- quantize (bfp.quantize of a matrix, bit for bit) ------------------------------------ */
+
+static inline unsigned mix32(unsigned x)
+{
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
+}
+
+
+/* One row of a band (see quantize_bands), in precision F (float or double) with scales SC. */
+#define QUANTIZE_ROW(T, F, SC, RINT, TRUNC)                                                  \
+    {                                                                                        \
+        T *out = (T *)codes + (r0 + r) * ldq;                                                \
+        const F fmax = (F)qmax;                                                              \
+        if (rounding == 0) {                                                                 \
+            for (long c = 0; c < n; c++) {                                                   \
+                float v = xr[c];                                                             \
+                F y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (F)v * SC[c] : (F)0;       \
+                F q = RINT(y);                                                               \
+                q = q > fmax ? fmax : q < -fmax ? -fmax : q;                                 \
+                out[c] = (T)q;                                                               \
+            }                                                                                \
+        } else if (rounding == 1) {                                                          \
+            for (long c = 0; c < n; c++) {                                                   \
+                float v = xr[c];                                                             \
+                F y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (F)v * SC[c] : (F)0;       \
+                F q = TRUNC(y);                                                              \
+                q = q > fmax ? fmax : q < -fmax ? -fmax : q;                                 \
+                out[c] = (T)q;                                                               \
+            }                                                                                \
+        } else {                                                                             \
+            unsigned base = band_pos + (unsigned)(r * tw);                                   \
+            for (long c = 0; c < n; c++) {                                                   \
+                float v = xr[c];                                                             \
+                F y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (F)v * SC[c] : (F)0;       \
+                F a = y < 0 ? -y : y;                                                        \
+                unsigned mag = (unsigned)(a * (F)65536); /* floor of a nonnegative < 2**31 */ \
+                unsigned q = (mag + (mix32((base + posc[c]) ^ key) >> 16)) >> 16;           \
+                q = q > (unsigned)qmax ? (unsigned)qmax : q;                                 \
+                out[c] = (T)(y < 0 ? -(int)q : (int)q);                                      \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+/* A band of one tile column over contiguous rows: len values from xb under one scale S. */
+#define QUANTIZE_FLAT(T, F, S, RINT, TRUNC)                                                  \
+    {                                                                                        \
+        T *out = (T *)codes + r0 * ldq;                                                      \
+        const F fmax = (F)qmax, sc_ = S;                                                     \
+        if (rounding == 0) {                                                                 \
+            for (long i = 0; i < len; i++) {                                                 \
+                float v = xb[i];                                                             \
+                F y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (F)v * sc_ : (F)0;         \
+                F q = RINT(y);                                                               \
+                q = q > fmax ? fmax : q < -fmax ? -fmax : q;                                 \
+                out[i] = (T)q;                                                               \
+            }                                                                                \
+        } else {                                                                             \
+            for (long i = 0; i < len; i++) {                                                 \
+                float v = xb[i];                                                             \
+                F y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? (F)v * sc_ : (F)0;         \
+                F q = TRUNC(y);                                                              \
+                q = q > fmax ? fmax : q < -fmax ? -fmax : q;                                 \
+                out[i] = (T)q;                                                               \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+
+#if defined(__AVX2__)
+/* mix32 on 8 lanes. */
+static inline __m256i mix32x8(__m256i x)
+{
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x7FEB352Du));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846CA68Bu));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* QUANTIZE_ROW's fp32 case, 8 elements at a time: values x[0 .. n) (subnormals, infinities
+   and NaNs read as zero: their tiles have scale 0 or are NaN tiles), scales sc (or, where sc is
+   NULL, one scale s), rounded (0: nearest even, 1: toward zero, 2: stochastic at stream
+   positions base + pos[c]), saturated to +-qmax, stored as 1- or 2-byte codes. Returns how
+   many it did (a multiple of 8; the caller finishes the row). */
+static long quantize_row_avx2(const float *x, long n, const float *sc, float s, int rounding, unsigned key,
+                              unsigned base, const unsigned *pos, int qmax, void *out, int code_bytes)
+{
+    const __m256i exp_mask = _mm256_set1_epi32(0xFF), zero = _mm256_setzero_si256(),
+                  all = _mm256_set1_epi32(-1), top = _mm256_set1_epi32(0xFF);
+    const __m256 fmax = _mm256_set1_ps((float)qmax), fmin = _mm256_set1_ps(-(float)qmax);
+    const __m256i imax = _mm256_set1_epi32(qmax), vkey = _mm256_set1_epi32((int)key), vbase = _mm256_set1_epi32((int)base);
+    const __m256 sv = _mm256_set1_ps(s), two16 = _mm256_set1_ps(65536.0f), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    long c = 0;
+    for (; c + 8 <= n; c += 8) {
+        __m256 v = _mm256_loadu_ps(x + c);
+        __m256i e = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(v), 23), exp_mask);
+        __m256i dead = _mm256_or_si256(_mm256_cmpeq_epi32(e, zero), _mm256_cmpeq_epi32(e, top));
+        __m256 y = _mm256_mul_ps(v, sc ? _mm256_loadu_ps(sc + c) : sv);
+        y = _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_xor_si256(dead, all)));
+        __m256i q;
+        if (rounding == 2) {
+            __m256i mag = _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_and_ps(y, absmask), two16));
+            __m256i at = _mm256_add_epi32(vbase, _mm256_loadu_si256((const __m256i *)(pos + c)));
+            __m256i rnd = _mm256_srli_epi32(mix32x8(_mm256_xor_si256(at, vkey)), 16);
+            q = _mm256_min_epi32(_mm256_srli_epi32(_mm256_add_epi32(mag, rnd), 16), imax);
+            q = _mm256_sign_epi32(q, _mm256_castps_si256(y));
+        } else {
+            __m256 r = rounding == 0 ? _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                     : _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            q = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(r, fmax), fmin));
+        }
+        /* 8 int32 to 8 codes: pack (lane-wise), then put the lanes in order */
+        __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q, q), 0x08); /* 8 int16 in the low 128 bits */
+        if (code_bytes == 2) {
+            _mm_storeu_si128((__m128i *)((i16 *)out + c), _mm256_castsi256_si128(w));
+        } else {
+            __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_castsi256_si128(w));
+            _mm_storel_epi64((__m128i *)((i8 *)out + c), b);
+        }
+    }
+    return c;
+}
+#endif
+
+/* One element by QUANTIZE_ROW's fp32 rule (the vector loop's tail). */
+static inline void quantize_one(float v, float sc, int rounding, unsigned key, unsigned at, int qmax, void *out,
+                                int code_bytes, long c)
+{
+    float y = ((f32_bits(v) >> 23) & 0xFF) - 1u < 254u ? v * sc : 0.0f;
+    int q;
+    if (rounding == 2) {
+        float a = y < 0 ? -y : y;
+        unsigned u = ((unsigned)(a * 65536.0f) + (mix32(at ^ key) >> 16)) >> 16;
+        q = u > (unsigned)qmax ? qmax : (int)u;
+        q = y < 0 ? -q : q;
+    } else {
+        float r = rounding == 0 ? __builtin_rintf(y) : __builtin_truncf(y);
+        r = r > (float)qmax ? (float)qmax : r < -(float)qmax ? -(float)qmax : r;
+        q = (int)r;
+    }
+    if (code_bytes == 2)
+        ((i16 *)out)[c] = (i16)q;
+    else
+        ((i8 *)out)[c] = (i8)q;
+}
+
+/* A tile's scale 2**(frac + 127 - E) (within double's normal range for every E), 0 outside live
+   tiles; clears *in_f32 unless fp32 holds it, and then x * scale exactly (a product below
+   2**-126 rounds to no code in any mode either way): 2**-126 <= scale <= 2**127. */
+static double tile_scale_for(unsigned emax, int frac, int *in_f32)
+{
+    int live = emax != 0 && emax != 0xFF, shift = frac + 127 - (int)emax;
+    union { unsigned long long u; double d; } sv = {(unsigned long long)(shift + 1023) << 52};
+    *in_f32 &= !live || (shift >= -126 && shift <= 127);
+    return live ? sv.d : 0.0;
+}
+
+/* M (QUANTIZE_ROW or QUANTIZE_FLAT) for the code width, in fp32 with scales SF where IN_F32,
+   else in double with SD. */
+#define QUANTIZE_DISPATCH(M, IN_F32, SF, SD)                                                 \
+    if (IN_F32) {                                                                            \
+        if (code_bytes == 1)                                                                 \
+            M(signed char, float, SF, __builtin_rintf, __builtin_truncf)                     \
+        else if (code_bytes == 2)                                                            \
+            M(short, float, SF, __builtin_rintf, __builtin_truncf)                           \
+        else                                                                                 \
+            M(int, float, SF, __builtin_rintf, __builtin_truncf)                             \
+    } else if (code_bytes == 1)                                                              \
+        M(signed char, double, SD, __builtin_rint, __builtin_trunc)                          \
+    else if (code_bytes == 2)                                                                \
+        M(short, double, SD, __builtin_rint, __builtin_trunc)                                \
+    else                                                                                     \
+        M(int, double, SD, __builtin_rint, __builtin_trunc)
+
+/* Tile-row bands [band0, band1) of x (m x n, row stride rs, consecutive columns) to codes (row
+   stride ldq; 1, 2 or 4 bytes) and E8M0 exponents (row stride lde): per tile the largest
+   exponent field (0xFF: a NaN tile, its codes 0); per element of a live tile
+   y = x * 2**(frac + 127 - E), exact (in fp32 when every live tile's scale is a normal fp32,
+   else in double), subnormals read as zero, rounded (0: nearest even, 1: toward zero, 2: stochastic with the 16 random bits mix32(position ^ key) >> 16 of
+   its tile-major stream position), then saturated to +-qmax. A band goes row by row over all
+   its columns, each column with its tile's scale (0 outside live tiles): long loops with no
+   branches on the data, which vectorize. Returns 0, or -1 if out of memory. */
+static int quantize_bands(const float *x, long rs, long m, long n, long th, long tw, int mbits, int rounding,
+                          unsigned key, void *codes, int code_bytes, long ldq, unsigned char *exps, long lde,
+                          long band0, long band1)
+{
+    long tc = (n + tw - 1) / tw;
+    int frac = mbits - 2;
+    double qmax = (double)((1LL << (mbits - 1)) - 1);
+    unsigned *colmax = malloc((size_t)n * sizeof(unsigned));
+    unsigned *posc = malloc((size_t)n * sizeof(unsigned));
+    double *sc = malloc((size_t)n * sizeof(double));
+    float *scf = malloc((size_t)n * sizeof(float));
+    if (!colmax || !posc || !sc || !scf) {
+        free(colmax);
+        free(posc);
+        free(sc);
+        free(scf);
+        return -1;
+    }
+    /* A column's stream position within its band, less the row's: tile-major, row-major in a tile. */
+    for (long c = 0; c < n; c++)
+        posc[c] = (unsigned)((unsigned long long)(c / tw) * (unsigned long long)(th * tw) + (unsigned long long)(c % tw));
+    /* One tile column over contiguous rows (a narrow matrix): a band is one run of rows * n
+       values under one scale, quantized as a whole (nearest even and toward zero). */
+    int flat = tc == 1 && rs == n && ldq == n && rounding != 2;
+    for (long b = band0; b < band1 && flat; b++) {
+        long r0 = b * th, len = (m - r0 < th ? m - r0 : th) * n;
+        const float *xb = x + r0 * rs;
+        unsigned emax = 0;
+        for (long i = 0; i < len; i++) {
+            unsigned e = (f32_bits(xb[i]) >> 23) & 0xFF;
+            emax = e > emax ? e : emax;
+        }
+        exps[b * lde] = (unsigned char)emax;
+        int in_f32 = 1;
+        double sd = tile_scale_for(emax, frac, &in_f32);
+        float sf = (float)sd;
+#if defined(__AVX2__)
+        if (in_f32 && code_bytes <= 2) {
+            void *row = (char *)codes + r0 * ldq * code_bytes;
+            long done = quantize_row_avx2(xb, len, NULL, sf, rounding, key, 0, NULL, (int)qmax, row, code_bytes);
+            for (long i = done; i < len; i++)
+                quantize_one(xb[i], sf, rounding, key, 0, (int)qmax, row, code_bytes, i);
+            continue;
+        }
+#endif
+        QUANTIZE_DISPATCH(QUANTIZE_FLAT, in_f32, sf, sd)
+    }
+    for (long b = band0; b < band1 && !flat; b++) {
+        long r0 = b * th, rows = m - r0 < th ? m - r0 : th;
+        unsigned band_pos = (unsigned)(((unsigned long long)b * (unsigned long long)(tc * th * tw)) & 0xFFFFFFFFull);
+        memset(colmax, 0, (size_t)n * sizeof(unsigned));
+        int narrow = 1; /* every live tile's scale a normal fp32: the rows in fp32 */
+        for (long r = 0; r < rows; r++) {
+            const float *xr = x + (r0 + r) * rs;
+            for (long c = 0; c < n; c++) {
+                unsigned e = (f32_bits(xr[c]) >> 23) & 0xFF;
+                colmax[c] = e > colmax[c] ? e : colmax[c];
+            }
+        }
+        for (long t = 0; t < tc; t++) {
+            long c0 = t * tw, c1 = c0 + tw < n ? c0 + tw : n;
+            unsigned emax = 0;
+            for (long c = c0; c < c1; c++)
+                emax = colmax[c] > emax ? colmax[c] : emax;
+            exps[b * lde + t] = (unsigned char)emax;
+            double s = tile_scale_for(emax, frac, &narrow);
+            for (long c = c0; c < c1; c++) {
+                sc[c] = s;
+                scf[c] = (float)s;
+            }
+        }
+        for (long r = 0; r < rows; r++) {
+            const float *xr = x + (r0 + r) * rs;
+#if defined(__AVX2__)
+            if (narrow && code_bytes <= 2) {
+                void *row = (char *)codes + (r0 + r) * ldq * code_bytes;
+                long done = quantize_row_avx2(xr, n, scf, 0.0f, rounding, key, band_pos + (unsigned)(r * tw), posc,
+                                              (int)qmax, row, code_bytes);
+                for (long c = done; c < n; c++) /* the row's last few, by the scalar rule */
+                    quantize_one(xr[c], scf[c], rounding, key, band_pos + (unsigned)(r * tw) + posc[c], (int)qmax,
+                                 row, code_bytes, c);
+                continue;
+            }
+#endif
+            QUANTIZE_DISPATCH(QUANTIZE_ROW, narrow, scf, sc)
+        }
+    }
+    free(colmax);
+    free(posc);
+    free(sc);
+    free(scf);
+    return 0;
+}
+
+/* Elements below which one thread quantizes the whole matrix. */
+#define PARALLEL_ELEMENTS (1L << 17)
+
+typedef struct {
+    const float *x;
+    long rs, m, n, th, tw;
+    int mbits, rounding;
+    unsigned key;
+    void *codes;
+    int code_bytes;
+    long ldq;
+    unsigned char *exps;
+    long lde, step, tr;
+} quantize_job;
+
+static int quantize_part(void *ctx, long p)
+{
+    const quantize_job *j = ctx;
+    long b0 = p * j->step, b1 = b0 + j->step < j->tr ? b0 + j->step : j->tr;
+    return quantize_bands(j->x, j->rs, j->m, j->n, j->th, j->tw, j->mbits, j->rounding, j->key, j->codes,
+                          j->code_bytes, j->ldq, j->exps, j->lde, b0, b1);
+}
+
+/* quantize_bands over all tile-row bands, in parts of bands that threads take as they come free
+   (up to four a thread; one thread below PARALLEL_ELEMENTS). */
+int hbfp_quantize(const float *x, long rs, long m, long n, long th, long tw, int mbits, int rounding, unsigned key,
+                  void *codes, int code_bytes, long ldq, unsigned char *exps, long lde, int threads)
+{
+    if (m < 0 || n < 0 || th < 1 || tw < 1 || mbits < 2 || mbits > 16 || rounding < 0 || rounding > 2 ||
+        (code_bytes != 1 && code_bytes != 2))
+        return HBFP_EINVAL;
+    long tr = (m + th - 1) / th;
+    if (m * n < PARALLEL_ELEMENTS || tr < 2)
+        threads = 1;
+    long parts = threads <= 1 ? 1 : 4L * threads, step = (tr + parts - 1) / parts;
+    if (step < 1)
+        step = 1;
+    parts = (tr + step - 1) / step;
+    quantize_job job = {x, rs, m, n, th, tw, mbits, rounding, key, codes, code_bytes, ldq, exps, lde, step, tr};
+    return hbfp_parallel(quantize_part, &job, parts, threads);
+}
