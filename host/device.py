@@ -203,20 +203,14 @@ def _seeds(seed, rounding: str) -> tuple[int, int, int]:
 
 
 def stack_codes(x, fmt: Format, seed: int = 0):
-    """A stack of matrices (B x R x C torch tensor) quantized as one matrix in ``fmt`` (square
-    tiles): each padded with zeros to whole tiles (Rp x Cp), so that no tile spans two of them,
-    then (B * Rp) x Cp quantized with ``seed``. Matrix ``i`` is rows ``i * Rp ..`` of the
-    codes and ``i * Rp / t ..`` of the exponents; to nearest, the codes of each equal its own
+    """A stack of matrices (B x R x C torch tensor) quantized as one matrix in ``fmt``: each
+    padded with zeros to whole tiles, so that no tile spans two of them, and stacked
+    (``hbfp.kernels.quantize`` of a stack). Returns codes B x R x C and exponents
+    B x (tile rows) x (tile columns); to nearest, the codes of each matrix equal its own
     quantization's."""
-    import torch
-
     from hbfp import kernels
 
-    t = fmt.tile[0]
-    nb, r, c = x.shape
-    rp, cp = -(-r // t) * t, -(-c // t) * t
-    padded = torch.nn.functional.pad(x.to(torch.float32), (0, cp - c, 0, rp - r))
-    return kernels.quantize(padded.reshape(nb * rp, cp), fmt, seed=seed)
+    return kernels.quantize(x, fmt, seed=seed)
 
 
 def _empty_bfp(rows: int, cols: int, fmt: Format) -> BFPTensor:
@@ -382,6 +376,7 @@ class Device:
         self._frames: deque = deque()
         self._identity: P.Identity | None = None
         self._resident: dict = {}
+        self._direct_cycles: dict = {}
         if check:
             self.info()
 
@@ -418,24 +413,33 @@ class Device:
 
     def _count_direct(self, direct, M: int, N: int, K: int, blocks, final: OutFormat) -> None:
         """Counts the cycles and MACs of the GEMM commands a product tiled as ``blocks``
-        (``_blocks``) would send, for a product computed in-process (``direct_device``)."""
+        (``_blocks``) would send, for a product computed in-process (``direct_device``); the
+        cycles of a shape are worked out once (a training step repeats its shapes)."""
         bm, bn, bk, nI, nJ, nP = blocks
         if K == 0:
             return
+        key = (M, N, K, blocks, final)
+        cycles = self._direct_cycles.get(key)
+        if cycles is None:
+            cycles = 0
 
-        def sides(total: int, side: int, count: int) -> list[tuple[int, int]]:
-            # (side, how many blocks have it): the full blocks, then the last one
-            last = total - (count - 1) * side
-            return [(side, count - 1), (last, 1)] if count > 1 else [(last, 1)]
+            def sides(total: int, side: int, count: int) -> list[tuple[int, int]]:
+                # (side, how many blocks have it): the full blocks, then the last one
+                last = total - (count - 1) * side
+                return [(side, count - 1), (last, 1)] if count > 1 else [(last, 1)]
 
-        last_k = K - (nP - 1) * bk
-        for mi, ci in sides(M, bm, nI):
-            for nj, cj in sides(N, bn, nJ):
-                # Every block: nP - 1 chunks of bk whose replies are discarded, then the last.
-                cycles = direct.product_cycles(mi, nj, last_k, final)
-                if nP > 1:
-                    cycles += (nP - 1) * direct.product_cycles(mi, nj, bk, self._discarded(mi, nj))
-                self.stats.cycles += ci * cj * cycles
+            last_k = K - (nP - 1) * bk
+            for mi, ci in sides(M, bm, nI):
+                for nj, cj in sides(N, bn, nJ):
+                    # Every block: nP - 1 chunks of bk whose replies are discarded, then the last.
+                    c = direct.product_cycles(mi, nj, last_k, final)
+                    if nP > 1:
+                        c += (nP - 1) * direct.product_cycles(mi, nj, bk, self._discarded(mi, nj))
+                    cycles += ci * cj * c
+            if len(self._direct_cycles) > 4096:
+                self._direct_cycles.clear()
+            self._direct_cycles[key] = cycles
+        self.stats.cycles += cycles
         self.stats.macs += M * N * K
 
     def gemm_tensors(self, a, b, *, bias=None, activation: str | None = None, out: str = "fp32",
@@ -495,7 +499,8 @@ class Device:
 
     def bmm_tensors(self, a, b, *, rounding: str = "nearest_even", seed=None):
         """The stack of products ``a[i] @ b[i]`` (``a`` B x M x K, ``b`` B x K x N float
-        tensors) on an in-process device, counted as that many products.
+        tensors, or stacks' ``(codes, exponents)`` as ``stack_codes`` gives them) on an
+        in-process device, counted as that many products.
 
         With square tiles each stack is quantized as one matrix, its matrices padded to whole
         tiles (so that no tile spans two of them; ``stack_codes``): to nearest, each product
@@ -511,25 +516,21 @@ class Device:
         direct = self.direct_device
         if direct is None:
             raise NotSupported(f"{self.name} computes products through its link: use gemm")
-        if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
-            raise ShapeMismatch(f"bmm_tensors takes B x M x K and B x K x N stacks, got {tuple(a.shape)} and "
-                                f"{tuple(b.shape)}")
-        (nb, m, k), n = a.shape, b.shape[2]
+        sa_, sb_ = (x[0] if isinstance(x, tuple) else x for x in (a, b))
+        if sa_.dim() != 3 or sb_.dim() != 3 or sa_.shape[0] != sb_.shape[0] or sa_.shape[2] != sb_.shape[1]:
+            raise ShapeMismatch(f"bmm_tensors takes B x M x K and B x K x N stacks, got {tuple(sa_.shape)} and "
+                                f"{tuple(sb_.shape)}")
+        (nb, m, k), n = sa_.shape, sb_.shape[2]
         ident = self.identity
         if nb == 0 or not (m and n and k):
-            return a.new_zeros(nb, m, n, dtype=torch.float32)
+            return torch.zeros(nb, m, n, dtype=torch.float32)
         if not ident.square:  # blocks along K: B stored N x K
             return torch.stack([self.gemm_tensors(a[i], b[i].t(), transpose_b=True, rounding=rounding, seed=seed)
                                 for i in range(nb)])
         fmt = ident.fmt(rounding)
-        t = fmt.tile[0]
         sa, sb, _ = _seeds(seed, rounding)
-        ca, ea = stack_codes(a, fmt, sa)
-        cb, eb = stack_codes(b, fmt, sb)
-        mp, kp, np_ = ca.shape[0] // nb, cb.shape[0] // nb, cb.shape[1]
-        # the stacks as 3-d views: matrix i's codes and exponents, without the padding
-        a3 = (ca.view(nb, mp, kp)[:, :m, :k], ea.view(nb, mp // t, kp // t))
-        b3 = (cb.view(nb, kp, np_)[:, :k, :n], eb.view(nb, kp // t, np_ // t))
+        a3 = a if isinstance(a, tuple) else stack_codes(a, fmt, sa)
+        b3 = b if isinstance(b, tuple) else stack_codes(b, fmt, sb)
         before = (self.stats.cycles, self.stats.macs)
         self._count_direct(direct, m, n, k, self._blocks(m, n, k, False, False, False), OutFormat.FP32)
         self.stats.cycles += (nb - 1) * (self.stats.cycles - before[0])

@@ -1,5 +1,4 @@
 import math
-from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -8,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from hbfp import kernels
 from hbfp.golden import HBFP8, HBFP16, MXINT8, BFPTensor, Format, bfp, quantize, requantize
 
 from . import reference as ref
-from .stubs import NoNative
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -55,13 +54,13 @@ def test_nearest_even_error_is_at_most_half_a_step(x, fmt):
     assert np.all(err[saturated] < step[saturated])  # amax * 2**frac_bits can round up to 2**(m-1)
 
 
-@pytest.mark.parametrize("path", ["native", "bands"])
+@pytest.mark.parametrize("impl", [pytest.param(n, marks=pytest.mark.skipif(not kernels.available(n), reason=str(kernels.why(n))))
+                                  for n in ("reference", *kernels.COMPILED, "torch")])
 @settings(max_examples=100, deadline=None)
 @given(x=matrices(), fmt=formats, rounding=roundings, seed=st.integers(0, 2**32 - 1))
-def test_quantize_equals_scalar_reference(path, x, fmt, rounding, seed):
+def test_quantize_equals_scalar_reference(impl, x, fmt, rounding, seed):
     fmt = fmt.with_rounding(rounding)
-    with mock.patch.object(bfp, "native", NoNative if path == "bands" else bfp.native):
-        t = quantize(x, fmt, seed=seed)
+    t = quantize(x, fmt, seed=seed, impl=impl)
     codes, exps = ref.quantize_matrix(x.tolist(), fmt.mantissa_bits, fmt.tile, rounding, seed)
     assert t.codes.tolist() == codes
     assert t.exponents.tolist() == exps

@@ -1,5 +1,5 @@
 import math
-from unittest import mock
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -8,14 +8,28 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from hbfp import kernels
 from hbfp.golden import HBFP8, HBFP16, MXINT8, BFPTensor, Format, bf16, quantize
-from hbfp.golden import gemm as gemm_mod
-from hbfp.golden import native
 from hbfp.golden.compare import describe_difference, same_bits
-from hbfp.golden.gemm import gemm
+from hbfp.golden.gemm import gemm as golden_gemm
+from hbfp.kernels import numpy_ops
 
 from . import reference as ref
-from .stubs import NoNative
+
+#: The implementation the tests' ``gemm`` runs (the ``path`` fixture sets it; None: the
+#: registry's choice for this machine).
+_impl = None
+#: Every implementation of the product, the reference first.
+IMPLS = ("reference", *kernels.COMPILED, "numpy", "torch", "torch_int8")
+
+
+def gemm(*args, **kw):
+    kw.setdefault("impl", _impl)
+    return golden_gemm(*args, **kw)
+
+
+def available_impls():
+    return [name for name in IMPLS if kernels.available(name)]
 
 
 def reference_gemm(a: BFPTensor, b: BFPTensor, c=None, bias=None):
@@ -27,16 +41,14 @@ def reference_gemm(a: BFPTensor, b: BFPTensor, c=None, bias=None):
     return np.array(out, dtype=np.float32).reshape(a.shape[0], b.shape[1])
 
 
-@pytest.fixture(params=["native", "blas", "exact"])
+@pytest.fixture(params=IMPLS)
 def path(request, monkeypatch):
-    """Run a test once as gemm chooses (the fast path compiled for this CPU), once with the fast
-    path through NumPy's BLAS, once with the fast path forbidden."""
-    if request.param == "native" and not native.available():
-        pytest.skip(f"the compiled kernels are not available: {native.why()}")
-    if request.param == "blas":
-        monkeypatch.setattr(gemm_mod, "native", NoNative)
-    if request.param == "exact":
-        monkeypatch.setattr(gemm_mod, "_fast_path_ok", lambda *args: False)
+    """Run a test once per implementation of the product (hbfp.kernels.IMPLS and the reference),
+    each skipped where it cannot run, with its reason."""
+    reason = kernels.why(request.param)
+    if reason:
+        pytest.skip(f"{request.param}: {reason}")
+    monkeypatch.setattr(sys.modules[__name__], "_impl", request.param)
     return request.param
 
 
@@ -69,28 +81,28 @@ def test_gemm_equals_scalar_reference(case, path):
     assert same_bits(gemm(a, b, c=c, bias=bias), reference_gemm(a, b, c=c, bias=bias))
 
 
-def test_fast_path_is_taken_on_ordinary_data():
+def test_blas_route_is_taken_on_ordinary_data():
     rng = np.random.default_rng(0)
     a, b = quantize(random_matrix(rng, (40, 50))), quantize(random_matrix(rng, (50, 30)))
-    assert gemm_mod._fast_path_ok(a, b, 24, None)
+    assert numpy_ops._fast_path_ok(a, b, 24, None)
 
 
-def test_extreme_exponents_equal_reference():
+def test_extreme_exponents_equal_reference(path):
     """Products that overflow to inf, underflow to zero, land subnormal before the flush:
-    the exact path, against the scalar reference."""
+    outside the BLAS route's preconditions, against the scalar reference."""
     rng = np.random.default_rng(1)
     row_exp = np.repeat([-70, 60, 0], 24)[:, None]  # A's tile rows
     col_exp = np.repeat([-62, 68, 0], 24)[None, :50]  # B's tile columns
     a = quantize((rng.standard_normal((72, 48)) * np.exp2(row_exp)).astype(np.float32))
     b = quantize((rng.standard_normal((48, 50)) * np.exp2(col_exp)).astype(np.float32))
-    assert not gemm_mod._fast_path_ok(a, b, 24, None)
+    assert not numpy_ops._fast_path_ok(a, b, 24, None)
     got, want = gemm(a, b), reference_gemm(a, b)
     assert same_bits(got, want)
     assert np.isinf(got[24:48, 24:48]).any() and (got[:24, :24] == 0).all()
     assert np.all(np.isfinite(got[:24, 24:48])) and np.all(got[:24, 24:48] != 0)
 
 
-def test_cancellation_below_the_smallest_normal_flushes():
+def test_cancellation_below_the_smallest_normal_flushes(path):
     # Two K-tiles whose products are +-(2**-126 + a little): their sum is subnormal -> 0.
     k = 48
     qa = np.zeros((1, k), np.int8)
@@ -106,37 +118,34 @@ def test_cancellation_below_the_smallest_normal_flushes():
     assert got[0, 0] == 0 and math.copysign(1, got[0, 0]) == 1.0  # p0 + p1 = 2**-132: flushed to +0
 
 
-def test_accumulating_onto_small_c_uses_the_exact_path():
+def test_accumulating_onto_small_c(path):
     rng = np.random.default_rng(2)
     a, b = quantize(random_matrix(rng, (30, 30))), quantize(random_matrix(rng, (30, 20)))
     c = (rng.standard_normal((30, 20)) * 2.0**-110).astype(np.float32)
     c[0, 0] = np.float32(2.0**-130)  # subnormal C reads as zero
     c[0, 1] = -0.0
-    assert not gemm_mod._fast_path_ok(a, b, 24, c)
+    assert not numpy_ops._fast_path_ok(a, b, 24, c)
     assert same_bits(gemm(a, b, c=c), reference_gemm(a, b, c=c))
 
 
-def test_fast_and_exact_paths_agree_on_larger_products(monkeypatch):
+def test_every_implementation_agrees_on_larger_products():
     rng = np.random.default_rng(3)
     a, b = quantize(random_matrix(rng, (200, 300), 10)), quantize(random_matrix(rng, (300, 170), 10))
     c = random_matrix(rng, (200, 170))
-    fast = gemm(a, b, c=c)
-    with monkeypatch.context() as mp:
-        mp.setattr(gemm_mod, "native", NoNative)
-        assert same_bits(fast, gemm(a, b, c=c))
-    monkeypatch.setattr(gemm_mod, "_fast_path_ok", lambda *args: False)
-    assert same_bits(fast, gemm(a, b, c=c))
+    want = gemm(a, b, c=c, impl="reference")
+    for name in available_impls():
+        assert same_bits(gemm(a, b, c=c, impl=name), want), name
 
 
-def test_fast_path_blocks_and_workers_do_not_change_bits(monkeypatch):
+def test_blas_route_blocks_and_workers_do_not_change_bits(monkeypatch):
     rng = np.random.default_rng(4)
     a, b = quantize(random_matrix(rng, (150, 200))), quantize(random_matrix(rng, (200, 130)))
-    monkeypatch.setattr(gemm_mod, "native", NoNative)  # the BLAS path's blocks
-    base = gemm(a, b)
-    monkeypatch.setattr(gemm_mod, "_FAST_BLOCK_BYTES", 4 * 9 * 7 * 13)
-    monkeypatch.setattr(gemm_mod, "_FAST_BLOCK_COLS", 13)
-    monkeypatch.setattr(gemm_mod, "_FAST_PARALLEL_MIN", 0)
-    assert same_bits(gemm(a, b), base)
+    base = gemm(a, b, impl="numpy")
+    monkeypatch.setattr(numpy_ops, "_FAST_BLOCK_BYTES", 4 * 9 * 7 * 13)
+    monkeypatch.setattr(numpy_ops, "_FAST_BLOCK_COLS", 13)
+    monkeypatch.setattr(numpy_ops, "_FAST_PARALLEL_MIN", 0)
+    assert same_bits(gemm(a, b, impl="numpy"), base)
+    assert same_bits(base, gemm(a, b, impl="reference"))
 
 
 def test_nan_tiles_poison_their_rows_and_columns(path):
@@ -151,7 +160,7 @@ def test_nan_tiles_poison_their_rows_and_columns(path):
     assert not np.isnan(got[:24, :24]).any() and not np.isnan(got[48:, :24]).any()
 
 
-def test_transposed_operands():
+def test_transposed_operands(path):
     rng = np.random.default_rng(6)
     x, y = random_matrix(rng, (40, 30)), random_matrix(rng, (50, 40))
     a, b = quantize(x), quantize(y)  # A stored K x M, B stored N x K
@@ -172,7 +181,7 @@ def test_mxint8_needs_both_operands_blocked_along_k():
         gemm(a, quantize(w.T, MXINT8))
 
 
-def test_output_formats():
+def test_output_formats(path):
     rng = np.random.default_rng(8)
     a, b = quantize(random_matrix(rng, (30, 40))), quantize(random_matrix(rng, (40, 26)))
     fp32 = gemm(a, b)
@@ -187,7 +196,7 @@ def test_output_formats():
     assert np.array_equal(s1.codes, s2.codes)
 
 
-def test_zero_products_are_positive_zero():
+def test_zero_products_are_positive_zero(path):
     # 0 * negative codes: the integer sum is 0, which converts to +0 even onto C = -0.
     a = BFPTensor(np.zeros((2, 3), np.int8), np.zeros((1, 1), np.uint8), HBFP8)
     b = quantize(-np.ones((3, 2), np.float32))
@@ -216,7 +225,7 @@ def test_errors_are_clear():
 
 
 @pytest.mark.parametrize("name", ["relu", "gelu", "sigmoid", "tanh", "exp", "leaky_relu"])
-def test_activation_epilogue_runs_in_bf16(name):
+def test_activation_epilogue_runs_in_bf16(name, path):
     from hbfp.golden import activations
 
     rng = np.random.default_rng(9)
@@ -248,23 +257,23 @@ def test_exponent_code_zero_with_nonzero_codes(path):
     assert same_bits(gemm(b.T, a.T), reference_gemm(b.T, a.T))
 
 
-def test_fast_path_refuses_raw_operands_it_cannot_scale():
+def test_blas_route_refuses_raw_operands_it_cannot_scale():
     fmt = Format(8, (16, 16))
     ones = np.ones((16, 16), np.int8)
     a = BFPTensor(ones, np.array([[252]], np.uint8), fmt)
-    assert not gemm_mod._fast_path_ok(a, BFPTensor(ones, np.array([[0]], np.uint8), fmt), 16, None)  # step 2**-133
+    assert not numpy_ops._fast_path_ok(a, BFPTensor(ones, np.array([[0]], np.uint8), fmt), 16, None)  # step 2**-133
     big = BFPTensor(np.full((16, 16), -128, np.int8), np.array([[254]], np.uint8), fmt)
-    assert not gemm_mod._fast_path_ok(big, BFPTensor(ones, np.array([[100]], np.uint8), fmt), 16, None)  # -2**128
+    assert not numpy_ops._fast_path_ok(big, BFPTensor(ones, np.array([[100]], np.uint8), fmt), 16, None)  # -2**128
     zero = BFPTensor(np.zeros((16, 16), np.int8), np.zeros((1, 1), np.uint8), fmt)
-    assert not gemm_mod._fast_path_ok(zero, big, 16, None)
-    assert gemm_mod._fast_path_ok(zero, a, 16, None)
+    assert not numpy_ops._fast_path_ok(zero, big, 16, None)
+    assert numpy_ops._fast_path_ok(zero, a, 16, None)
     # Tiles of zeros under code 0, as quantize makes them, still leave the fast path open.
     rng = np.random.default_rng(13)
     x = random_matrix(rng, (48, 48))
     x[:24, 24:] = 0
     q = quantize(x)
     assert (q.exponents == [[q.exponents[0, 0], 0], [q.exponents[1, 0], q.exponents[1, 1]]]).all()
-    assert gemm_mod._fast_path_ok(q, q, 24, None)
+    assert numpy_ops._fast_path_ok(q, q, 24, None)
 
 
 def test_code_beyond_qmax_at_the_largest_exponent(path):
@@ -300,10 +309,10 @@ def _targets(ea: int, frac_bits: int) -> list[int]:
     return sorted(e for e in codes if 0 <= e <= 255)
 
 
-def test_every_exponent_code_against_reference():
+def test_every_exponent_code_against_reference(path):
     """Every exponent code of A (0..254 and 0xFF) against codes of B at the ends of the code
     range and at every edge of fp32 (products that flush, that round up to 2**-126, that
-    overflow), over two K-tiles, each through the path gemm picks for it."""
+    overflow), over two K-tiles."""
     fa, fb = Format(8, (2, 4)), Format(8, (4, 2))
     rng = np.random.default_rng(14)
     qa = rng.integers(-127, 128, (2, 8)).astype(np.int8)
@@ -365,8 +374,8 @@ def _f32_values(data, shape, scale: int) -> np.ndarray:
 @given(data=st.data())
 def test_raw_operands_equal_reference(data):
     """Raw BFPTensors with any exponent codes (0, 254, 0xFF included) and codes, both
-    transposes, accumulation onto C and a bias: the path gemm picks and the exact path both
-    equal the scalar reference."""
+    transposes, accumulation onto C and a bias: every implementation equals the scalar
+    reference."""
     fa, fb = data.draw(st.sampled_from(RAW_FORMATS))
     m, k, n = (data.draw(st.integers(0, hi)) for hi in (9, 13, 9))
     ta, tb = data.draw(st.booleans()), data.draw(st.booleans())
@@ -380,16 +389,14 @@ def test_raw_operands_equal_reference(data):
     c = _f32_values(data, (m, n), scale) if data.draw(st.booleans()) else None
     bias = _f32_values(data, (n,), scale) if data.draw(st.booleans()) else None
     a, b = (sa.T if ta else sa), (sb.T if tb else sb)
-    event("fast path" if k and gemm_mod._fast_path_ok(a, b, fa.tile[1], c) else "exact path")
+    event("BLAS route" if k and numpy_ops._fast_path_ok(a, b, fa.tile[1], c) else "outside the BLAS route")
     want = reference_gemm(a, b, c=c, bias=bias)
-    got = gemm(sa, sb, c=c, bias=bias, transpose_a=ta, transpose_b=tb)
-    assert same_bits(got, want), describe_difference(got, want)
-    with mock.patch.object(gemm_mod, "_fast_path_ok", lambda *args: False):
-        exact = gemm(sa, sb, c=c, bias=bias, transpose_a=ta, transpose_b=tb)
-    assert same_bits(exact, want), describe_difference(exact, want)
+    for name in available_impls():
+        got = gemm(sa, sb, c=c, bias=bias, transpose_a=ta, transpose_b=tb, impl=name)
+        assert same_bits(got, want), (name, describe_difference(got, want))
 
 
-def test_gemm_with_no_columns():
+def test_gemm_with_no_columns(path):
     got = gemm(quantize(np.ones((3, 40)), HBFP8), quantize(np.zeros((40, 0)), HBFP8))
     assert same_bits(got, np.zeros((3, 0), np.float32))
 
@@ -417,7 +424,7 @@ def test_empty_shapes(m, k, n, path):
     assert same_bits(gemm(a, b, c=c, bias=bias, activation="gelu", out=HBFP8), quantize(bf16.to_f32(gelu), HBFP8))
 
 
-def test_signalling_nan_in_the_accumulator_stays_nan():
+def test_signalling_nan_in_the_accumulator_stays_nan(path):
     # Found by the protocol fuzz: a raw WRITE of 0x7F800001 into the accumulator, then an
     # accumulating product, made NumPy warn (an error here) instead of answering NaN.
     import warnings

@@ -324,12 +324,12 @@ def test_direct_products_equal_the_wire_and_count_the_same_cycles(spec):
 @pytest.mark.parametrize("spec", ["rows=4,cols=4,size=48", "rows=4,cols=4,size=48,functions=relu",
                                   "rows=4,cols=4,size=64,format=MXINT8"])
 def test_gemm_tensors_equal_gemm(spec):
-    """Device.gemm_tensors (torch tensors, hbfp.golden.kernels) gives gemm's bits and counts
+    """Device.gemm_tensors (torch tensors, hbfp.kernels) gives gemm's bits and counts
     its cycles and host work: transposes, C, bias, an activation (on the host where the device
     has no unit), fp32 and bf16 out, tensors or codes."""
     import torch
 
-    from hbfp.golden import kernels
+    from hbfp import kernels
 
     dev = host.open(f"emu:{spec}")
     square = dev.identity.square

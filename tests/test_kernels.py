@@ -1,21 +1,34 @@
-"""hbfp.golden.kernels (torch) against the NumPy golden model, bit for bit: quantization in every
-rounding, requantization, the product's fp32 sums and the epilogue, on random shapes, exponent
-spreads, special values and NaN tiles (more than 10**6 compared outputs in all)."""
-
-import contextlib
+"""The registry hbfp.kernels on torch tensors against the NumPy reference (hbfp.golden), bit for
+bit, every implementation that runs here: quantization in every rounding (and of stacks),
+requantization, dequantization, the product (sums, bias, activation, bf16 out; matrices and
+stacks, transposed and sliced views, any number of threads) and the epilogue, on random
+shapes, exponent spreads, special values and NaN tiles (more than 10**6 compared outputs per
+implementation)."""
 
 import numpy as np
 import pytest
 import torch
 
+from hbfp import kernels as K
 from hbfp.golden import HBFP8, HBFP16, MXINT8, Format, bf16, quantize, requantize
-from hbfp.golden import kernels as K
-from hbfp.golden import native
 from hbfp.golden.activations import UNARY
 from hbfp.golden.bfp import mix32, random_bits, stream_index
-from hbfp.golden.gemm import epilogue, gemm
+from hbfp.golden.gemm import epilogue
+from hbfp.golden.gemm import gemm as golden_gemm
+from hbfp.kernels import torch_ops as T
 
-from .stubs import NoNative
+
+def gemm(a, b, **kw):
+    """The reference product."""
+    return golden_gemm(a, b, impl="reference", **kw)
+
+
+def impl_params(names):
+    return [pytest.param(n, marks=pytest.mark.skipif(not K.available(n), reason=f"{n}: {K.why(n)}")) for n in names]
+
+
+#: Every implementation of the registry.
+ALL = impl_params([*K.COMPILED, "numpy", "torch", "torch_int8"])
 
 FORMATS = {"hbfp8": HBFP8, "hbfp16": HBFP16, "mxint8": MXINT8, "m6_3x5": Format(6, (3, 5))}
 ROUNDINGS = ("nearest_even", "toward_zero", "stochastic")
@@ -35,16 +48,16 @@ def same(t: torch.Tensor, a: np.ndarray) -> bool:
 
 def test_mix32_and_stream_index():
     x = np.random.default_rng(0).integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32)
-    assert same(K.mix32(torch.from_numpy(x.astype(np.int64))), mix32(x).astype(np.int64))
+    assert same(T.mix32(torch.from_numpy(x.astype(np.int64))), mix32(x).astype(np.int64))
     for rows, cols, tile in ((50, 70, (24, 24)), (5, 64, (1, 32)), (7, 11, (3, 5))):
         th, tw = tile
         grid = (-(-rows // th), -(-cols // tw))
         want = stream_index(grid, tile)[:rows, :cols].astype(np.int64)
-        assert same(K.stream_index(rows, cols, tile), want)
-        assert same(K.random_bits(9, K.stream_index(rows, cols, tile)), random_bits(9, want))
+        assert same(T.stream_index(rows, cols, tile), want)
+        assert same(T.random_bits(9, T.stream_index(rows, cols, tile)), random_bits(9, want))
 
 
-@pytest.mark.parametrize("impl", ["torch", "numpy"])
+@pytest.mark.parametrize("impl", ALL)
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 def test_quantize_equals_golden(name, rounding, impl):
@@ -56,20 +69,33 @@ def test_quantize_equals_golden(name, rounding, impl):
             x[3, 4], x[m - 1, 0] = np.nan, np.inf  # NaN tiles
             x[10, 10] = np.float32(1e-40)  # a subnormal: read as zero
             x[20, :] *= np.float32(2.0**100)  # exponents near the top of the range
-        want = quantize(x, fmt, seed=m + n)
+        want = quantize(x, fmt, seed=m + n, impl="reference")
         codes, expo = K.quantize(torch.from_numpy(x), fmt, seed=m + n, impl=impl)
         assert same(codes, want.codes) and same(expo, want.exponents), (m, n)
         assert codes.dtype == {1: torch.int8, 2: torch.int16}[want.codes.dtype.itemsize]
     x16 = torch.from_numpy(spread(rng, (40, 60))).to(torch.bfloat16)
-    want = quantize(bf16.to_dtype(bf16.as_bits(x16.view(torch.int16).numpy().view(np.uint16))), fmt, seed=1)
+    want = quantize(bf16.to_dtype(bf16.as_bits(x16.view(torch.int16).numpy().view(np.uint16))), fmt, seed=1,
+                    impl="reference")
     codes, expo = K.quantize(x16, fmt, seed=1, impl=impl)
     assert same(codes, want.codes) and same(expo, want.exponents)
+    # a transposed view, and a stack (each matrix padded to whole tiles, positions as stacked)
+    xt = torch.from_numpy(spread(rng, (50, 40))).t()
+    want = quantize(xt.contiguous().numpy(), fmt, seed=2, impl="reference")
+    codes, expo = K.quantize(xt, fmt, seed=2, impl=impl)
+    assert same(codes, want.codes) and same(expo, want.exponents)
+    stack = torch.from_numpy(spread(rng, (3, 30, 41)))
+    th, tw = fmt.tile
+    rp, cp = -(-30 // th) * th, -(-41 // tw) * tw
+    padded = np.zeros((3, rp, cp), np.float32)
+    padded[:, :30, :41] = stack.numpy()
+    want = quantize(padded.reshape(3 * rp, cp), fmt, seed=5, impl="reference")
+    codes, expo = K.quantize(stack, fmt, seed=5, impl=impl)
+    assert same(codes, want.codes.reshape(3, rp, cp)[:, :30, :41])
+    assert same(expo, want.exponents.reshape(3, rp // th, cp // tw))
 
 
-@pytest.mark.parametrize("path", ["native", "torch"])
-def test_dequantize_equals_golden(path):
-    if path == "native" and not native.available():
-        pytest.skip(f"no compiled kernels: {native.why()}")
+@pytest.mark.parametrize("impl", ALL)
+def test_dequantize_equals_golden(impl):
     rng = np.random.default_rng(8)
     x = spread(rng, (60, 70), decades=12)
     x[0, :3] = [np.nan, np.float32(2.0**-125), np.float32(3e38)]
@@ -77,21 +103,19 @@ def test_dequantize_equals_golden(path):
         t = quantize(x, fmt)
         t.exponents[1, 0] = 2  # values at the bottom of fp32's range: flushed as the device does
         t.exponents[2, 0] = 0  # codes under exponent code 0: below 2**-126, read as zeros
-        with native.disabled() if path == "torch" else contextlib.nullcontext():
-            got = K.dequantize(*K.from_bfp_tensor(t), fmt)
+        got = K.dequantize(*T.from_bfp_tensor(t), fmt, impl=impl)
         assert np.array_equal(got.numpy().view(np.uint32), t.dequantize().view(np.uint32))
 
 
-@pytest.mark.parametrize("impl", ["torch", "numpy"])
 @pytest.mark.parametrize("rounding", ROUNDINGS)
-def test_requantize_equals_golden(rounding, impl):
-    if impl == "numpy" and rounding == "stochastic":
-        pytest.skip("the NumPy path rounds to nearest even or toward zero")
+def test_requantize_equals_golden(rounding):
     rng = np.random.default_rng(3)
     wide = quantize(spread(rng, (70, 50)), HBFP16)
     want = requantize(wide, HBFP8.with_rounding(rounding), seed=4)
-    codes, expo = K.requantize(*K.from_bfp_tensor(wide), HBFP16, HBFP8.with_rounding(rounding), seed=4, impl=impl)
+    codes, expo = K.requantize(*T.from_bfp_tensor(wide), HBFP16, HBFP8.with_rounding(rounding), seed=4)
     assert same(codes, want.codes) and same(expo, want.exponents)
+    codes, expo = K.requantize(wide.codes, wide.exponents, HBFP16, HBFP8.with_rounding(rounding), seed=4)
+    assert np.array_equal(codes, want.codes) and np.array_equal(expo, want.exponents)
 
 
 def _operands(rng, m, k, n, fa, fb, decades):
@@ -111,19 +135,7 @@ CASES = [  # m, k, n, format, exponent decades, with C, with bias
 ]
 
 
-IMPLS = ["fp32", "numpy"] + (["int8"] if K._int_mm_works() else []) + (["native"] if K._native_applies(torch.zeros(1)) else [])
-
-
-@pytest.fixture(autouse=True)
-def golden_without_native(monkeypatch):
-    """The NumPy model's products through NumPy's BLAS, so that the compiled kernel (impl
-    "native") is held against code that shares nothing with it."""
-    from hbfp.golden import gemm as gemm_mod
-
-    monkeypatch.setattr(gemm_mod, "native", NoNative)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ALL)
 @pytest.mark.parametrize("m, k, n, fmt, decades, with_c, with_bias", CASES)
 def test_gemm_sums_equal_golden(m, k, n, fmt, decades, with_c, with_bias, impl):
     rng = np.random.default_rng(m + k + n)
@@ -132,18 +144,16 @@ def test_gemm_sums_equal_golden(m, k, n, fmt, decades, with_c, with_bias, impl):
         qb = quantize(spread(rng, (n, k), decades), fmt).transpose()
     else:
         qa, qb = _operands(rng, m, k, n, fmt, fmt, decades)
-    if impl == "int8" and fmt is HBFP16:
-        pytest.skip("int8 products take 8-bit codes")
     c = spread(rng, (m, n)) if with_c else None
     bias = spread(rng, (n,)) if with_bias else None
     want = gemm(qa, qb, c=c, bias=bias)
-    got = K.gemm(K.from_bfp_tensor(qa), K.from_bfp_tensor(qb), qa.fmt, qb.fmt,
+    got = K.gemm(T.from_bfp_tensor(qa), T.from_bfp_tensor(qb), fa=qa.fmt, fb=qb.fmt,
                  c=None if c is None else torch.from_numpy(c), bias=None if bias is None else torch.from_numpy(bias),
                  impl=impl)
     assert same(got.view(torch.int32), want.view(np.int32))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ALL)
 def test_gemm_special_values_and_the_exact_fallback(impl):
     rng = np.random.default_rng(11)
     a = spread(rng, (60, 100))
@@ -152,15 +162,16 @@ def test_gemm_special_values_and_the_exact_fallback(impl):
     qa, qb = quantize(a, HBFP8), quantize(b, HBFP8)
     c = spread(rng, (60, 50))
     c[2, 2], c[3, 3] = np.nan, -np.inf
-    args = (K.from_bfp_tensor(qa), K.from_bfp_tensor(qb), HBFP8, HBFP8)
-    got = K.gemm(*args, c=torch.from_numpy(c), impl=impl)
+    args = (T.from_bfp_tensor(qa), T.from_bfp_tensor(qb))
+    got = K.gemm(*args, fa=HBFP8, fb=HBFP8, c=torch.from_numpy(c), impl=impl)
     assert np.array_equal(got.numpy(), gemm(qa, qb, c=c), equal_nan=True)
     # Exponents at the bottom of the range (products that would be subnormal) and a C below
     # 2**-103: outside the fast path's preconditions, the NumPy model's exact path.
     tiny = quantize(spread(rng, (30, 48)) * np.float32(2.0**-70), HBFP8)
     tiny_b = quantize(spread(rng, (48, 20)) * np.float32(2.0**-60), HBFP8)
     c2 = np.full((30, 20), np.float32(2.0**-110))
-    got = K.gemm(K.from_bfp_tensor(tiny), K.from_bfp_tensor(tiny_b), HBFP8, HBFP8, c=torch.from_numpy(c2), impl=impl)
+    got = K.gemm(T.from_bfp_tensor(tiny), T.from_bfp_tensor(tiny_b), fa=HBFP8, fb=HBFP8, c=torch.from_numpy(c2),
+                 impl=impl)
     assert same(got.view(torch.int32), gemm(tiny, tiny_b, c=c2).view(np.int32))
 
 
@@ -172,7 +183,7 @@ def test_epilogue_equals_golden(activation, out):
     acc[0, :4] = [np.nan, np.inf, -np.inf, np.float32(1e-39)]
     fmt = HBFP8.with_rounding("stochastic") if out == "bfp" else out
     want = epilogue(acc, activation, fmt, seed=7, leaky_shift=3)  # (a BFP output: quantize's default impl)
-    got = K.epilogue(torch.from_numpy(acc), activation, fmt, seed=7, leaky_shift=3)
+    got = T.epilogue(torch.from_numpy(acc), activation, fmt, seed=7, leaky_shift=3)
     if out == "bfp":
         assert same(got[0], want.codes) and same(got[1], want.exponents)
     elif out == "bf16":
@@ -181,7 +192,7 @@ def test_epilogue_equals_golden(activation, out):
         assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ALL)
 def test_random_products_equal_golden(impl):
     """Random shapes, formats, exponent spreads, NaN tiles, C and bias: over 10**6 outputs."""
     rng = np.random.default_rng(2024)
@@ -189,15 +200,13 @@ def test_random_products_equal_golden(impl):
     while compared < 10**6:
         m, k, n = (int(v) for v in rng.integers(1, 400, 3))
         fmt = [HBFP8, HBFP16, Format(6, (12, 12))][int(rng.integers(3))]
-        if impl == "int8" and fmt is HBFP16:
-            fmt = HBFP8
         qa, qb = _operands(rng, m, k, n, fmt, fmt, float(rng.uniform(0, 12)))
         if rng.random() < 0.2:
             qa.exponents[0, 0] = 0xFF  # a NaN tile
         c = spread(rng, (m, n)) if rng.random() < 0.5 else None
         bias = spread(rng, (n,)) if rng.random() < 0.5 else None
         want = gemm(qa, qb, c=c, bias=bias)
-        got = K.gemm(K.from_bfp_tensor(qa), K.from_bfp_tensor(qb), fmt, fmt, impl=impl,
+        got = K.gemm(T.from_bfp_tensor(qa), T.from_bfp_tensor(qb), fa=fmt, fb=fmt, impl=impl,
                      c=None if c is None else torch.from_numpy(c), bias=None if bias is None else torch.from_numpy(bias))
         assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32)) or (
             np.array_equal(np.isnan(got.numpy()), np.isnan(want))
@@ -211,7 +220,7 @@ def test_kernels_on_cuda_equal_golden():
     rng = np.random.default_rng(12)
     qa, qb = _operands(rng, 200, 300, 150, HBFP8, HBFP8, 6)
     c, bias = spread(rng, (200, 150)), spread(rng, (150,))
-    got = K.gemm(K.from_bfp_tensor(qa, "cuda"), K.from_bfp_tensor(qb, "cuda"), HBFP8, HBFP8,
+    got = K.gemm(T.from_bfp_tensor(qa, "cuda"), T.from_bfp_tensor(qb, "cuda"), fa=HBFP8, fb=HBFP8,
                  c=torch.from_numpy(c).cuda(), bias=torch.from_numpy(bias).cuda())
     assert same(got.view(torch.int32), gemm(qa, qb, c=c, bias=bias).view(np.int32))
     x = spread(rng, (100, 90))

@@ -390,7 +390,7 @@ def test_convert_swaps_what_it_can_and_warns_about_the_rest():
 
 def test_wide_storage_covers_attention_rnn_and_bilinear_weights():
     from hbfp.golden import HBFP16
-    from hbfp.golden import kernels
+    from hbfp import kernels
 
     model = nn.Sequential(nn.MultiheadAttention(24, 2), nn.GRU(24, 24), nn.Bilinear(6, 5, 4), nn.Conv3d(2, 2, 2))
     handle = ht.wide_weight_storage(model)

@@ -235,14 +235,14 @@ def gemm(a, b, *, fa: Format | None = None, fb: Format | None = None, c=None, bi
 
         t = (lambda x: x if x is None or isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x)))
         ca, ea, cb, eb, c, bias = (t(x) for x in (ca, ea, cb, eb, c, bias))
+        # torch._int_mm takes int8 codes on a CPU; the fp32 route does the rest
+        route = "int8" if name == "torch_int8" and torch_ops._int8_applies(ca, cb) else "fp32"
         if ca.dim() == 3:
             sums = torch.stack([torch_ops.gemm((ca[i], ea[i]), (cb[i], eb[i]), fa, fb,
-                                               c=None if c is None else c[i], bias=bias,
-                                               impl="int8" if name == "torch_int8" else "fp32")
+                                               c=None if c is None else c[i], bias=bias, impl=route)
                                 for i in range(ca.shape[0])])
         else:
-            sums = torch_ops.gemm((ca, ea), (cb, eb), fa, fb, c=c, bias=bias,
-                                  impl="int8" if name == "torch_int8" else "fp32")
+            sums = torch_ops.gemm((ca, ea), (cb, eb), fa, fb, c=c, bias=bias, impl=route)
         y = torch_ops.epilogue(sums, activation, out, leaky_shift=leaky_shift)
         if not torch_in:
             y = y.view(torch.int16).numpy().view(np.uint16) if out == "bf16" else y.numpy()
@@ -321,6 +321,8 @@ def _gemm_compiled(lib: Compiled, ca, ea, fa, cb, eb, fb, c, bias, activation, o
             bias = np.ascontiguousarray(_numpy(bias))
             if bias.dtype != np.float32:
                 raise TypeError(f"bias must be float32, got {bias.dtype}")
+    if y.shape[-1] == 0 or y.shape[-2] == 0 or (y.ndim == 3 and y.shape[0] == 0):
+        return y  # no outputs
     table = activation_table(activation, leaky_shift) if activation is not None else None
     lib.gemm((ca, ea), fa, (cb, eb), fb, y, c=c, bias=bias, table=table, threads=nthreads, qmax_a=qmax_a,
              qmax_b=qmax_b)
@@ -332,21 +334,18 @@ def _gemm_compiled(lib: Compiled, ca, ea, fa, cb, eb, fb, c, bias, activation, o
 def quantize(x, fmt: Format, *, seed: int | None = None, impl: str | None = None, threads: int | None = None):
     """``hbfp.golden.quantize`` of a matrix: ``(codes, exponents)`` of ``x``'s kind (int8 codes
     up to 8 mantissa bits, else int16; uint8 exponents, one per tile). ``x``: fp32, or another
-    float type (converted to fp32 first, RNE; bf16 exactly)."""
+    float type (converted to fp32 first, RNE; bf16 exactly).
+
+    A stack of matrices (a leading axis) is quantized as one matrix of them stacked, each
+    padded with zeros to whole tiles (so that no tile spans two of them): codes of the stack's
+    shape, exponents (B, tile rows, tile columns). To nearest, each matrix's codes are its own
+    quantization's; stochastically, the positions are the stacked matrix's."""
     from hbfp.golden import bfp
 
     if not isinstance(fmt, Format):
         raise TypeError(f"fmt must be a Format (for example HBFP8), got {fmt!r}")
     bfp._check_stochastic(fmt, seed)
     name = resolve(impl, _device(x))
-    if name in ("torch", "torch_int8"):
-        import torch
-
-        from . import torch_ops
-
-        t = x if _is_torch(x) else torch.from_numpy(np.asarray(x))
-        codes, exps = torch_ops.quantize(t, fmt, seed=seed)
-        return (codes, exps) if _is_torch(x) else (codes.numpy(), exps.numpy())
     torch_in = _is_torch(x)
     if torch_in:
         import torch
@@ -354,36 +353,51 @@ def quantize(x, fmt: Format, *, seed: int | None = None, impl: str | None = None
         xn = x.detach()
         if xn.dtype != torch.float32:
             xn = xn.to(torch.float32)
-        if xn.dim() != 2:
-            raise ValueError(f"quantize takes a matrix, got shape {tuple(xn.shape)}")
-        if xn.shape[1] > 1 and xn.stride(1) != 1 or min(xn.stride()) < 0:
+        if xn.dim() not in (2, 3):
+            raise ValueError(f"quantize takes a matrix or a stack of them, got shape {tuple(xn.shape)}")
+        if xn.shape[-1] > 1 and xn.stride(-1) != 1 or min(xn.stride()) < 0:
             xn = xn.contiguous()  # rows of consecutive values (torch's blocked copy of a transposed view is fast)
-        if name not in _COMPILED:
-            xn = xn.numpy()
     else:
         xn = bfp._as_f32(x)
         if xn.ndim == 1:
             xn = xn[None, :]
-        if xn.ndim != 2:
-            raise ValueError(f"quantize takes a matrix, got shape {xn.shape}")
-        if xn.shape[1] > 1 and xn.strides[1] != 4 or any(s < 0 for s in xn.strides):
+        if xn.ndim not in (2, 3):
+            raise ValueError(f"quantize takes a matrix or a stack of them, got shape {xn.shape}")
+        if xn.shape[-1] > 1 and xn.strides[-1] != 4 or any(s < 0 for s in xn.strides):
             xn = np.ascontiguousarray(xn)
+    th, tw = fmt.tile
+    m, n = xn.shape[-2:]
+    grid = (*xn.shape[:-2], -(-m // th), -(-n // tw))
     if name in _COMPILED:
-        m, n = xn.shape
-        th, tw = fmt.tile
         if torch_in:
-            codes = torch.empty((m, n), dtype=torch.int8 if fmt.mantissa_bits <= 8 else torch.int16)
-            exps = torch.empty((-(-m // th), -(-n // tw)), dtype=torch.uint8)
+            codes = torch.empty(tuple(xn.shape), dtype=torch.int8 if fmt.mantissa_bits <= 8 else torch.int16)
+            exps = torch.empty(grid, dtype=torch.uint8)
         else:
-            codes = np.empty((m, n), fmt.code_dtype)
-            exps = np.empty((-(-m // th), -(-n // tw)), np.uint8)
+            codes = np.empty(xn.shape, fmt.code_dtype)
+            exps = np.empty(grid, np.uint8)
         if m and n:
             key = int(bfp._key(seed)) if fmt.rounding == "stochastic" else None
             _COMPILED[name].quantize(xn, fmt, key, codes, exps, threads=default_threads() if threads is None else threads)
         else:
             exps[...] = 0
         return codes, exps
-    t = bfp.quantize(xn, fmt, seed=seed, impl="reference")  # numpy and reference: the golden bands
+    if xn.ndim == 3:  # the stack as one matrix of padded matrices, quantized, then taken apart
+        nb, (rp, cp) = xn.shape[0], (grid[1] * th, grid[2] * tw)
+        if torch_in:
+            padded = torch.nn.functional.pad(xn, (0, cp - n, 0, rp - m)).reshape(nb * rp, cp)
+        else:
+            padded = np.pad(xn, ((0, 0), (0, rp - m), (0, cp - n))).reshape(nb * rp, cp)
+        codes, exps = quantize(padded, fmt, seed=seed, impl=impl, threads=threads)
+        codes = codes.reshape(nb, rp, cp)[:, :m, :n]
+        codes = codes.contiguous() if torch_in else np.ascontiguousarray(codes)
+        return codes, exps.reshape(grid)
+    if name in ("torch", "torch_int8"):
+        from . import torch_ops
+
+        t = xn if torch_in else __import__("torch").from_numpy(xn)
+        codes, exps = torch_ops.quantize(t, fmt, seed=seed)
+        return (codes, exps) if torch_in else (codes.numpy(), exps.numpy())
+    t = bfp.quantize(xn.numpy() if torch_in else xn, fmt, seed=seed, impl="reference")  # the golden bands
     return (_like(x, t.codes), _like(x, t.exponents)) if torch_in else (t.codes, t.exponents)
 
 

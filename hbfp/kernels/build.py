@@ -15,7 +15,8 @@ that is not a regular file owned by this user, or that others may write (or in a
 others may write), is not loaded but rebuilt. The verified bytes are what is loaded (through a
 memory file on Linux, so the file cannot change between the check and the load). The compiler
 runs under a time limit (``$HBFP_CC_TIMEOUT`` seconds, default 180). ``HBFP_NATIVE=0`` turns
-the compiled kernels off.
+the compiled kernels off; ``HBFP_KERNELS=c`` (a comma-separated list of variants) allows only
+those.
 """
 
 from __future__ import annotations
@@ -76,11 +77,20 @@ def _compiler() -> str:
     return os.environ.get("CC", "cc")
 
 
+def _timeout() -> float:
+    try:
+        return float(os.environ.get("HBFP_CC_TIMEOUT", "180"))
+    except ValueError:
+        raise OSError(f"HBFP_CC_TIMEOUT must be a number of seconds, got {os.environ['HBFP_CC_TIMEOUT']!r}") from None
+
+
 def _compiler_identity(cc: str) -> bytes:
     try:
-        r = subprocess.run([cc, "--version"], capture_output=True, timeout=30)
+        r = subprocess.run([cc, "--version"], capture_output=True, timeout=min(30.0, _timeout()))
         return r.stdout + r.stderr
-    except (OSError, subprocess.TimeoutExpired) as e:
+    except subprocess.TimeoutExpired:
+        raise OSError(f"{cc} --version took more than {min(30.0, _timeout()):g} s (HBFP_CC_TIMEOUT)") from None
+    except OSError as e:
         raise OSError(f"no C compiler ({cc!r}: {e}; set CC)") from None
 
 
@@ -161,7 +171,7 @@ def _build(v: Variant, key: str, cc: str) -> tuple[Path, bytes]:
     bad = _safe_dir(d)
     if bad is not None:
         raise OSError(f"cannot use the kernel cache: {bad} (set HBFP_CACHE to a directory of your own)")
-    timeout = float(os.environ.get("HBFP_CC_TIMEOUT", "180"))
+    timeout = _timeout()
     with tempfile.TemporaryDirectory(dir=d) as tmp:
         (Path(tmp) / "hbfp_abi.h").write_text(capi.header())
         out = Path(tmp) / "lib.so"
@@ -219,6 +229,9 @@ def _load_variant(name: str) -> ctypes.CDLL | None:
         v = _variant(name)
         lib = None
         try:
+            allowed = os.environ.get("HBFP_KERNELS")
+            if allowed and name not in {a.strip() for a in allowed.split(",")}:
+                raise OSError(f"not among HBFP_KERNELS={allowed}")
             if v.needs:
                 base = _load_variant_locked("c")
                 if base is None:

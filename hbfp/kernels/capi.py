@@ -62,11 +62,13 @@ FUNCTIONS = {
     "hbfp_gemm": ("int", (("a", "const hbfp_operand *"), ("b", "const hbfp_operand *"),
                           ("o", "const hbfp_output *"), ("batch", "long"), ("m", "long"), ("n", "long"),
                           ("k", "long"), ("threads", "int"))),
-    # bfp.quantize of an m x n fp32 matrix (row stride rs, consecutive columns).
+    # bfp.quantize of `batch` m x n fp32 matrices (row stride rs, consecutive columns; batch
+    # strides xbs, cbs, ebs), stochastic positions as if stacked, each padded to whole tiles.
     "hbfp_quantize": ("int", (("x", "const float *"), ("rs", "long"), ("m", "long"), ("n", "long"),
                               ("th", "long"), ("tw", "long"), ("mbits", "int"), ("rounding", "int"),
                               ("key", "unsigned"), ("codes", "void *"), ("code_bytes", "int"), ("ldq", "long"),
-                              ("exps", "unsigned char *"), ("lde", "long"), ("threads", "int"))),
+                              ("exps", "unsigned char *"), ("lde", "long"), ("batch", "long"), ("xbs", "long"),
+                              ("cbs", "long"), ("ebs", "long"), ("threads", "int"))),
     # BFPTensor.dequantize to fp32 by the device rules.
     "hbfp_dequantize": ("int", (("codes", "const void *"), ("code_bytes", "int"), ("m", "long"), ("n", "long"),
                                 ("ldq", "long"), ("exps", "const unsigned char *"), ("lde", "long"),

@@ -169,20 +169,26 @@ class Compiled:
 
     def quantize(self, x, fmt, key: int | None, codes, exps, *, threads: int = 1) -> None:
         """``bfp.quantize`` of an fp32 matrix ``x`` (consecutive columns) into ``codes`` (int8 or
-        int16 of its shape, contiguous rows) and ``exps`` (uint8, one per tile, contiguous rows).
-        ``key``: the stochastic generator's key (``bfp._key(seed)``)."""
+        int16 of its shape, contiguous rows) and ``exps`` (uint8, one per tile, contiguous rows);
+        or of a stack of them (a leading axis: each quantized alone, its stochastic positions
+        those of the stack as one matrix, every matrix padded to whole tiles). ``key``: the
+        stochastic generator's key (``bfp._key(seed)``)."""
         mx, mc, me = Mem(x, "x"), Mem(codes, "the codes"), Mem(exps, "the exponents")
-        if mx.dtype != np.float32 or len(mx.shape) != 2 or (mx.shape[1] > 1 and mx.strides[1] != 1):
-            raise ValueError("quantize takes an fp32 matrix with consecutive columns")
-        m, n = mx.shape
+        nd = len(mx.shape)
+        if mx.dtype != np.float32 or nd not in (2, 3) or (mx.shape[-1] > 1 and mx.strides[-1] != 1):
+            raise ValueError("quantize takes an fp32 matrix (or a stack of them) with consecutive columns")
+        m, n = mx.shape[-2:]
+        nb = mx.shape[0] if nd == 3 else 1
         th, tw = fmt.tile
-        if mc.shape != (m, n) or mc.dtype != fmt.code_dtype or me.shape != (-(-m // th), -(-n // tw)):
-            raise ValueError("quantize: codes or exponents of the wrong shape or type")
+        if mc.shape != mx.shape or mc.dtype != fmt.code_dtype or me.shape != (*mx.shape[:-2], -(-m // th), -(-n // tw)) \
+                or (n > 1 and mc.strides[-1] != 1) or (me.shape[-1] > 1 and me.strides[-1] != 1):
+            raise ValueError("quantize: codes or exponents of the wrong shape, type or layout")
         if fmt.rounding == "stochastic" and key is None:
             raise ValueError("stochastic rounding needs the generator's key")
-        _check(self.lib.hbfp_quantize(mx.ptr, mx.strides[0], m, n, th, tw, fmt.mantissa_bits, ROUNDINGS[fmt.rounding],
-                                      int(key or 0), mc.ptr, mc.itemsize, mc.strides[0], me.ptr, me.strides[0],
-                                      threads), "quantize")
+        bs = (lambda m_: m_.strides[0] if nd == 3 else 0)
+        _check(self.lib.hbfp_quantize(mx.ptr, mx.strides[-2], m, n, th, tw, fmt.mantissa_bits, ROUNDINGS[fmt.rounding],
+                                      int(key or 0), mc.ptr, mc.itemsize, mc.strides[-2], me.ptr, me.strides[-2], nb,
+                                      bs(mx), bs(mc), bs(me), threads), "quantize")
 
     def dequantize(self, codes, exps, fmt, out, *, threads: int = 1) -> None:
         mc, me, mo = Mem(codes, "the codes"), Mem(exps, "the exponents"), Mem(out, "out")

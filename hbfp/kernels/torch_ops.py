@@ -289,8 +289,9 @@ def _add_in_order(p: torch.Tensor, acc: torch.Tensor) -> None:
     output; elsewhere one addition a K-tile."""
     if p.device.type == "cpu" and acc.is_contiguous() and p.is_contiguous():
         pn, an = p.numpy(), acc.numpy()
-        np.add(pn[0], an, out=pn[0])
-        np.add.reduce(pn, axis=0, out=an)
+        with np.errstate(over="ignore", invalid="ignore"):  # an inf (or inf - inf) is a result here
+            np.add(pn[0], an, out=pn[0])
+            np.add.reduce(pn, axis=0, out=an)
         return
     for j in range(p.shape[0]):
         acc += p[j]

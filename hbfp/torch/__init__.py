@@ -127,18 +127,31 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).contiguous().numpy()
 
 
-@contextlib.contextmanager
-def _device_work():
+class _device_work:
     """The device's own work: no handler at all for its torch operations (``offload``'s modes
     off, ``on_device`` set, so that a backward product run while the context routes products
-    does not route its kernels' operations)."""
-    previous = getattr(_state, "on_device", False)
-    _state.on_device = True
-    try:
-        with torch._C.DisableTorchFunction(), _disable_current_modes():
-            yield
-    finally:
-        _state.on_device = previous
+    does not route its kernels' operations). Entered again inside itself, it does nothing (a
+    context class rather than a generator: it runs several times per product)."""
+
+    __slots__ = ("outer", "guards")
+
+    def __enter__(self):
+        self.outer = getattr(_state, "on_device", False)
+        if not self.outer:
+            _state.on_device = True
+            self.guards = (torch._C.DisableTorchFunction(), _disable_current_modes())
+            for g in self.guards:
+                g.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if not self.outer:
+            try:
+                for g in reversed(self.guards):
+                    g.__exit__(*exc)
+            finally:
+                _state.on_device = False
+        return False
 
 
 def _shape(x, transposed: bool) -> tuple[int, int]:
@@ -187,6 +200,12 @@ def _device_bmm(device, a: torch.Tensor, b: torch.Tensor, rounding: str = "neare
     """The stack ``a[i] @ b[i]`` on ``device``: at once on the in-process emu
     (``Device.bmm_tensors``, which rounds each stack as one matrix), else product by product
     (rounded otherwise than to nearest: from the same stacked codes, made here)."""
+    if isinstance(a, tuple) or isinstance(b, tuple):  # stored codes (a stack's): on an in-process device
+        (nb, m, k), n = (a[0] if isinstance(a, tuple) else a).shape, (b[0] if isinstance(b, tuple) else b).shape[2]
+        with _device_work():
+            out = device.bmm_tensors(a, b, rounding=rounding, seed=seed)
+        _report.count_device(nb * m * k * n)
+        return out
     nb = a.shape[0]
     if nb == 0:
         return a.new_zeros(0, a.shape[1], b.shape[2])
@@ -200,38 +219,78 @@ def _device_bmm(device, a: torch.Tensor, b: torch.Tensor, rounding: str = "neare
         return torch.stack([_device_gemm(device, a[i], b[i], **kw) for i in range(nb)])
     from hbfp.host.device import _seeds, stack_codes
 
-    (m, k), n, t = a.shape[1:], b.shape[2], device.format().tile[0]
     sa, sb, _ = _seeds(seed, rounding)
     with _device_work():
         ca, ea = stack_codes(a.detach(), device.format(rounding), sa)
         cb, eb = stack_codes(b.detach(), device.format(rounding), sb)
-    mp, kp = ca.shape[0] // nb, cb.shape[0] // nb
-    return torch.stack([_device_gemm(device, (ca[i * mp:i * mp + m, :k], ea[i * mp // t:(i + 1) * mp // t]),
-                                     (cb[i * kp:i * kp + k, :n], eb[i * kp // t:(i + 1) * kp // t]))
-                        for i in range(nb)])
+    return torch.stack([_device_gemm(device, (ca[i], ea[i]), (cb[i], eb[i])) for i in range(nb)])
 
 
 class _Product:
     """The device's products as ``hbfp.torch.aten`` calls them: ``product(a, b)`` (2-D) and
     ``product.batched(a, b)`` (stacks), under ``rounding``'s recipe: its forward product's
-    configuration outside a backward pass, its ``grad_input`` one inside (an ATen product does
-    not say which operand is the gradient, so both operands are rounded so)."""
+    configuration outside a backward pass, its ``grad_input`` one inside. An ATen product does
+    not say which operand is the gradient: on a device with square tiles, a backward product's
+    operand that was a forward operand (the same tensor, not written since: ``operands``) is
+    read as the forward products read it, the other (the output gradient) is rounded as the
+    backward configuration says; elsewhere both are."""
 
     def __init__(self, device, rounding: Rounding):
-        self.device, self.rounding = device, rounding
+        from .operands import ForwardOperands
 
-    def _config(self) -> ProductConfig:
+        self.device, self.rounding = device, rounding
+        self.forward = ForwardOperands() if _square(device) else None
+        self.direct = getattr(device, "direct_device", None) is not None
+
+    def _config(self) -> tuple[ProductConfig, bool]:
         recipe = self.rounding.recipe
-        return recipe.forward if torch._C._current_autograd_node() is None else recipe.grad_input
+        forward = torch._C._current_autograd_node() is None
+        return (recipe.forward if forward else recipe.grad_input), forward
+
+    def _operand(self, x, cfg: ProductConfig, forward: bool):
+        if self.forward is not None and not forward:
+            hit, codes = self.forward.lookup(x)
+            if hit:
+                return x if codes is None else codes
+        q = _operand(self.device, x, cfg, self.rounding)
+        if self.forward is not None and forward:
+            self.forward.remember(x, q if isinstance(q, tuple) else None)
+        return q
 
     def __call__(self, a, b):
-        cfg = self._config()
-        return _product(self.device, _operand(self.device, a, cfg, self.rounding),
-                        _operand(self.device, b, cfg, self.rounding), cfg, self.rounding)
+        cfg, forward = self._config()
+        with _device_work():
+            qa, qb = self._operand(a, cfg, forward), self._operand(b, cfg, forward)
+        return _product(self.device, qa, qb, cfg, self.rounding)
+
+    def _stack(self, x, cfg: ProductConfig, forward: bool, seed: int):
+        """A stack's codes on an in-process device (``stack_codes``), through ``forward``."""
+        from hbfp.host.device import stack_codes
+
+        if not forward:
+            hit, codes = self.forward.lookup(x)
+            if hit and codes is not None:
+                return codes
+        codes = stack_codes(x.detach(), self.device.format(cfg.rounding), seed)
+        if forward:
+            self.forward.remember(x, codes)
+        return codes
 
     def batched(self, a, b):
-        cfg = self._config()
-        return _out(_device_bmm(self.device, a, b, cfg.rounding, self.rounding.seed(cfg)), cfg)
+        cfg, forward = self._config()
+        seed = self.rounding.seed(cfg)
+        if self.direct and self.forward is not None and a.shape[0] and a.shape[1] and b.shape[2] and a.shape[2]:
+            from hbfp.host.device import _seeds
+
+            sa, sb, _ = _seeds(seed, cfg.rounding)
+            with _device_work():
+                qa, qb = self._stack(a, cfg, forward, sa), self._stack(b, cfg, forward, sb)
+            return _out(_device_bmm(self.device, qa, qb), cfg)
+        return _out(_device_bmm(self.device, a, b, cfg.rounding, seed), cfg)
+
+    def close(self) -> None:
+        if self.forward is not None:
+            self.forward.clear()
 
 
 class HbfpBmm(torch.autograd.Function):
@@ -579,6 +638,20 @@ class Linear(_OnDevice, torch.nn.Linear):
         return _linear(x, self.weight, self.bias, device)
 
 
+@torch.compiler.disable  # compiled kernels: a call torch.compile leaves as it is
+def _im2col(x, kernel, stride, padding, dilation):
+    from hbfp import kernels
+
+    return kernels.im2col(x, kernel, stride, padding, dilation)
+
+
+@torch.compiler.disable
+def _col2im(cols, shape, kernel, stride, padding, dilation):
+    from hbfp import kernels
+
+    return kernels.col2im(cols, shape, kernel, stride, padding, dilation)
+
+
 class _Patches(torch.autograd.Function):
     """The patches of a convolution as one matrix, (N*OH*OW) x (C*KH*KW): ``F.unfold`` with its
     columns as rows, gathered in one pass (``hbfp.kernels.im2col``). The backward sums the
@@ -587,17 +660,13 @@ class _Patches(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, kernel, stride, padding, dilation):
-        from hbfp import kernels
-
         ctx.geometry = (x.shape[0], x.shape[1], tuple(x.shape[-2:]), kernel, stride, padding, dilation)
-        return kernels.im2col(x, kernel, stride, padding, dilation)
+        return _im2col(x, kernel, stride, padding, dilation)
 
     @staticmethod
     def backward(ctx, grad):
-        from hbfp import kernels
-
         n, c, size, kernel, stride, padding, dilation = ctx.geometry
-        return kernels.col2im(grad, (n, c, *size), kernel, stride, padding, dilation), None, None, None, None
+        return _col2im(grad, (n, c, *size), kernel, stride, padding, dilation), None, None, None, None
 
 
 def _same_padding(kernel, dilation) -> tuple[int, ...]:
@@ -771,29 +840,32 @@ def bilinear(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: tor
 
 
 class _Offload(TorchFunctionMode):
-    """Routes the matrix products of torch's functional API to the device (the ones
-    ``aten.AtenOffload`` would see only as ATen products: linear layers with their wide
-    storage, the im2col convolutions with their compiled patches, bilinear)."""
+    """Routes the matrix products of torch's functional API to the device: linear layers with
+    their wide storage, the convolutions (conv1d and conv2d by im2col products with their
+    compiled patches; 3-d and transposed ones by ``aten.Convolution``, their products the
+    ATen-level ``product``'s), bilinear."""
 
-    def __init__(self, device):
+    def __init__(self, device, product=None):
         super().__init__()
         self.device = device
+        self.product = product
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         route = _ROUTES.get(func) if _routing_active() else None
         if route is not None:
-            out = route(self.device, *args, **kwargs)
+            out = route(self, *args, **kwargs)
             if out is not NotImplemented:
                 return out
         return func(*args, **kwargs)
 
 
-def _counted(name: str, fn, autocast: bool = True):
+def _counted(name: str, fn, autocast: bool = True, mode: bool = False):
     """``fn`` routed as ``name``: counted, and under ``torch.autocast`` with its operands cast
     as autocast casts them for this operation (``autocast``: whether it is on autocast's
-    lower-precision list)."""
-    def routed(device, *args, **kwargs):
+    lower-precision list). ``fn`` takes the device first, or with ``mode`` the routing mode."""
+    def routed(offload, *args, **kwargs):
+        device = offload if mode else offload.device
         if not _applies(args, kwargs):
             return NotImplemented
         _report.count_call(name)
@@ -840,6 +912,43 @@ def _route_bilinear(device, x1, x2, weight, bias=None):
     return bilinear(x1, x2, weight, bias, device)
 
 
+def _tuple(v, nd: int) -> tuple:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * nd
+
+
+def _route_conv_nd(nd: int, transposed: bool):
+    """A route of ``F.conv3d`` or ``F.conv_transposeNd`` (their arguments as torch takes them)
+    to ``aten.Convolution``: padding strings and numbers as torch reads them."""
+    names = (("bias", "stride", "padding", "output_padding", "groups", "dilation") if transposed
+             else ("bias", "stride", "padding", "dilation", "groups"))
+
+    def route(mode, x, weight, *args, **kwargs):
+        from .aten import Convolution
+
+        if mode.product is None or not isinstance(x, torch.Tensor) or x.dim() not in (nd + 1, nd + 2):
+            return NotImplemented
+        kw = dict(zip(names, args))
+        kw.update({k: v for k, v in kwargs.items() if k in names})
+        unbatched = x.dim() == nd + 1
+        if unbatched:
+            x = x[None]
+        stride, dilation = _tuple(kw.get("stride", 1), nd), _tuple(kw.get("dilation", 1), nd)
+        padding = kw.get("padding", 0)
+        if isinstance(padding, str):
+            if padding not in ("same", "valid") or transposed:
+                return NotImplemented
+            if padding == "same":
+                amounts = _same_padding(tuple(weight.shape[2:]), dilation)
+                if any(amounts):
+                    x = F.pad(x, amounts)
+            padding = 0
+        y = Convolution.apply(x, weight, kw.get("bias"), mode.product, list(stride), list(_tuple(padding, nd)),
+                              list(dilation), transposed, list(_tuple(kw.get("output_padding", 0), nd)),
+                              int(kw.get("groups", 1)))
+        return y[0] if unbatched else y
+    return route
+
+
 _ROUTES = {}
 for _name, _fn, _funcs in (
     ("linear", _route_linear, (F.linear,)),
@@ -853,6 +962,14 @@ for _name, _fn, _funcs in (
 ):
     for _f in _funcs:
         _ROUTES[_f] = _counted(_name, _fn, autocast=_name != "bilinear")  # autocast runs bilinear in fp32
+for _name, _nd, _transposed, _funcs in (
+    ("conv3d", 3, False, (F.conv3d, torch.conv3d)),
+    ("conv_transpose1d", 1, True, (F.conv_transpose1d, torch.conv_transpose1d)),
+    ("conv_transpose2d", 2, True, (F.conv_transpose2d, torch.conv_transpose2d)),
+    ("conv_transpose3d", 3, True, (F.conv_transpose3d, torch.conv_transpose3d)),
+):
+    for _f in _funcs:
+        _ROUTES[_f] = _counted(_name, _route_conv_nd(_nd, _transposed), mode=True)
 
 
 @contextlib.contextmanager
@@ -880,6 +997,13 @@ def offload(device=None, precision: str | None = None, recipe=None):
         device = host.open(f"emu:format={formats.pop()}") if formats else default_device()
     r.check(device)
     precision = precision or format_name(device.format()).lower().replace(" ", "")
-    with matmul_precision(precision), use_recipe(r) as _, backend_flags(), \
-            AtenOffload(_Product(device, current_rounding()), _routing_active), _Offload(device):
-        yield device
+    # torch.compile'd code runs eagerly inside: a compiled graph would run its products on the
+    # host (Inductor's own matrix kernels), silently (the products reach the device as eager calls)
+    eager = contextlib.nullcontext() if torch.compiler.is_compiling() else torch.compiler.set_stance("force_eager")
+    with matmul_precision(precision), use_recipe(r) as _, backend_flags(), eager:
+        product = _Product(device, current_rounding())
+        try:
+            with AtenOffload(product, _routing_active), _Offload(device, product):
+                yield device
+        finally:
+            product.close()

@@ -1,22 +1,27 @@
 """``offload``'s interception at the ATen level: the matrix products that reach the
 dispatcher below autograd (inside ``nn.MultiheadAttention``, ``F.scaled_dot_product_attention``,
-RNNs, ``einsum``, ``tensordot``, transposed and 3-d convolutions, and every backward product
-of them) run on the device.
+RNNs, ``einsum``, ``tensordot``, and every backward product of them and of everything else) run
+on the device.
 
-``AtenOffload`` is a ``TorchDispatchMode``: autograd records torch's own derivative formulas
-above it, so the backward products arrive here as ATen products too (``mm``, ``bmm``,
-``convolution_backward``) and run on the device as well. While it is active, ``offload``
-turns off oneDNN (so ``nn.LSTM`` runs its cells as ``addmm``/``mm`` rather than one fused
+While any ``offload`` context is active, ``AtenOffload`` replaces the CPU kernels of the product
+operators (``torch.library``, process-wide): autograd records torch's own derivative formulas
+above them, so the backward products arrive as ATen products too and run on the device as well.
+Only the product operators pass through Python; every other operator keeps its compiled kernel
+(a Python dispatch mode would run Python for each of them: 27 us an operator, more than the
+whole cell of an LSTM time step). On a thread where no context routes products (or inside the
+device's own work), the replaced kernel computes as torch does, through the operator's ``out=``
+form, which keeps torch's own kernel. While a context is active, ``offload`` also turns off
+oneDNN (so ``nn.LSTM`` runs its cells as ``addmm``/``mm`` rather than one fused
 ``mkldnn_rnn_layer``) and selects the math attention (``bmm``, softmax on the host), both
 process-wide and restored on exit.
 
 Routed: ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``addbmm`` (one product with the batches along
-K), ``mv``, ``addmv``, ``dot``, ``vdot``, ``convolution`` (1, 2 and 3-d, strides, padding,
-dilation, groups, transposed with output padding) and ``convolution_backward``. Products of
-non-floating operands and the fused kernels this mode cannot reach (named in ``HOST_ONLY``)
-run on the host, warned about once and counted (``hbfp.torch.report()``). Floating inputs of
-other dtypes (bf16, fp16) go to the device as fp32 (exactly) and the fp32 result is rounded
-to their dtype (to nearest even, as a bf16 output of the device is).
+K), ``mv``, ``addmv``, ``dot``, ``vdot``. Convolutions of every kind are routed where torch's
+functional API is called (``F.conv1d`` .. ``F.conv_transpose3d``: ``hbfp.torch``'s functional
+routes, with ``conv`` below). Products of non-floating operands run on the host, warned about
+once and counted (``hbfp.torch.report()``). Floating inputs of other dtypes (bf16, fp16) go to
+the device as fp32 (exactly) and the fp32 result is rounded to their dtype (to nearest even, as
+a bf16 output of the device is).
 """
 
 from __future__ import annotations
@@ -24,14 +29,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import threading
+import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import counts
 
-__all__ = ["AtenOffload", "backend_flags", "patches", "col2im", "conv", "conv_backward", "HOST_ONLY"]
+__all__ = ["AtenOffload", "backend_flags", "patches", "col2im", "conv", "conv_backward", "ROUTED"]
 
 aten = torch.ops.aten
 
@@ -152,53 +158,32 @@ def conv_backward(product, grad, x, weight, stride, padding, dilation, transpose
     return grad_input, grad_weight, grad_bias
 
 
-# ---- the dispatch mode ---------------------------------------------------------------------
+class Convolution(torch.autograd.Function):
+    """A convolution of any kind (``conv``) with its backward (``conv_backward``), every matrix
+    product by ``product`` (``offload``'s ATen-level products: forward operands rounded by the
+    recipe's forward configuration, backward ones by its backward configuration)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, product, stride, padding, dilation, transposed, output_padding, groups):
+        ctx.product = product
+        ctx.geometry = (stride, padding, dilation, transposed, output_padding, groups)
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        return conv(product, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        mask = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        with counts.routing("conv"):
+            gi, gw, gb = conv_backward(ctx.product, grad, x, weight, *ctx.geometry, mask)
+        return gi, gw, gb, None, None, None, None, None, None, None
+
+
+# ---- the interception -----------------------------------------------------------------------
 
 def _macs_mm(a, b):
     return a.shape[0] * a.shape[1] * b.shape[-1]
-
-
-#: Fused kernels with products inside that this mode cannot split into products (``offload``
-#: selects the paths that avoid them: math attention, no oneDNN RNN): they run on the host,
-#: warned about and counted.
-HOST_ONLY = {
-    aten._trilinear.default: "a fused trilinear kernel (F.bilinear's products go to the device when called as F.bilinear)",
-    aten._scaled_dot_product_flash_attention_for_cpu.default: "a fused attention kernel",
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: "a fused attention kernel",
-    aten.mkldnn_rnn_layer.default: "a fused oneDNN RNN kernel",
-    aten.mkldnn_rnn_layer_backward.default: "a fused oneDNN RNN kernel",
-}
-
-
-class AtenOffload(TorchDispatchMode):
-    """Runs the ATen matrix products (module docstring) on ``product``'s device:
-    ``product(a, b)`` computes a 2-D fp32 product there, ``product.batched(a, b)`` (where it
-    has one) a stack of them."""
-
-    def __init__(self, product, active):
-        super().__init__()
-        self.product = product
-        self.active = active  # () -> whether to route now (the precision, not inside the device's own work)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func not in _WATCHED:  # the common case: no product
-            return func(*args, **kwargs)
-        handler = _HANDLERS.get(func)
-        if handler is not None and self.active():
-            tensors = [t for t in args[:3] if isinstance(t, torch.Tensor)]
-            name = f"aten.{func.overloadpacket.__name__}"
-            if all(t.is_floating_point() and t.device.type == "cpu" for t in tensors):
-                if counts.current() is None:  # else a product of an operation already counted
-                    counts.count_call(name)
-                with counts.routing(name):
-                    return handler(self.product, *args, **kwargs)
-            why = "its operands are not floating point CPU tensors"
-            counts.count_host(name, _HOST_MACS[func](*args) if func in _HOST_MACS else 0, why)
-        elif self.active() and (func in HOST_ONLY or func.overloadpacket in _PACKETS):
-            why = HOST_ONLY.get(func) or f"the {func._overloadname} form is not routed"
-            counts.count_host(f"aten.{func.overloadpacket.__name__}", 0, why)
-        return func(*args, **kwargs)
 
 
 def _typed(fn):
@@ -262,38 +247,108 @@ def _dot(product, a, b):
     return product(a[None, :], b[:, None])[0, 0]
 
 
-def _convolution(product, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    return conv(product, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+def _out_mm(a, b):
+    return a.new_empty((a.shape[0], b.shape[1]))
 
 
-def _convolution_backward(product, grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
-                          groups, output_mask):
-    return conv_backward(product, grad, x, weight, stride, padding, dilation, transposed, output_padding, groups,
-                         output_mask)
+def _out_bmm(a, b):
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
 
 
-_HANDLERS = {op: _typed(fn) for op, fn in (
-    (aten.mm.default, _mm), (aten.addmm.default, _addmm), (aten.bmm.default, _bmm),
-    (aten.baddbmm.default, _baddbmm), (aten.addbmm.default, _addbmm), (aten.mv.default, _mv),
-    (aten.addmv.default, _addmv), (aten.dot.default, _dot), (aten.vdot.default, _dot),
-    (aten.convolution.default, _convolution), (aten.convolution_backward.default, _convolution_backward),
-)}
-
-_PACKETS = {op.overloadpacket for op in _HANDLERS}
-#: Every overload of the routed operations, and the fused kernels: what the mode looks at.
-_WATCHED = {getattr(p, name) for p in _PACKETS for name in p.overloads()} | set(HOST_ONLY)
-
-_HOST_MACS = {
-    aten.mm.default: lambda a, b, *r: _macs_mm(a, b),
-    aten.addmm.default: lambda c, a, b, *r: _macs_mm(a, b),
-    aten.bmm.default: lambda a, b, *r: a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2],
-    aten.baddbmm.default: lambda c, a, b, *r: a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2],
-    aten.addbmm.default: lambda c, a, b, *r: a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2],
-    aten.mv.default: lambda a, v, *r: a.numel(),
-    aten.addmv.default: lambda c, a, v, *r: a.numel(),
-    aten.dot.default: lambda a, b, *r: a.numel(),
-    aten.vdot.default: lambda a, b, *r: a.numel(),
+#: Per routed operator: its name, the device's computation (``handler(product, *args)``), the
+#: MACs of its products, and torch's own computation (its ``out=`` form) for the threads and
+#: the work that are not routed.
+_OPS = {
+    "mm": (_mm, lambda a, b: _macs_mm(a, b), lambda a, b: aten.mm.out(a, b, out=_out_mm(a, b))),
+    "addmm": (_addmm, lambda c, a, b, **k: _macs_mm(a, b),
+              lambda c, a, b, **k: aten.addmm.out(c, a, b, **k, out=_out_mm(a, b))),
+    "bmm": (_bmm, lambda a, b: a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2],
+            lambda a, b: aten.bmm.out(a, b, out=_out_bmm(a, b))),
+    "baddbmm": (_baddbmm, lambda c, a, b, **k: a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2],
+                lambda c, a, b, **k: aten.baddbmm.out(c, a, b, **k, out=_out_bmm(a, b))),
+    "addbmm": (_addbmm, lambda c, a, b, **k: a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2],
+               lambda c, a, b, **k: aten.addbmm.out(c, a, b, **k, out=a.new_empty((a.shape[1], b.shape[2])))),
+    "mv": (_mv, lambda a, v: a.numel(), lambda a, v: aten.mv.out(a, v, out=a.new_empty((a.shape[0],)))),
+    "addmv": (_addmv, lambda c, a, v, **k: a.numel(),
+              lambda c, a, v, **k: aten.addmv.out(c, a, v, **k, out=a.new_empty((a.shape[0],)))),
+    "dot": (_dot, lambda a, b: a.numel(), lambda a, b: aten.dot.out(a, b, out=a.new_empty(()))),
+    "vdot": (_dot, lambda a, b: a.numel(), lambda a, b: aten.vdot.out(a, b, out=a.new_empty(()))),
 }
+#: The operators whose CPU kernels ``AtenOffload`` replaces.
+ROUTED = tuple(f"aten.{name}" for name in _OPS)
+
+_local = threading.local()  # the routes of this thread: a stack of (product, active)
+_registration_lock = threading.Lock()
+_registration = {"library": None, "users": 0}
+
+
+def _kernel(name: str):
+    handler, macs, own = _OPS[name]
+    handler = _typed(handler)
+    label = f"aten.{name}"
+
+    def kernel(*args, **kwargs):
+        routes = getattr(_local, "routes", None)
+        route = routes[-1] if routes else None
+        if route is None or not route[1]():
+            return own(*args, **kwargs)  # a thread that routes nothing, or the device's own work
+        tensors = [t for t in args[:3] if isinstance(t, torch.Tensor)]
+        if all(t.is_floating_point() for t in tensors):
+            if counts.current() is None:  # else a product of an operation already counted
+                counts.count_call(label)
+            with counts.routing(label):
+                return handler(route[0], *args, **kwargs)
+        counts.count_host(label, macs(*args, **kwargs), "its operands are not floating point tensors")
+        return own(*args, **kwargs)
+
+    kernel.__name__ = f"hbfp_{name}"
+    return kernel
+
+
+def _register() -> None:
+    with _registration_lock:
+        if _registration["users"] == 0:
+            lib = torch.library.Library("aten", "IMPL")
+            with warnings.catch_warnings():  # torch says, once, that the kernels are overridden
+                warnings.simplefilter("ignore")
+                for name in _OPS:
+                    lib.impl(name, _kernel(name), "CPU")
+            _registration["library"] = lib
+        _registration["users"] += 1
+
+
+def _unregister() -> None:
+    with _registration_lock:
+        _registration["users"] -= 1
+        if _registration["users"] == 0:
+            _registration["library"]._destroy()  # torch's own CPU kernels again
+            _registration["library"] = None
+
+
+class AtenOffload:
+    """While active on this thread, runs the ATen matrix products (module docstring) on
+    ``product``'s device: ``product(a, b)`` computes a 2-D fp32 product there,
+    ``product.batched(a, b)`` (where it has one) a stack of them; ``active()`` says whether to
+    route now (the precision, not inside the device's own work)."""
+
+    def __init__(self, product, active):
+        self.product = product
+        self.active = active
+
+    def __enter__(self):
+        _register()
+        routes = getattr(_local, "routes", None)
+        if routes is None:
+            routes = _local.routes = []
+        routes.append((self.product, self.active))
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            _local.routes.pop()
+        finally:
+            _unregister()
+        return False
 
 
 @contextlib.contextmanager

@@ -196,7 +196,7 @@ static double tile_scale_for(unsigned emax, int frac, int *in_f32)
    branches on the data, which vectorize. Returns 0, or -1 if out of memory. */
 static int quantize_bands(const float *x, long rs, long m, long n, long th, long tw, int mbits, int rounding,
                           unsigned key, void *codes, int code_bytes, long ldq, unsigned char *exps, long lde,
-                          long band0, long band1)
+                          long band0, long band1, unsigned base)
 {
     long tc = (n + tw - 1) / tw;
     int frac = mbits - 2;
@@ -243,7 +243,7 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
     }
     for (long b = band0; b < band1 && !flat; b++) {
         long r0 = b * th, rows = m - r0 < th ? m - r0 : th;
-        unsigned band_pos = (unsigned)(((unsigned long long)b * (unsigned long long)(tc * th * tw)) & 0xFFFFFFFFull);
+        unsigned band_pos = base + (unsigned)(((unsigned long long)b * (unsigned long long)(tc * th * tw)) & 0xFFFFFFFFull);
         memset(colmax, 0, (size_t)n * sizeof(unsigned));
         int narrow = 1; /* every live tile's scale a normal fp32: the rows in fp32 */
         for (long r = 0; r < rows; r++) {
@@ -300,32 +300,39 @@ typedef struct {
     int code_bytes;
     long ldq;
     unsigned char *exps;
-    long lde, step, tr;
+    long lde, step, tr, chunks, xbs, cbs, ebs;
+    unsigned long long pos_step;
 } quantize_job;
 
 static int quantize_part(void *ctx, long p)
 {
     const quantize_job *j = ctx;
-    long b0 = p * j->step, b1 = b0 + j->step < j->tr ? b0 + j->step : j->tr;
-    return quantize_bands(j->x, j->rs, j->m, j->n, j->th, j->tw, j->mbits, j->rounding, j->key, j->codes,
-                          j->code_bytes, j->ldq, j->exps, j->lde, b0, b1);
+    long bi = p / j->chunks, b0 = p % j->chunks * j->step, b1 = b0 + j->step < j->tr ? b0 + j->step : j->tr;
+    return quantize_bands(j->x + bi * j->xbs, j->rs, j->m, j->n, j->th, j->tw, j->mbits, j->rounding, j->key,
+                          (char *)j->codes + bi * j->cbs * j->code_bytes, j->code_bytes, j->ldq, j->exps + bi * j->ebs,
+                          j->lde, b0, b1, (unsigned)((bi * j->pos_step) & 0xFFFFFFFFull));
 }
 
-/* quantize_bands over all tile-row bands, in parts of bands that threads take as they come free
-   (up to four a thread; one thread below PARALLEL_ELEMENTS). */
+/* quantize_bands over all tile-row bands of `batch` matrices (strides xbs, cbs, ebs; matrix i's
+   stream positions start at i * pos_step: the positions of the matrices stacked, each padded to
+   whole tiles), in parts of bands that threads take as they come free (up to four a thread;
+   one thread below PARALLEL_ELEMENTS). */
 int hbfp_quantize(const float *x, long rs, long m, long n, long th, long tw, int mbits, int rounding, unsigned key,
-                  void *codes, int code_bytes, long ldq, unsigned char *exps, long lde, int threads)
+                  void *codes, int code_bytes, long ldq, unsigned char *exps, long lde, long batch, long xbs,
+                  long cbs, long ebs, int threads)
 {
     if (m < 0 || n < 0 || th < 1 || tw < 1 || mbits < 2 || mbits > 16 || rounding < 0 || rounding > 2 ||
-        (code_bytes != 1 && code_bytes != 2))
+        (code_bytes != 1 && code_bytes != 2) || batch < 0)
         return HBFP_EINVAL;
     long tr = (m + th - 1) / th;
-    if (m * n < PARALLEL_ELEMENTS || tr < 2)
+    if (batch * m * n < PARALLEL_ELEMENTS)
         threads = 1;
-    long parts = threads <= 1 ? 1 : 4L * threads, step = (tr + parts - 1) / parts;
+    long per = threads <= 1 ? 1 : (4L * threads + batch - 1) / batch, step = (tr + per - 1) / per;
     if (step < 1)
         step = 1;
-    parts = (tr + step - 1) / step;
-    quantize_job job = {x, rs, m, n, th, tw, mbits, rounding, key, codes, code_bytes, ldq, exps, lde, step, tr};
-    return hbfp_parallel(quantize_part, &job, parts, threads);
+    long chunks = (tr + step - 1) / step;
+    unsigned long long pos_step = (unsigned long long)tr * th * (unsigned long long)((n + tw - 1) / tw * tw);
+    quantize_job job = {x, rs, m, n, th, tw, mbits, rounding, key, codes, code_bytes, ldq, exps, lde, step, tr,
+                        chunks, xbs, cbs, ebs, pos_step};
+    return hbfp_parallel(quantize_part, &job, batch * chunks, threads);
 }

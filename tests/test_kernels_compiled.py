@@ -1,0 +1,292 @@
+"""The compiled kernels (hbfp.kernels.build, src/*.c), every variant this CPU runs, against the
+reference (hbfp.golden) bit for bit: the product on the edges of the register tiles and the
+blocks, every storage order of the operands (transposed and sliced views), stacks, any number
+of threads, the fused bias, activation and bf16 output; quantization of stacks; the
+convolutions' patches; and the cache: a library that fails a check is rebuilt, never loaded,
+and without the kernels (no compiler, or turned off) the portable paths give the same bits."""
+
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hbfp import kernels
+from hbfp.golden import HBFP8, HBFP16, MXINT8, BFPTensor, Format, bf16, quantize
+from hbfp.golden.gemm import gemm as golden_gemm
+from hbfp.kernels import build
+
+VARIANTS = [pytest.param(v, marks=pytest.mark.skipif(not kernels.available(v), reason=f"{v}: {kernels.why(v)}"))
+            for v in kernels.COMPILED]
+
+
+def same(x, y) -> bool:
+    x, y = np.asarray(x), np.asarray(y)
+    if x.shape != y.shape:
+        return False
+    xn, yn = np.isnan(x), np.isnan(y)
+    return np.array_equal(xn, yn) and np.array_equal(x[~xn].view(np.uint32), y[~yn].view(np.uint32))
+
+
+def reference(qa, qb, **kw):
+    return golden_gemm(qa, qb, impl="reference", **kw)
+
+
+def operands(rng, m, k, n, fmt=HBFP8, spread=6):
+    x = (rng.standard_normal((m, k)) * np.exp2(rng.integers(-spread, spread + 1, (m, 1)))).astype(np.float32)
+    y = (rng.standard_normal((k, n)) * np.exp2(rng.integers(-spread, spread + 1, (1, n)))).astype(np.float32)
+    return quantize(x, fmt), quantize(y, fmt.transposed())
+
+
+# Edges of the 6 x 16 register tile, the 24-row and 512-column blocks, the K blocks (384 codes),
+# K-tiles that are not whole pairs, and a long K.
+SHAPES = [(1, 24, 1), (5, 48, 31), (6, 24, 16), (7, 72, 17), (13, 240, 64), (25, 250, 70), (64, 500, 600),
+          (40, 9, 16), (30, 50, 48), (9, 4096, 16), (3, 24 * 40, 530), (100, 385, 33)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("m, k, n", SHAPES)
+def test_products_equal_reference(variant, m, k, n):
+    rng = np.random.default_rng(m * k + n)
+    qa, qb = operands(rng, m, k, n)
+    c = (rng.standard_normal((m, n)) * 1e3).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    for kw in ({}, {"c": c}, {"c": c, "bias": bias}):
+        assert same(golden_gemm(qa, qb, impl=variant, **kw), reference(qa, qb, **kw))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", [MXINT8, Format(6, (3, 5)), Format(4, (2, 1)), Format(10, (4, 4)), Format(8, (5, 7)),
+                                 HBFP16, Format(12, (24, 24))])
+def test_other_formats_and_tiles(variant, fmt):
+    rng = np.random.default_rng(5)
+    qa, qb = operands(rng, 29, 7 * fmt.tile[1] - 1, 45, fmt)
+    assert same(golden_gemm(qa, qb, impl=variant), reference(qa, qb))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_storage_order_and_sliced_views(variant):
+    """A and B stored as they are, transposed (K x M, N x K), as column slices of a wider matrix
+    and with a row step: the kernel reads each through its strides."""
+    rng = np.random.default_rng(6)
+    qa, qb = operands(rng, 50, 100, 70, spread=10)
+    want = reference(qa, qb)
+    at = BFPTensor(np.ascontiguousarray(qa.codes.T).T, np.ascontiguousarray(qa.exponents.T).T, qa.fmt)
+    bt = BFPTensor(np.ascontiguousarray(qb.codes.T).T, np.ascontiguousarray(qb.exponents.T).T, qb.fmt)
+    for a in (qa, at):
+        for b in (qb, bt):
+            assert same(golden_gemm(a, b, impl=variant), want)
+    wide = np.zeros((100, 96), np.int8)
+    wide[:, 3:73] = qb.codes
+    b_slice = BFPTensor(wide[:, 3:73], qb.exponents, qb.fmt)
+    assert same(golden_gemm(qa, b_slice, impl=variant), want)
+    assert same(kernels.gemm((qa.codes, qa.exponents), (qb.codes[::-1][::-1], qb.exponents), fa=qa.fmt, fb=qb.fmt,
+                             impl=variant), want)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_the_split_over_threads_keeps_the_bits(variant, threads):
+    rng = np.random.default_rng(7)
+    qa, qb = operands(rng, 300, 500, 700, spread=8)
+    want = reference(qa, qb)
+    assert same(kernels.gemm(qa, qb, impl=variant, threads=threads), want)
+    x = (rng.standard_normal((500, 300)) * 10).astype(np.float32)
+    fmt = HBFP8.with_rounding("stochastic")
+    ref = quantize(x, fmt, seed=9, impl="reference")
+    codes, exps = kernels.quantize(x, fmt, seed=9, impl=variant, threads=threads)
+    assert np.array_equal(codes, ref.codes) and np.array_equal(exps, ref.exponents)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_stacks_equal_their_products(variant):
+    rng = np.random.default_rng(8)
+    nb, m, k, n = 5, 30, 70, 26
+    x = rng.standard_normal((nb, m, k)).astype(np.float32)
+    y = rng.standard_normal((nb, k, n)).astype(np.float32)
+    ca, ea = kernels.quantize(x, HBFP8, impl=variant)
+    cb, eb = kernels.quantize(y, HBFP8, impl=variant)
+    c = rng.standard_normal((nb, m, n)).astype(np.float32)
+    got = kernels.gemm((ca, ea), (cb, eb), fa=HBFP8, fb=HBFP8, c=c, impl=variant)
+    for i in range(nb):
+        qa, qb = quantize(x[i], HBFP8), quantize(y[i], HBFP8)
+        assert np.array_equal(ca[i], qa.codes) and np.array_equal(ea[i], qa.exponents)
+        assert same(got[i], reference(qa, qb, c=c[i]))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "leaky_relu"])
+def test_fused_bias_activation_and_bf16_output(variant, activation):
+    rng = np.random.default_rng(9)
+    qa, qb = operands(rng, 40, 90, 33)
+    bias = rng.standard_normal(33).astype(np.float32)
+    bias[0] = np.float32(1e-40)  # a subnormal bias reads as zero
+    for out in ("fp32", "bf16"):
+        got = golden_gemm(qa, qb, bias=bias, activation=activation, out=out, impl=variant)
+        want = reference(qa, qb, bias=bias, activation=activation, out=out)
+        if out == "bf16":
+            assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+        else:
+            assert same(got, want)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_accumulator_specials_and_in_place(variant):
+    rng = np.random.default_rng(10)
+    qa, qb = operands(rng, 20, 48, 20)
+    c = rng.standard_normal((20, 20)).astype(np.float32)
+    c[0, :5] = [np.nan, np.inf, -np.inf, -0.0, np.float32(1e-41)]
+    want = reference(qa, qb, c=c)
+    assert same(golden_gemm(qa, qb, c=c, impl=variant), want)
+    assert np.isnan(want[0, 0]) and np.isposinf(want[0, 1]) and np.isneginf(want[0, 2])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bad_arguments_are_refused(variant):
+    lib = kernels._COMPILED[variant]
+    qa, qb = operands(np.random.default_rng(0), 4, 30, 5)
+    out = np.empty((4, 5), np.float32)
+    with pytest.raises(TypeError, match="int8 or int16"):
+        lib.gemm((qa.codes.astype(np.int32), qa.exponents), qa.fmt, (qb.codes, qb.exponents), qb.fmt, out)
+    with pytest.raises(ValueError, match="exponents"):
+        lib.gemm((qa.codes, qa.exponents[:, :1]), qa.fmt, (qb.codes, qb.exponents), qb.fmt, out)
+    with pytest.raises(ValueError, match="out must be"):
+        lib.gemm((qa.codes, qa.exponents), qa.fmt, (qb.codes, qb.exponents), qb.fmt, np.empty((4, 4), np.float32))
+    with pytest.raises(ValueError, match="agree along K"):
+        lib.gemm((qa.codes, qa.exponents), qa.fmt, (qb.codes[:20], qb.exponents), qb.fmt, out)
+    with pytest.raises(ValueError, match="negative strides"):
+        lib.gemm((qa.codes[::-1], qa.exponents), qa.fmt, (qb.codes, qb.exponents), qb.fmt, out)
+
+
+CONVS = [((64, 16, 8, 8), (3, 3), (1, 1), (1, 1), (1, 1)), ((3, 5, 11, 9), (3, 2), (2, 1), (2, 0), (1, 2)),
+         ((2, 3, 7, 7), (5, 5), (2, 2), (2, 2), (1, 1)), ((1, 2, 9, 9), (3, 3), (3, 3), (0, 0), (2, 2)),
+         ((2, 2, 5, 5), (3, 3), (1, 1), (4, 4), (1, 1)), ((1, 1, 4, 4), (2, 2), (3, 3), (1, 1), (3, 3))]
+
+
+@pytest.mark.parametrize("shape, kernel, stride, padding, dilation", CONVS)
+def test_im2col_and_col2im_equal_torchs_unfold_and_fold(shape, kernel, stride, padding, dilation):
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[2]))
+    cols = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+    want = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+    got = kernels.im2col(x, kernel, stride, padding, dilation)
+    assert torch.equal(got, want)
+    g = (torch.randn(*want.shape, generator=torch.Generator().manual_seed(1)) * 1e3).contiguous()
+    folded = F.fold(g.reshape(shape[0], -1, g.shape[1]).transpose(1, 2), shape[2:], kernel, dilation=dilation,
+                    padding=padding, stride=stride)
+    back = kernels.col2im(g, shape, kernel, stride, padding, dilation)
+    assert same(back.numpy(), folded.numpy())  # the same additions in the same order
+
+
+def test_conv_geometry_is_checked():
+    x = np.zeros((1, 1, 4, 4), np.float32)
+    with pytest.raises(ValueError, match="no convolution output"):
+        kernels.im2col(x, (5, 5), (1, 1), (0, 0), (1, 1))
+    with pytest.raises(ValueError, match="16 x 9"):
+        kernels.col2im(np.zeros((16, 8), np.float32), (1, 1, 4, 4), (3, 3), (1, 1), (1, 1), (1, 1))
+
+
+def test_the_cpu_features_decide_the_variants():
+    feats = build.features()
+    assert kernels.available("c") == (build.load("c") is not None)
+    if "avx2" not in feats:
+        assert not kernels.available("avx2") and "lacks avx2" in kernels.why("avx2")
+    for v in build.VARIANTS:
+        lib = build.load(v.name)
+        if lib is not None:
+            assert lib.hbfp_isa().decode() == v.name
+
+
+# ---- the cache ------------------------------------------------------------------------------
+
+_PROBE = """
+import numpy as np, warnings
+from hbfp import kernels
+from hbfp.golden import HBFP8, quantize
+from hbfp.golden.gemm import gemm
+rng = np.random.default_rng(1)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    a = quantize(rng.standard_normal((30, 50)).astype(np.float32))
+    b = quantize(rng.standard_normal((50, 20)).astype(np.float32))
+    y = gemm(a, b)
+for w in caught:
+    print("WARNING", w.message)
+print(kernels.available("c"))
+print(kernels.why("c"))
+print(y.view(np.uint32).sum())
+"""
+
+
+def _probe(env, cache):
+    full = {**os.environ, "HBFP_CACHE": str(cache), "HBFP_KERNELS": "c", **env}  # one build: the portable one
+    r = subprocess.run([sys.executable, "-c", _PROBE], env=full, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory):
+    """A cache with the portable build in it (built once for the tests below)."""
+    cache = tmp_path_factory.mktemp("kernel-cache")
+    assert _probe({}, cache)[0] == "True"
+    return cache
+
+
+def _copy_cache(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    os.chmod(dst, stat.S_IRWXU)
+    return dst
+
+
+def test_without_the_kernels_the_portable_paths_give_the_same_bits(tmp_path, built_cache):
+    on = _probe({}, _copy_cache(built_cache, tmp_path / "on"))
+    off = _probe({"HBFP_NATIVE": "0"}, tmp_path / "off")
+    no_cc = _probe({"CC": "no-such-compiler-hbfp"}, tmp_path / "nocc")
+    assert on[0] == "True" and on[1] == "None"
+    assert off[0] == "False" and "HBFP_NATIVE=0" in off[1]  # turned off on purpose: no warning
+    assert no_cc[0].startswith("WARNING") and "no-such-compiler-hbfp" in no_cc[0]  # one warning, the reason
+    assert no_cc[1] == "False" and "no-such-compiler-hbfp" in no_cc[2]
+    assert on[2] == off[2] == no_cc[3]
+    assert any(p.name.startswith("hbfp-kernels-c-") for p in (tmp_path / "on").iterdir())
+
+
+def test_a_cached_library_that_fails_a_check_is_rebuilt_not_loaded(tmp_path, built_cache):
+    cache = _copy_cache(built_cache, tmp_path / "cache")
+    libs = sorted(p for p in cache.iterdir() if p.name.startswith("hbfp-kernels-c-"))
+    assert libs
+    lib = libs[0]
+    # A library replaced by other content: its name's hash no longer matches. Its constructor
+    # would run on load; it must not.
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.c"
+    evil.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void f(void) {{ FILE *o = fopen("{marker}", "w"); if (o) fclose(o); }}\n')
+    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o", str(lib), str(evil)], check=True)
+    out = _probe({}, cache)
+    assert out[0] == "True" and not marker.exists()
+    fresh = sorted(p for p in cache.iterdir() if p.name.startswith("hbfp-kernels-c-"))
+    assert all(build._verified(p) is not None for p in fresh)
+    # A library others may write is not loaded either (it is rebuilt instead).
+    os.chmod(fresh[0], 0o777)
+    assert build._verified(fresh[0]) is None
+    os.chmod(fresh[0], 0o700)
+    assert build._verified(fresh[0]) is not None
+    # A cache directory others may write is not used at all.
+    os.chmod(cache, 0o777)
+    out = _probe({}, cache)
+    assert out[1] == "False" and "other users" in out[2]
+    os.chmod(cache, stat.S_IRWXU)
+
+
+def test_the_compiler_runs_under_a_time_limit(tmp_path):
+    slow = tmp_path / "slowcc"
+    slow.write_text("#!/bin/sh\nsleep 30\n")
+    slow.chmod(0o755)
+    out = _probe({"CC": str(slow), "HBFP_CC_TIMEOUT": "1"}, tmp_path / "cache")
+    assert out[0].startswith("WARNING")
+    assert out[1] == "False" and ("more than 1 s" in out[2] or "slowcc" in out[2])
