@@ -25,8 +25,9 @@ What is here:
 from __future__ import annotations
 
 import dataclasses
-import math
 import enum
+import functools
+import math
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -602,6 +603,12 @@ class CoreConfig:
         return d
 
 
+@functools.lru_cache(maxsize=64)
+def _format(mantissa_bits: int, tile: tuple[int, int], rounding: str) -> Format:
+    """One Format object per format (a product asks for its device's several times)."""
+    return Format(mantissa_bits, tile, rounding)
+
+
 @dataclass(frozen=True)
 class Identity:
     """What IDENTIFY reports (``IDENTITY``'s fields)."""
@@ -649,7 +656,7 @@ class Identity:
 
     def fmt(self, rounding: str = "nearest_even") -> Format:
         """The device's BFP format (``hbfp.golden.bfp.Format``) with a rounding mode."""
-        return Format(self.mantissa_bits, self.tile, rounding)
+        return _format(self.mantissa_bits, self.tile, rounding)
 
     @property
     def functions(self) -> tuple[str, ...]:

@@ -67,14 +67,18 @@ class Codes(NamedTuple):
     fmt: Format
 
 
+_THREADS_ENV = os.environ.get("HBFP_NUM_THREADS")
+
+
 def default_threads() -> int:
-    """The threads a compiled kernel shares its work over by default."""
-    env = os.environ.get("HBFP_NUM_THREADS")
-    if env:
+    """The threads a compiled kernel shares its work over by default (``$HBFP_NUM_THREADS``,
+    read when hbfp.kernels is imported; else torch's intra-op threads where torch is loaded,
+    else the CPUs this process may run on)."""
+    if _THREADS_ENV:
         try:
-            return max(1, int(env))
+            return max(1, int(_THREADS_ENV))
         except ValueError:
-            raise ValueError(f"HBFP_NUM_THREADS must be a positive integer, got {env!r}") from None
+            raise ValueError(f"HBFP_NUM_THREADS must be a positive integer, got {_THREADS_ENV!r}") from None
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "get_num_threads"):
         return torch.get_num_threads()
@@ -223,6 +227,10 @@ def gemm(a, b, *, fa: Format | None = None, fb: Format | None = None, c=None, bi
     cb, eb, fb = _operand(b, fb, "B")
     if out not in ("fp32", "bf16"):
         raise ValueError(f"out must be 'fp32' or 'bf16', got {out!r}")
+    if impl is None and c is None and bias is None and activation is None and type(ca) is _Tensor():
+        y = _gemm_lean(ca, ea, fa, cb, eb, fb, out, threads, qmax_a, qmax_b)
+        if y is not None:
+            return y
     name = resolve(impl, _device(ca))
     if name in _COMPILED:
         return _gemm_compiled(_COMPILED[name], ca, ea, fa, cb, eb, fb, c, bias, activation, out, leaky_shift,
@@ -270,6 +278,51 @@ def gemm(a, b, *, fa: Format | None = None, fb: Format | None = None, c=None, bi
         import torch
 
         return torch.from_numpy(y.view(np.int16)).view(torch.bfloat16) if out == "bf16" else torch.from_numpy(y)
+    return y
+
+
+def _Tensor():
+    """torch.Tensor where torch is loaded (else nothing can be one: no import here)."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "Tensor", None)
+
+
+def _lean_types():
+    import torch
+
+    return {torch.int8, torch.int16}, torch.uint8
+
+
+def _gemm_lean(ca, ea, fa, cb, eb, fb, out, threads, qmax_a, qmax_b):
+    """``gemm`` of CPU torch tensors by the preferred compiled kernel, in a few microseconds:
+    None where a check fails (the general path then says why)."""
+    name = _best_cpu()
+    lib = _COMPILED.get(name)
+    if lib is None:
+        return None
+    import torch
+
+    codes, exps = _lean_types()
+    if (ca.dtype not in codes or cb.dtype not in codes or ea.dtype != exps or eb.dtype != exps or not ca.is_cpu
+            or not cb.is_cpu or ca.requires_grad or cb.requires_grad or ca.dim() not in (2, 3)
+            or cb.dim() != ca.dim() or ea.dim() != ca.dim() or eb.dim() != ca.dim()):
+        return None
+    if min(ca.stride()) < 0 or min(cb.stride()) < 0 or min(ea.stride()) < 0 or min(eb.stride()) < 0:
+        return None
+    (m, k), (k2, n) = ca.shape[-2:], cb.shape[-2:]
+    th, tk = fa.tile
+    if k != k2 or tk != fb.tile[0] or tuple(ea.shape[-2:]) != (-(-m // th), -(-k // tk)) \
+            or tuple(eb.shape[-2:]) != (-(-k // tk), -(-n // fb.tile[1])):
+        return None
+    if ca.dim() == 3 and not (cb.shape[0] == ea.shape[0] == eb.shape[0] == ca.shape[0]):
+        return None
+    shape = (*ca.shape[:-1], n)
+    y = torch.from_numpy(np.empty(shape, np.float32)) if out == "fp32" else \
+        torch.from_numpy(np.empty(shape, np.int16)).view(torch.bfloat16)  # (NumPy allocates faster)
+    if y.numel():
+        qa = (127 if ca.dtype == torch.int8 else _code_bound(ca.numpy(), fa)) if qmax_a is None else qmax_a
+        qb = (127 if cb.dtype == torch.int8 else _code_bound(cb.numpy(), fb)) if qmax_b is None else qmax_b
+        lib.gemm_tensor(ca, ea, fa, cb, eb, fb, y, default_threads() if threads is None else threads, qa, qb)
     return y
 
 
@@ -345,6 +398,10 @@ def quantize(x, fmt: Format, *, seed: int | None = None, impl: str | None = None
     if not isinstance(fmt, Format):
         raise TypeError(f"fmt must be a Format (for example HBFP8), got {fmt!r}")
     bfp._check_stochastic(fmt, seed)
+    if impl is None and type(x) is _Tensor():
+        q = _quantize_lean(x, fmt, seed, threads)
+        if q is not None:
+            return q
     name = resolve(impl, _device(x))
     torch_in = _is_torch(x)
     if torch_in:
@@ -399,6 +456,37 @@ def quantize(x, fmt: Format, *, seed: int | None = None, impl: str | None = None
         return (codes, exps) if torch_in else (codes.numpy(), exps.numpy())
     t = bfp.quantize(xn.numpy() if torch_in else xn, fmt, seed=seed, impl="reference")  # the golden bands
     return (_like(x, t.codes), _like(x, t.exponents)) if torch_in else (t.codes, t.exponents)
+
+
+@functools.lru_cache(maxsize=4096)
+def _seed_key(seed: int) -> int:
+    from hbfp.golden import bfp
+
+    return int(bfp._key(seed))
+
+
+def _quantize_lean(x, fmt: Format, seed, threads):
+    """``quantize`` of a CPU fp32 torch tensor (a matrix or a stack; rows of consecutive
+    values) by the preferred compiled kernel, in a few microseconds: None elsewhere."""
+    name = _best_cpu()
+    lib = _COMPILED.get(name)
+    if lib is None:
+        return None
+    import torch
+
+    if x.dtype != torch.float32 or not x.is_cpu or x.dim() not in (2, 3) or (x.shape[-1] > 1 and x.stride(-1) != 1) \
+            or min(x.stride()) < 0:
+        return None
+    th, tw = fmt.tile
+    m, n = x.shape[-2:]
+    codes = torch.from_numpy(np.empty(tuple(x.shape), fmt.code_dtype))
+    exps = torch.from_numpy(np.empty((*x.shape[:-2], -(-m // th), -(-n // tw)), np.uint8))
+    if m and n and x.numel():
+        key = _seed_key(seed) if fmt.rounding == "stochastic" else 0
+        lib.quantize_tensor(x.detach(), fmt, key, codes, exps, default_threads() if threads is None else threads)
+    else:
+        exps.zero_()
+    return codes, exps
 
 
 def requantize(codes, exponents, src: Format, fmt: Format, *, seed: int | None = None):

@@ -94,10 +94,37 @@ def _compiler_identity(cc: str) -> bytes:
         raise OSError(f"no C compiler ({cc!r}: {e}; set CC)") from None
 
 
+_openmp_ok: dict[str, bool] = {}
+
+
+def _openmp(cc: str) -> tuple[str, ...]:
+    """``-fopenmp`` where the compiler builds with it (and ``HBFP_OPENMP`` is not 0): the
+    kernels' parallel parts then run on the OpenMP runtime the process has (torch's, whose
+    threads would otherwise spin beside the kernels' own); else the kernels' own pool
+    (src/pool.c)."""
+    if os.environ.get("HBFP_OPENMP", "1") == "0":
+        return ()
+    if cc not in _openmp_ok:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "t.c"
+            src.write_text("#include <omp.h>\nint f(void) { return omp_get_max_threads(); }\n")
+            try:
+                r = subprocess.run([cc, "-fopenmp", "-shared", "-fPIC", "-o", str(Path(tmp) / "t.so"), str(src)],
+                                   capture_output=True, timeout=_timeout())
+                _openmp_ok[cc] = r.returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                _openmp_ok[cc] = False
+    return ("-fopenmp",) if _openmp_ok[cc] else ()
+
+
+def _flags(variant: Variant, cc: str) -> tuple[str, ...]:
+    return _COMMON + _openmp(cc) + variant.flags
+
+
 def _key(variant: Variant, cc: str) -> str:
     h = hashlib.sha256()
-    parts = [capi.header().encode(), cc.encode(), _compiler_identity(cc), " ".join(_COMMON + variant.flags).encode(),
-             os.uname().machine.encode()]
+    parts = [capi.header().encode(), capi.vector_source().encode(), cc.encode(), _compiler_identity(cc),
+             " ".join(_flags(variant, cc)).encode(), os.uname().machine.encode()]
     parts += [(SRC / f).read_bytes() for f in SOURCES + HEADERS]
     for p in parts:
         h.update(p)
@@ -174,8 +201,10 @@ def _build(v: Variant, key: str, cc: str) -> tuple[Path, bytes]:
     timeout = _timeout()
     with tempfile.TemporaryDirectory(dir=d) as tmp:
         (Path(tmp) / "hbfp_abi.h").write_text(capi.header())
+        (Path(tmp) / "hbfp_abi.c").write_text(capi.vector_source())
         out = Path(tmp) / "lib.so"
-        cmd = [cc, *_COMMON, *v.flags, f"-I{tmp}", f"-I{SRC}", "-o", str(out), *(str(SRC / f) for f in SOURCES), "-lm"]
+        cmd = [cc, *_flags(v, cc), f"-I{tmp}", f"-I{SRC}", "-o", str(out), *(str(SRC / f) for f in SOURCES),
+               str(Path(tmp) / "hbfp_abi.c"), "-lm"]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -4,6 +4,7 @@ and layouts are checked here; the bits are the C code's (src/)."""
 
 from __future__ import annotations
 
+import array
 import ctypes
 
 import numpy as np
@@ -164,6 +165,43 @@ class Compiled:
                          cptr, ldc, bsc, bptr, tptr)
         _check(self.lib.hbfp_gemm(ctypes.addressof(oa), ctypes.addressof(ob), ctypes.addressof(oo), nb, m, n, k,
                                   threads), "gemm")
+
+    # ---- the lean paths of torch tensors ---------------------------------------------------
+
+    def gemm_tensor(self, ca, ea, fa, cb, eb, fb, out, threads: int, qmax_a: int, qmax_b: int) -> None:
+        """``gemm`` of CPU torch tensors the caller has checked (codes int8/int16 with
+        nonnegative strides, exponents uint8 matching the tiles, ``out`` float32 or bf16 with
+        contiguous rows, matrices or stacks alike): no C, bias or activation. The products of a
+        training step come by the hundred; this path spends a few microseconds on each (one
+        vector of arguments, ``capi.vector_source``)."""
+        batched = ca.dim() == 3
+        sa, sb, xa, xb, so = ca.stride(), cb.stride(), ea.stride(), eb.stride(), out.stride()
+        th, tk = fa.tile
+        shape = ca.shape
+        v = array.array("q", (
+            ca.data_ptr(), ca.element_size(), sa[-2], sa[-1], sa[0] if batched else 0, ea.data_ptr(), xa[-2], xa[-1],
+            xa[0] if batched else 0, th, tk, fa.frac_bits, qmax_a,
+            cb.data_ptr(), cb.element_size(), sb[-2], sb[-1], sb[0] if batched else 0, eb.data_ptr(), xb[-2], xb[-1],
+            xb[0] if batched else 0, tk, fb.tile[1], fb.frac_bits, qmax_b,
+            out.data_ptr(), so[-2], so[0] if batched else 0, int(out.element_size() == 2), 0, 0, 0, 0, 0,
+            shape[0] if batched else 1, shape[-2], cb.shape[-1], shape[-1], threads))
+        rc = self.lib.hbfp_gemm_v(v.buffer_info()[0])
+        if rc:
+            _check(rc, "gemm")
+
+    def quantize_tensor(self, x, fmt, key: int, codes, exps, threads: int) -> None:
+        """``quantize`` of a CPU fp32 torch tensor the caller has checked (a matrix or a stack,
+        consecutive columns) into new ``codes`` and ``exps`` (contiguous)."""
+        st, cst, est = x.stride(), codes.stride(), exps.stride()
+        nd = x.dim()
+        th, tw = fmt.tile
+        v = array.array("q", (
+            x.data_ptr(), st[-2], x.shape[-2], x.shape[-1], th, tw, fmt.mantissa_bits, ROUNDINGS[fmt.rounding], key,
+            codes.data_ptr(), codes.element_size(), cst[-2], exps.data_ptr(), est[-2], x.shape[0] if nd == 3 else 1,
+            st[0] if nd == 3 else 0, cst[0] if nd == 3 else 0, est[0] if nd == 3 else 0, threads))
+        rc = self.lib.hbfp_quantize_v(v.buffer_info()[0])
+        if rc:
+            _check(rc, "quantize")
 
     # ---- quantization ---------------------------------------------------------------------
 

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import _disable_current_modes
 
 from . import counts as _report
 from .recipes import DEFAULT_RECIPE, RECIPES, ProductConfig, Recipe, Rounding, format_name
@@ -128,27 +127,26 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 
 class _device_work:
-    """The device's own work: no handler at all for its torch operations (``offload``'s modes
-    off, ``on_device`` set, so that a backward product run while the context routes products
-    does not route its kernels' operations). Entered again inside itself, it does nothing (a
-    context class rather than a generator: it runs several times per product)."""
+    """The device's own work: no torch-function handler for its torch operations (``offload``'s
+    mode off) and ``on_device`` set, so that neither the functional routes nor the ATen-level
+    kernels route the device's own operations (a backward product runs while the context routes
+    products). Entered again inside itself, it does nothing (a context class rather than a
+    generator: it runs several times per product)."""
 
-    __slots__ = ("outer", "guards")
+    __slots__ = ("outer", "guard")
 
     def __enter__(self):
         self.outer = getattr(_state, "on_device", False)
         if not self.outer:
             _state.on_device = True
-            self.guards = (torch._C.DisableTorchFunction(), _disable_current_modes())
-            for g in self.guards:
-                g.__enter__()
+            self.guard = torch._C.DisableTorchFunction()
+            self.guard.__enter__()
         return self
 
     def __exit__(self, *exc):
         if not self.outer:
             try:
-                for g in reversed(self.guards):
-                    g.__exit__(*exc)
+                self.guard.__exit__(*exc)
             finally:
                 _state.on_device = False
         return False

@@ -37,22 +37,37 @@
 #define NC 512        /* columns of an output block (a multiple of NR) */
 
 /* Per K-tile of a packed panel: the fp32 scales of its rows (A) or columns (B) for the fast
-   epilogue, their exact powers of two in double for the scalar one, and whether the fast
+   epilogue, their powers of two (NAN_X for a NaN tile) for the exact one, and whether the fast
    epilogue may be used (every row or column safe). */
+#define NAN_X 32767
 typedef struct {
-    float sf[NR > MR ? NR : MR];
-    double sd[NR > MR ? NR : MR];
-    int safe;
-} scales_t;
+    float sf[MR];
+    short x[MR];
+    char safe;
+} scales_a_t;
+typedef struct {
+    float sf[NR];
+    short x[NR];
+    char safe;
+} scales_b_t;
 
 typedef struct {
     const hbfp_operand *a, *b;
     const hbfp_output *o;
-    long m, n, k, tk, kt;   /* tk: the K side of the tiles; kt: K-tiles */
-    long rows, cols;        /* the output block of a part */
+    long batch, m, n, k, tk, kt; /* tk: the K side of the tiles; kt: K-tiles */
+    long kct, kb, t0, t1, kp;   /* K-tiles per K block; the block being done: its K-tiles and pairs */
+    long pa, pb;                /* panels of A (MR rows) and B (NR columns) per matrix */
+    long a_group, b_group, a_tasks, b_tasks; /* panels per packing task, tasks per matrix */
+    long rows, cols;            /* the output block of a part */
     long row_blocks, col_blocks;
-    int wide;               /* K-tile sums need more than 31 bits */
-    int sbits;              /* bits of the largest K-tile sum */
+    int wide;                   /* K-tile sums need more than 31 bits */
+    int sbits;                  /* bits of the largest K-tile sum */
+    int a_layout, a_block, b_kind; /* how the operands pack (see gemm_part) */
+    int direct;                 /* the fp32 sums accumulate in out itself */
+    i16 *apk, *bpk;             /* the K block's packed panels: [batch][panel][pairs] */
+    scales_a_t *asc;            /* [batch][panel][K-tile] */
+    scales_b_t *bsc;
+    float *acc;                 /* the sums where not `direct`: [batch][m][n] */
 } gemm_job;
 
 /* ---- packing --------------------------------------------------------------------------- */
@@ -89,21 +104,27 @@ static inline double pow2d(int e)
    is asked only for exponent code 0 (a tile of zeros from quantize, but a stored operand may
    hold codes under it). `top`: the largest exponent sa may have for the first product to be
    exact. Returns whether the row is safe for the fast fp32 step. */
-static inline int row_scales(int e, int frac, int nonzero, int top, float *sf, double *sd)
+static inline int row_scales(int e, int frac, int nonzero, int top, float *sf, short *xp)
 {
     if (e == 0xFF) {
         *sf = __builtin_nanf("");
-        *sd = __builtin_nan("");
+        *xp = NAN_X;
         return 1;
     }
     int x = e - 127 - frac;
-    *sd = pow2d(x);
+    *xp = (short)x;
     if (e == 0 && !nonzero) { /* s = 0 whatever the scale: any normal one will do */
         *sf = 1.0f;
         return 1;
     }
     *sf = pow2f(x);
     return x >= -126 && x <= top;
+}
+
+/* 2**x exactly (NaN for NAN_X). */
+static inline double scale_of(short x)
+{
+    return x == NAN_X ? __builtin_nan("") : pow2d(x);
 }
 
 /* Whether any of n codes (stride st) is nonzero. */
@@ -139,11 +160,11 @@ static inline void widen(const void *src, int bytes, long n, long pad, i16 *rest
    the rows meet (rows of one tile share its exponent), except under exponent code 0, where each
    row's own codes say whether it is zero. */
 static void scales_a(const gemm_job *g, const hbfp_operand *a, const void *codes, const unsigned char *exps, long i0,
-                     int rows, long t0, long t1, scales_t *sc)
+                     int rows, long t0, long t1, scales_a_t *sc)
 {
     int top = 127 - g->sbits;
     for (long t = t0; t < t1; t++) {
-        scales_t *s = sc + (t - t0);
+        scales_a_t *s = sc + (t - t0);
         s->safe = 1;
         for (int r = 0; r < rows;) {
             long i = i0 + r, tr = i / a->th, end = (tr + 1) * a->th - i0; /* rows of this tile */
@@ -153,21 +174,21 @@ static void scales_a(const gemm_job *g, const hbfp_operand *a, const void *codes
             if (e == 0) {
                 for (; r < end; r++) {
                     int nz = any_code(codes, a->code_bytes, (i0 + r) * a->rs + t * g->tk * a->cs, tile_k(g, t), a->cs);
-                    s->safe &= row_scales(e, a->frac, nz, top, &s->sf[r], &s->sd[r]);
+                    s->safe &= row_scales(e, a->frac, nz, top, &s->sf[r], &s->x[r]);
                 }
                 continue;
             }
             float f;
-            double d;
-            s->safe &= row_scales(e, a->frac, 1, top, &f, &d);
+            short x;
+            s->safe &= row_scales(e, a->frac, 1, top, &f, &x);
             for (; r < end; r++) {
                 s->sf[r] = f;
-                s->sd[r] = d;
+                s->x[r] = x;
             }
         }
         for (int r = rows; r < MR; r++) {
             s->sf[r] = 1.0f;
-            s->sd[r] = 1.0;
+            s->x[r] = 0;
         }
     }
 }
@@ -247,10 +268,10 @@ static void pack_a_pairs(const gemm_job *g, const hbfp_operand *a, const void *c
 
 /* Scales of B's columns [j0, j0 + cols) in K-tiles [t0, t1) (as scales_a, by tiles of B). */
 static void scales_b(const gemm_job *g, const hbfp_operand *b, const void *codes, const unsigned char *exps, long j0,
-                     int cols, long t0, long t1, scales_t *sc)
+                     int cols, long t0, long t1, scales_b_t *sc)
 {
     for (long t = t0; t < t1; t++) {
-        scales_t *s = sc + (t - t0);
+        scales_b_t *s = sc + (t - t0);
         s->safe = 1;
         for (int c = 0; c < cols;) {
             long j = j0 + c, tc = j / b->tw, end = (tc + 1) * b->tw - j0;
@@ -260,21 +281,21 @@ static void scales_b(const gemm_job *g, const hbfp_operand *b, const void *codes
             if (e == 0) {
                 for (; c < end; c++) {
                     int nz = any_code(codes, b->code_bytes, t * g->tk * b->rs + (j0 + c) * b->cs, tile_k(g, t), b->rs);
-                    s->safe &= row_scales(e, b->frac, nz, 127, &s->sf[c], &s->sd[c]);
+                    s->safe &= row_scales(e, b->frac, nz, 127, &s->sf[c], &s->x[c]);
                 }
                 continue;
             }
             float f;
-            double d;
-            s->safe &= row_scales(e, b->frac, 1, 127, &f, &d);
+            short x;
+            s->safe &= row_scales(e, b->frac, 1, 127, &f, &x);
             for (; c < end; c++) {
                 s->sf[c] = f;
-                s->sd[c] = d;
+                s->x[c] = x;
             }
         }
         for (int c = cols; c < NR; c++) {
             s->sf[c] = 1.0f;
-            s->sd[c] = 1.0;
+            s->x[c] = 0;
         }
     }
 }
@@ -387,19 +408,25 @@ static void pack_b_any(const gemm_job *g, const hbfp_operand *b, const void *cod
 /* acc[r][c] += p for the exact sums s (int64: any width) by the exact route: p in double,
    rounded to fp32 at 24 bits (fp32(s) is s's RNE rounding; the power of two is exact), a
    result below 2**-126 a zero of its sign, overflow to inf, NaN from a NaN tile. */
-static void step_exact(const long long *s, long lds, const scales_t *sa, const scales_t *sb, float *acc, long lda)
+static void step_exact(const long long *s, long lds, const scales_a_t *sa, const scales_b_t *sb, float *acc, long lda)
 {
+    double da[MR], db[NR];
+    for (int r = 0; r < MR; r++)
+        da[r] = scale_of(sa->x[r]);
+    for (int c = 0; c < NR; c++)
+        db[c] = scale_of(sb->x[c]);
     for (int r = 0; r < MR; r++)
         for (int c = 0; c < NR; c++) {
-            double v = (double)(float)s[r * lds + c] * sa->sd[r] * sb->sd[c];
+            double v = (double)(float)s[r * lds + c] * da[r] * db[c];
             float p = fabs(v) < 0x1p-126 ? copysignf(0.0f, (float)v) : (float)v;
             acc[r * lda + c] = add_ftz(acc[r * lda + c], p);
         }
 }
 
-/* The fast route on 32-bit sums, in C (the portable build, and the other builds' scalar
-   tail): p = (fp32(s) * sa) * sb exactly as the contract rounds it, by hand. */
-static void step_fast_c(const i32 *s, const scales_t *sa, const scales_t *sb, float *acc, long lda)
+/* The fast route on 32-bit sums, in C (the portable build): p = (fp32(s) * sa) * sb exactly
+   as the contract rounds it, by hand. */
+#if !(defined(__AVX2__) && defined(__x86_64__))
+static void step_fast_c(const i32 *s, const scales_a_t *sa, const scales_b_t *sb, float *acc, long lda)
 {
     for (int r = 0; r < MR; r++)
         for (int c = 0; c < NR; c++) {
@@ -409,6 +436,7 @@ static void step_fast_c(const i32 *s, const scales_t *sa, const scales_t *sb, fl
             acc[r * lda + c] = add_ftz(acc[r * lda + c], p);
         }
 }
+#endif
 
 /* ---- register tiles ---------------------------------------------------------------------- */
 
@@ -500,6 +528,57 @@ static inline void tile_sums_wide(const panel_a *a, long off, const i16 *bp, lon
     AVX2_STORE(0, "%%ymm0", "%%ymm1") AVX2_STORE(64, "%%ymm2", "%%ymm3") AVX2_STORE(128, "%%ymm4", "%%ymm5") \
     AVX2_STORE(192, "%%ymm6", "%%ymm7") AVX2_STORE(256, "%%ymm8", "%%ymm9") AVX2_STORE(320, "%%ymm10", "%%ymm11")
 
+/* Row r's fp32 step within a run of K-tiles: acc rows at (acc) .. (acc3, lda, 2). */
+#define AVX2_RUN_STEP(o, a0, a1, row)                                                                   \
+    "vbroadcastss " #o "(%[sa]),%%ymm14\n vcvtdq2ps " a0 "," a0 "\n vcvtdq2ps " a1 "," a1 "\n"          \
+    "vmulps %%ymm14," a0 "," a0 "\n vmulps %%ymm14," a1 "," a1 "\n"                                     \
+    "vmulps %%ymm12," a0 "," a0 "\n vmulps %%ymm13," a1 "," a1 "\n"                                     \
+    "vaddps " row "," a0 "," a0 "\n vaddps 32+" row "," a1 "," a1 "\n"                                   \
+    "vmovups " a0 "," row "\n vmovups " a1 ",32+" row "\n"
+#define AVX2_RUN_STEPS                                                                                  \
+    "vmovups (%[sb]),%%ymm12\n vmovups 32(%[sb]),%%ymm13\n"                                             \
+    AVX2_RUN_STEP(0, "%%ymm0", "%%ymm1", "(%[acc])") AVX2_RUN_STEP(4, "%%ymm2", "%%ymm3", "(%[acc],%[lda],1)") \
+    AVX2_RUN_STEP(8, "%%ymm4", "%%ymm5", "(%[acc],%[lda],2)") AVX2_RUN_STEP(12, "%%ymm6", "%%ymm7", "(%[acc3])") \
+    AVX2_RUN_STEP(16, "%%ymm8", "%%ymm9", "(%[acc3],%[lda],1)")                                        \
+    AVX2_RUN_STEP(20, "%%ymm10", "%%ymm11", "(%[acc3],%[lda],2)")
+#define AVX2_INNER_PAIRS                                                                                \
+    AVX2_BODY("(%[ap])", "4(%[ap])", "8(%[ap])", "12(%[ap])", "16(%[ap])", "20(%[ap])")                \
+    "add $24,%[ap]\n add $64,%[bp]\n dec %[np]\n jnz 1b\n"
+#define AVX2_INNER_ROWS                                                                                 \
+    AVX2_BODY("(%[ap])", "(%[ap],%[rs],1)", "(%[ap],%[rs],2)", "(%[a3])", "(%[a3],%[rs],1)",            \
+              "(%[a3],%[rs],2)")                                                                        \
+    "add $4,%[ap]\n add $4,%[a3]\n add $64,%[bp]\n dec %[np]\n jnz 1b\n"
+
+/* A run of nt K-tiles of np pairs each, every one safe: their fp32 steps onto acc in order,
+   the scales of tile i at sa + i * sizeof(scales_a_t) and sb + i * sizeof(scales_b_t). The
+   K-tile loop is in the asm too: a tile is only np pairs (12 for HBFP8). */
+static inline void run_avx2(const panel_a *a, long off, const i16 *bp, long np, long nt, const scales_a_t *sa,
+                            const scales_b_t *sb, float *acc, long lda)
+{
+    long ldb = lda * 4, cnt;
+    float *acc3 = acc + 3 * lda;
+    const float *pa = sa->sf, *pb = sb->sf;
+    if (a->layout == A_PAIRS) {
+        const i16 *ap = a->p + off * MR * 2;
+        __asm__ volatile("2:\n mov %[n0],%[np]\n" AVX2_ZERO AVX2_INNER_PAIRS AVX2_RUN_STEPS
+                         "add %[ssa],%[sa]\n add %[ssb],%[sb]\n dec %[nt]\n jnz 2b\n"
+                         : [ap] "+r"(ap), [bp] "+r"(bp), [np] "=&r"(cnt), [nt] "+r"(nt), [sa] "+r"(pa), [sb] "+r"(pb)
+                         : [n0] "rm"(np), [acc] "r"(acc), [acc3] "r"(acc3), [lda] "r"(ldb),
+                           [ssa] "i"(sizeof(scales_a_t)), [ssb] "i"(sizeof(scales_b_t))
+                         : AVX2_CLOBBER);
+    } else {
+        const i16 *ap = a->p + off * 2, *a3 = ap + 3 * a->rstride;
+        long rs = a->rstride * 2; /* bytes */
+        __asm__ volatile("2:\n mov %[n0],%[np]\n" AVX2_ZERO AVX2_INNER_ROWS AVX2_RUN_STEPS
+                         "add %[ssa],%[sa]\n add %[ssb],%[sb]\n dec %[nt]\n jnz 2b\n"
+                         : [ap] "+r"(ap), [a3] "+r"(a3), [bp] "+r"(bp), [np] "=&r"(cnt), [nt] "+r"(nt),
+                           [sa] "+r"(pa), [sb] "+r"(pb)
+                         : [n0] "rm"(np), [acc] "r"(acc), [acc3] "r"(acc3), [lda] "r"(ldb), [rs] "r"(rs),
+                           [ssa] "i"(sizeof(scales_a_t)), [ssb] "i"(sizeof(scales_b_t))
+                         : AVX2_CLOBBER);
+    }
+}
+
 /* One K-tile of np pairs: with `s` NULL, its fp32 step onto acc (row stride lda floats) with
    the scales sa, sb; else its int32 sums into s (MR x NR). */
 static inline void tile_avx2(const panel_a *a, long off, const i16 *bp, long np, const float *sa, const float *sb,
@@ -537,20 +616,28 @@ static inline void tile_avx2(const panel_a *a, long off, const i16 *bp, long np,
 
 /* One register tile over K-tiles [t0, t1) of the packed panels: acc (MR x NR, row stride
    lda) += every K-tile's p in order. */
-static void register_tile(const gemm_job *g, const panel_a *a, const scales_t *sa, const i16 *bp,
-                          const scales_t *sb, long t0, long t1, float *acc, long lda)
+static void register_tile(const gemm_job *g, const panel_a *a, const scales_a_t *sa, const i16 *bp,
+                          const scales_b_t *sb, long t0, long t1, float *acc, long lda)
 {
     long off = 0;
     for (long t = t0; t < t1; t++) {
         long np = (tile_k(g, t) + 1) / 2;
-        const scales_t *ra = sa + (t - t0), *rb = sb + (t - t0);
+        const scales_a_t *ra = sa + (t - t0);
+        const scales_b_t *rb = sb + (t - t0);
         if (g->wide) {
             long long s[MR * NR];
             tile_sums_wide(a, off, bp, np, s);
             step_exact(s, NR, ra, rb, acc, lda);
         } else if (ra->safe && rb->safe) {
 #if defined(__AVX2__) && defined(__x86_64__)
-            tile_avx2(a, off, bp, np, ra->sf, rb->sf, acc, lda, NULL);
+            /* the run of safe K-tiles of this length from here, at once */
+            long end = t + 1;
+            while (end < t1 && sa[end - t0].safe && sb[end - t0].safe && (tile_k(g, end) + 1) / 2 == np)
+                end++;
+            run_avx2(a, off, bp, np, end - t, ra, rb, acc, lda);
+            off += np * (end - t - 1);
+            bp += np * NR * 2 * (end - t - 1);
+            t = end - 1;
 #else
             i32 s[MR * NR];
             tile_sums_c(a, off, bp, np, s);
@@ -582,29 +669,6 @@ static long pairs(const gemm_job *g, long t0, long t1)
     for (long t = t0; t < t1; t++)
         total += (tile_k(g, t) + 1) / 2;
     return total;
-}
-
-/* Scratch of one thread, kept between calls (grown as needed, freed when the thread ends). */
-static __thread void *scratch;
-static __thread size_t scratch_bytes;
-static pthread_key_t scratch_key;
-static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
-
-static void make_scratch_key(void)
-{
-    pthread_key_create(&scratch_key, free);
-}
-
-static void *thread_scratch(size_t bytes)
-{
-    if (bytes > scratch_bytes) {
-        pthread_once(&scratch_once, make_scratch_key);
-        free(scratch);
-        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        scratch_bytes = scratch ? bytes : 0;
-        pthread_setspecific(scratch_key, scratch);
-    }
-    return scratch;
 }
 
 static inline float flush(float x)
@@ -661,7 +725,7 @@ static void write_back(const gemm_job *g, long bi, long r0, long rows, long c0, 
 
 /* A register tile onto acc at its place in the output, where it has only `rows` x `cols`
    (an edge of the product): through a full tile's buffer. */
-static void edge_tile(const gemm_job *g, const panel_a *a, const scales_t *sa, const i16 *bp, const scales_t *sb,
+static void edge_tile(const gemm_job *g, const panel_a *a, const scales_a_t *sa, const i16 *bp, const scales_b_t *sb,
                       long t0, long t1, float *acc, long lda, int rows, int cols)
 {
     float tmp[MR * NR] __attribute__((aligned(32)));
@@ -673,97 +737,100 @@ static void edge_tile(const gemm_job *g, const panel_a *a, const scales_t *sa, c
         memcpy(acc + r * lda, tmp + r * NR, (size_t)cols * sizeof(float));
 }
 
-static int gemm_part(void *ctx, long part)
+/* One packing task of the K block: a group of A's panels or of B's of one matrix. */
+static int pack_part(void *ctx, long task)
 {
     const gemm_job *g = ctx;
     const hbfp_operand *a = g->a, *b = g->b;
+    long per = g->a_tasks + g->b_tasks, bi = task / per, t = task % per;
+    long t0 = g->t0, t1 = g->t1, kp = g->kp;
+    if (t < g->a_tasks) {
+        const void *codes = (const char *)a->codes + bi * a->bs * a->code_bytes;
+        const unsigned char *exps = a->exps + bi * a->ebs;
+        long q0 = t * g->a_group, q1 = q0 + g->a_group < g->pa ? q0 + g->a_group : g->pa;
+        i16 *base = g->apk + bi * g->pa * kp * MR * 2;
+        if (g->a_block) /* rows of consecutive codes: all the group's rows at once */
+            pack_a_pairs_block(g, a, codes, q0 * MR, (q1 * MR < g->m ? q1 * MR : g->m) - q0 * MR, t0, t1,
+                               base + q0 * kp * MR * 2, kp * MR * 2);
+        for (long q = q0; q < q1; q++) {
+            long i = q * MR;
+            int rows = g->m - i < MR ? (int)(g->m - i) : MR;
+            i16 *aq = base + q * kp * MR * 2;
+            if (g->a_layout == A_ROWS)
+                pack_a_rows(g, a, codes, i, rows, t0, t1, aq, kp * 2);
+            else if (!g->a_block)
+                pack_a_pairs(g, a, codes, i, rows, t0, t1, aq);
+            scales_a(g, a, codes, exps, i, rows, t0, t1, g->asc + (bi * g->pa + q) * g->kt + t0);
+        }
+    } else {
+        t -= g->a_tasks;
+        const void *codes = (const char *)b->codes + bi * b->bs * b->code_bytes;
+        const unsigned char *exps = b->exps + bi * b->ebs;
+        long q0 = t * g->b_group, q1 = q0 + g->b_group < g->pb ? q0 + g->b_group : g->pb;
+        i16 *base = g->bpk + bi * g->pb * kp * NR * 2;
+        for (long q = q0; q < q1; q++) {
+            long j = q * NR;
+            int cols = g->n - j < NR ? (int)(g->n - j) : NR;
+            i16 *bq = base + q * kp * NR * 2;
+            if (g->b_kind == 0)
+                pack_b_rows(g, b, codes, j, cols, t0, t1, bq);
+            else if (g->b_kind == 1)
+                pack_b_cols(g, b, codes, j, cols, t0, t1, bq);
+            else
+                pack_b_any(g, b, codes, j, cols, t0, t1, bq);
+            scales_b(g, b, codes, exps, j, cols, t0, t1, g->bsc + (bi * g->pb + q) * g->kt + t0);
+        }
+    }
+#if defined(__AVX2__)
+    _mm256_zeroupper();
+#endif
+    return 0;
+}
+
+/* One output block of the K block (GotoBLAS's loops on the packed panels: column blocks of NC,
+   row blocks of MC, register tiles); the fp32 sums start from C at the first K block and get
+   their epilogue after the last, so every output adds its K-tiles in order. */
+static int gemm_part(void *ctx, long part)
+{
+    const gemm_job *g = ctx;
+    const hbfp_output *o = g->o;
     long per = g->row_blocks * g->col_blocks;
     long bi = part / per, rb = part % per / g->col_blocks, cb = part % g->col_blocks;
     long r0 = rb * g->rows, r1 = r0 + g->rows < g->m ? r0 + g->rows : g->m;
     long c0 = cb * g->cols, c1 = c0 + g->cols < g->n ? c0 + g->cols : g->n;
-    const void *acodes = (const char *)a->codes + bi * a->bs * a->code_bytes;
-    const void *bcodes = (const char *)b->codes + bi * b->bs * b->code_bytes;
-    const unsigned char *aexps = a->exps + bi * a->ebs, *bexps = b->exps + bi * b->ebs;
-    /* How each operand packs: A by rows where its K is consecutive, by pairs from consecutive
-       rows or any other strides; B from consecutive columns, consecutive K, or any strides. */
-    int a_rows = a->cs == 1, a_block = !a_rows && a->rs == 1;
-    int b_kind = b->cs == 1 ? 0 : b->rs == 1 ? 1 : 2;
-
-    long kct = KC_TARGET / g->tk > 0 ? KC_TARGET / g->tk : 1; /* K-tiles per K block */
-    if (kct > g->kt)
-        kct = g->kt;
-    long kcp = pairs(g, 0, kct); /* the longest K block's pairs (the first is never shorter) */
-    long ncb = c1 - c0 < NC ? c1 - c0 : NC;
-    long ncp = (ncb + NR - 1) / NR * NR, mrows = (r1 - r0 + MR - 1) / MR * MR;
-    size_t acc_bytes = (!g->o->out_bf16 && !g->o->table) ? 0 : (size_t)mrows * ncp * sizeof(float);
-    size_t b_bytes = (size_t)(ncp / NR) * kcp * NR * 2 * sizeof(i16);
-    size_t a_bytes = (size_t)(MC / MR) * kcp * MR * 2 * sizeof(i16);
-    size_t sb_bytes = (size_t)(ncp / NR) * kct * sizeof(scales_t), sa_bytes = (size_t)(MC / MR) * kct * sizeof(scales_t);
-    char *mem = thread_scratch(acc_bytes + b_bytes + a_bytes + sb_bytes + sa_bytes + 256);
-    if (!mem)
-        return HBFP_ENOMEM;
-    /* The fp32 sums: in out itself where it is fp32 and nothing follows but the bias, else in
-       the scratch. */
-    const hbfp_output *o = g->o;
-    int direct = !o->out_bf16 && !o->table;
-    float *acc = direct ? (float *)o->out + bi * o->bso + r0 * o->ldo : (float *)mem;
-    long lda = direct ? o->ldo : ncp;
-    i16 *bpk = (i16 *)(mem + acc_bytes), *apk = (i16 *)(mem + acc_bytes + b_bytes);
-    scales_t *bsc = (scales_t *)(mem + acc_bytes + b_bytes + a_bytes);
-    scales_t *asc = (scales_t *)((char *)bsc + sb_bytes);
-
-    /* GotoBLAS's loops: column blocks, K blocks (B's block packed once), row blocks (A's block
-       packed), register tiles; the fp32 sums of the part's rows stay in acc over all of K,
-       in K-tile order. */
+    long kp = g->kp, t0 = g->t0, t1 = g->t1;
+    int first = g->t0 == 0, last = g->t1 >= g->kt;
+    float *acc = g->direct ? (float *)o->out + bi * o->bso : g->acc + bi * g->m * g->n;
+    long lda = g->direct ? o->ldo : g->n;
+    const i16 *apk = g->apk + bi * g->pa * kp * MR * 2, *bpk = g->bpk + bi * g->pb * kp * NR * 2;
+    const scales_a_t *asc = g->asc + bi * g->pa * g->kt;
+    const scales_b_t *bsc = g->bsc + bi * g->pb * g->kt;
     for (long jc = c0; jc < c1; jc += NC) {
-        long nc = c1 - jc < NC ? c1 - jc : NC, npanels = (nc + NR - 1) / NR;
-        float *blk = acc + (direct ? jc : 0);
-        read_c(g, bi, r0, r1 - r0, jc, nc, blk, lda);
-        for (long t0 = 0; t0 < g->kt; t0 += kct) {
-            long t1 = t0 + kct < g->kt ? t0 + kct : g->kt, kp = pairs(g, t0, t1);
-            for (long q = 0; q < npanels; q++) {
-                long j = jc + q * NR;
-                int cols = c1 - j < NR ? (int)(c1 - j) : NR;
-                i16 *bq = bpk + q * kp * NR * 2;
-                if (b_kind == 0)
-                    pack_b_rows(g, b, bcodes, j, cols, t0, t1, bq);
-                else if (b_kind == 1)
-                    pack_b_cols(g, b, bcodes, j, cols, t0, t1, bq);
-                else
-                    pack_b_any(g, b, bcodes, j, cols, t0, t1, bq);
-                scales_b(g, b, bcodes, bexps, j, cols, t0, t1, bsc + q * kct);
-            }
-            for (long ic = r0; ic < r1; ic += MC) {
-                long mc = r1 - ic < MC ? r1 - ic : MC, mpanels = (mc + MR - 1) / MR;
-                if (a_block)
-                    pack_a_pairs_block(g, a, acodes, ic, mc, t0, t1, apk, kp * MR * 2);
-                for (long q = 0; q < mpanels; q++) {
-                    long i = ic + q * MR;
-                    int rows = r1 - i < MR ? (int)(r1 - i) : MR;
-                    i16 *aq = apk + q * kp * MR * 2;
-                    if (a_rows)
-                        pack_a_rows(g, a, acodes, i, rows, t0, t1, aq, kp * 2);
-                    else if (!a_block)
-                        pack_a_pairs(g, a, acodes, i, rows, t0, t1, aq);
-                    scales_a(g, a, acodes, aexps, i, rows, t0, t1, asc + q * kct);
-                }
-                for (long qb = 0; qb < npanels; qb++) {
-                    int cols = c1 - (jc + qb * NR) < NR ? (int)(c1 - (jc + qb * NR)) : NR;
-                    for (long qa = 0; qa < mpanels; qa++) {
-                        panel_a pa = {apk + qa * kp * MR * 2, kp * 2, a_rows ? A_ROWS : A_PAIRS};
-                        int rows = r1 - (ic + qa * MR) < MR ? (int)(r1 - (ic + qa * MR)) : MR;
-                        float *at = blk + (ic - r0 + qa * MR) * lda + qb * NR;
-                        if (direct && (rows < MR || cols < NR))
-                            edge_tile(g, &pa, asc + qa * kct, bpk + qb * kp * NR * 2, bsc + qb * kct, t0, t1, at, lda,
-                                      rows, cols);
-                        else
-                            register_tile(g, &pa, asc + qa * kct, bpk + qb * kp * NR * 2, bsc + qb * kct, t0, t1, at,
-                                          lda);
-                    }
+        long nc = c1 - jc < NC ? c1 - jc : NC, q0b = jc / NR, npanels = (nc + NR - 1) / NR;
+        for (long ic = r0; ic < r1; ic += MC) {
+            long mc = r1 - ic < MC ? r1 - ic : MC, q0a = ic / MR, mpanels = (mc + MR - 1) / MR;
+            float *blk = acc + ic * lda + jc;
+            if (first) /* from C (subnormals read as zeros) or +0, while the block is in the cache */
+                read_c(g, bi, ic, mc, jc, nc, blk, lda);
+            for (long qb = q0b; qb < q0b + npanels && t1 > t0; qb++) {
+                int cols = c1 - qb * NR < NR ? (int)(c1 - qb * NR) : NR;
+                for (long qa = q0a; qa < q0a + mpanels; qa++) {
+                    panel_a pa = {apk + qa * kp * MR * 2, kp * 2, g->a_layout};
+                    int rows = r1 - qa * MR < MR ? (int)(r1 - qa * MR) : MR;
+                    float *at = acc + qa * MR * lda + qb * NR;
+                    /* the sums have only the product's rows and columns: a tile at their edge
+                       goes through a full tile's buffer */
+                    if (rows < MR || cols < NR)
+                        edge_tile(g, &pa, asc + qa * g->kt + t0, bpk + qb * kp * NR * 2, bsc + qb * g->kt + t0, t0, t1,
+                                  at, lda, rows, cols);
+                    else
+                        register_tile(g, &pa, asc + qa * g->kt + t0, bpk + qb * kp * NR * 2, bsc + qb * g->kt + t0,
+                                      t0, t1, at, lda);
                 }
             }
+            if (last)
+                write_back(g, bi, ic, mc, jc, nc, blk, lda, g->direct);
         }
-        write_back(g, bi, r0, r1 - r0, jc, nc, blk, lda, direct);
     }
 #if defined(__AVX2__)
     _mm256_zeroupper(); /* the asm tiles leave the upper halves dirty */
@@ -772,9 +839,23 @@ static int gemm_part(void *ctx, long part)
 }
 
 /* Multiply-adds below which one thread does the whole product. */
-#define PARALLEL_MACS (1L << 20)
-/* The most rows of a part (its fp32 sums stay in the thread's scratch over all of K). */
-#define MAX_PART_ROWS 768
+#define PARALLEL_MACS (1L << 23)
+
+/* The packed panels and scales of one call, kept for the next (a training step's products
+   come one after another): one call at a time uses them. */
+static pthread_mutex_t workspace_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *workspace;
+static size_t workspace_bytes;
+
+static void *workspace_for(size_t bytes)
+{
+    if (bytes > workspace_bytes) {
+        free(workspace);
+        workspace = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        workspace_bytes = workspace ? bytes : 0;
+    }
+    return workspace;
+}
 
 int hbfp_gemm(const hbfp_operand *a, const hbfp_operand *b, const hbfp_output *o, long batch, long m, long n, long k,
               int threads)
@@ -784,7 +865,7 @@ int hbfp_gemm(const hbfp_operand *a, const hbfp_operand *b, const hbfp_output *o
         return HBFP_EINVAL;
     if (batch == 0 || m == 0 || n == 0)
         return 0;
-    gemm_job g = {a, b, o, m, n, k, a->tw, (k + a->tw - 1) / a->tw};
+    gemm_job g = {a, b, o, batch, m, n, k, a->tw, (k + a->tw - 1) / a->tw};
     /* The largest K-tile sum: tk codes of both bounds (a stored operand may hold one more than
        qmax, -2**(m-1)). */
     long kn = k < g.tk ? k : g.tk;
@@ -794,12 +875,23 @@ int hbfp_gemm(const hbfp_operand *a, const hbfp_operand *b, const hbfp_output *o
     g.sbits = 0;
     while (g.sbits < 63 && (1ull << g.sbits) < bound)
         g.sbits++;
-    /* Parts: output blocks, at least four a thread where the product is large enough, taken
-       by threads as they come free: the longer side is halved (to whole register tiles) until
-       there are enough. */
+    /* How each operand packs: A by rows where its K is consecutive, by pairs from consecutive
+       rows (a block of rows at once) or any other strides; B from consecutive columns,
+       consecutive K, or any strides. */
+    g.a_layout = a->cs == 1 ? A_ROWS : A_PAIRS;
+    g.a_block = a->cs != 1 && a->rs == 1;
+    g.b_kind = b->cs == 1 ? 0 : b->rs == 1 ? 1 : 2;
+    g.direct = !o->out_bf16 && !o->table;
+    g.pa = (m + MR - 1) / MR;
+    g.pb = (n + NR - 1) / NR;
+    g.kct = KC_TARGET / g.tk > 0 ? KC_TARGET / g.tk : 1;
+    if (g.kct > g.kt)
+        g.kct = g.kt > 0 ? g.kt : 1;
     if (batch * m * n * (k > 0 ? k : 1) < PARALLEL_MACS)
         threads = 1;
-    g.rows = m < MAX_PART_ROWS ? m : MAX_PART_ROWS;
+    /* Parts of the product: output blocks, at least four a thread where there are enough,
+       taken by threads as they come free: the longer side halved (to whole register tiles). */
+    g.rows = m;
     g.cols = n;
     for (long want = threads > 1 ? 4L * threads : 1;;) {
         long parts = batch * ((m + g.rows - 1) / g.rows) * ((n + g.cols - 1) / g.cols);
@@ -807,14 +899,61 @@ int hbfp_gemm(const hbfp_operand *a, const hbfp_operand *b, const hbfp_output *o
             break;
         if (g.cols >= g.rows && g.cols >= 2 * NR)
             g.cols = ((g.cols + 1) / 2 + NR - 1) / NR * NR;
-        else if (g.rows >= 2 * MR)
-            g.rows = ((g.rows + 1) / 2 + MR - 1) / MR * MR;
+        else if (g.rows >= 2 * MC)
+            g.rows = ((g.rows + 1) / 2 + MC - 1) / MC * MC;
         else if (g.cols >= 2 * NR)
             g.cols = ((g.cols + 1) / 2 + NR - 1) / NR * NR;
+        else if (g.rows >= 2 * MR)
+            g.rows = ((g.rows + 1) / 2 + MR - 1) / MR * MR;
         else
             break;
     }
     g.row_blocks = (m + g.rows - 1) / g.rows;
     g.col_blocks = (n + g.cols - 1) / g.cols;
-    return hbfp_parallel(gemm_part, &g, batch * g.row_blocks * g.col_blocks, threads);
+    /* Packing tasks: groups of panels, about four a thread over both operands. */
+    long want = threads > 1 ? (4L * threads + batch - 1) / batch : 1;
+    g.a_tasks = want < g.pa ? want : g.pa;
+    g.b_tasks = want < g.pb ? want : g.pb;
+    g.a_group = (g.pa + g.a_tasks - 1) / g.a_tasks;
+    g.b_group = (g.pb + g.b_tasks - 1) / g.b_tasks;
+    if (g.a_block) /* whole chunks of 16 panels (pack_a_pairs_block's rows) */
+        g.a_group = (g.a_group + 15) / 16 * 16;
+    g.a_tasks = (g.pa + g.a_group - 1) / g.a_group;
+    g.b_tasks = (g.pb + g.b_group - 1) / g.b_group;
+
+    long kpmax = pairs(&g, 0, g.kct > g.kt ? g.kt : g.kct);
+    size_t a_bytes = (size_t)batch * g.pa * kpmax * MR * 2 * sizeof(i16);
+    size_t b_bytes = (size_t)batch * g.pb * kpmax * NR * 2 * sizeof(i16);
+    size_t sa_bytes = (size_t)batch * g.pa * (g.kt > 0 ? g.kt : 1) * sizeof(scales_a_t);
+    size_t sb_bytes = (size_t)batch * g.pb * (g.kt > 0 ? g.kt : 1) * sizeof(scales_b_t);
+    size_t acc_bytes = g.direct ? 0 : (size_t)batch * m * n * sizeof(float);
+    pthread_mutex_lock(&workspace_lock);
+    char *mem = workspace_for(a_bytes + b_bytes + sa_bytes + sb_bytes + acc_bytes + 5 * 64);
+    int rc = mem ? 0 : HBFP_ENOMEM;
+    if (mem) {
+        char *at = mem;
+        g.apk = (i16 *)at;
+        at += (a_bytes + 63) / 64 * 64;
+        g.bpk = (i16 *)at;
+        at += (b_bytes + 63) / 64 * 64;
+        g.asc = (scales_a_t *)at;
+        at += (sa_bytes + 63) / 64 * 64;
+        g.bsc = (scales_b_t *)at;
+        at += (sb_bytes + 63) / 64 * 64;
+        g.acc = (float *)at;
+        /* K block by K block: pack both operands' panels of the block, then every part's
+           register tiles over it (with no K-tile, one pass: C or +0, the bias, the epilogue). */
+        for (g.t0 = 0; rc == 0; g.t0 += g.kct) {
+            g.t1 = g.t0 + g.kct < g.kt ? g.t0 + g.kct : g.kt;
+            g.kp = pairs(&g, g.t0, g.t1);
+            if (g.t1 > g.t0)
+                rc = hbfp_parallel(pack_part, &g, batch * (g.a_tasks + g.b_tasks), threads);
+            if (rc == 0)
+                rc = hbfp_parallel(gemm_part, &g, batch * g.row_blocks * g.col_blocks, threads);
+            if (g.t1 >= g.kt)
+                break;
+        }
+    }
+    pthread_mutex_unlock(&workspace_lock);
+    return rc;
 }

@@ -1,22 +1,42 @@
 /* The kernels' thread pool: one job at a time, split into parts that threads take as they come
-   free; every wait is a sleep on a condition variable.
+   free; every wait is short spin, then a sleep on a condition variable.
 
    Why not OpenMP: libgomp's threads spin at the end of a parallel region. With another process
    busy on one of two cores, the spinning thread keeps its core from ever going idle, so the
    scheduler never moves the preempted thread (the one everybody waits for) to it; a product of
    milliseconds then waits for the other process's time slices (issue 29 measured 32 s against
    1.7 s on one thread). A thread that sleeps instead leaves its core idle, the scheduler's idle
-   balancing pulls the preempted thread over, and the job ends at the speed of the free core. */
+   balancing pulls the preempted thread over, and the job ends at the speed of the free core.
+   Waking a sleeping thread costs tens of microseconds, though (more in a virtual machine, where
+   a sleeping CPU is a halted one), which is the length of a small product: so a thread first
+   spins for at most SPIN_NS (a fraction of a scheduler's time slice, so a spinning thread never
+   holds a core long), which covers the gap between the products of a training step. */
 
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "common.h"
 
 #define MAX_WORKERS 255
+#define SPIN_NS 20000L /* the longest spin before a wait sleeps */
+
+static long now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static inline void relax(void)
+{
+#ifdef HBFP_X86
+    _mm_pause();
+#endif
+}
 
 typedef struct {
     hbfp_task fn;
@@ -34,7 +54,7 @@ static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;      /* a new job for the
 static pthread_cond_t finished = PTHREAD_COND_INITIALIZER;  /* the job is done and left */
 static pthread_mutex_t caller = PTHREAD_MUTEX_INITIALIZER;  /* one job at a time */
 static job_t *current;
-static unsigned long generation;
+static atomic_ulong generation;
 static int workers;       /* pool threads started */
 
 static void run_parts(job_t *job)
@@ -60,9 +80,19 @@ static void *worker(void *arg)
     unsigned long seen = 0;
     pthread_mutex_lock(&lock);
     for (;;) {
-        while (generation == seen)
+        if (atomic_load(&generation) == seen) { /* spin a little (without the lock) for the next job */
+            pthread_mutex_unlock(&lock);
+            long until = now_ns() + SPIN_NS;
+            for (int i = 0; atomic_load_explicit(&generation, memory_order_acquire) == seen; i++) {
+                relax();
+                if ((i & 63) == 63 && now_ns() > until)
+                    break;
+            }
+            pthread_mutex_lock(&lock);
+        }
+        while (atomic_load(&generation) == seen)
             pthread_cond_wait(&wake, &lock);
-        seen = generation;
+        seen = atomic_load(&generation);
         job_t *job = current;
         if (job == NULL || index >= job->helpers)
             continue;
@@ -114,6 +144,33 @@ static int grow(int want)
     return workers;
 }
 
+#ifdef _OPENMP
+#include <omp.h>
+/* With OpenMP (built with -fopenmp): the parts on the OpenMP runtime already loaded (torch's),
+   so that the threads that run torch's operations run these too, taking parts as they come. */
+int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads)
+{
+    if (parts <= 0)
+        return 0;
+    int result = 0;
+    if (threads <= 1 || parts == 1) {
+        unsigned fp = hbfp_fp_enter();
+        for (long p = 0; p < parts; p++)
+            result |= fn(ctx, p);
+        hbfp_fp_leave(fp);
+        return result;
+    }
+#pragma omp parallel num_threads(threads) reduction(| : result)
+    {
+        unsigned fp = hbfp_fp_enter();
+#pragma omp for schedule(dynamic, 1) nowait
+        for (long p = 0; p < parts; p++)
+            result |= fn(ctx, p);
+        hbfp_fp_leave(fp);
+    }
+    return result;
+}
+#else
 int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads)
 {
     if (parts <= 0)
@@ -137,12 +194,18 @@ int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads)
     int helpers = threads - 1 < parts - 1 ? threads - 1 : (int)(parts - 1);
     job.helpers = grow(helpers) < helpers ? workers : helpers;
     current = &job;
-    generation++;
+    atomic_fetch_add(&generation, 1);
     pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&lock);
 
     run_parts(&job);
 
+    long until = now_ns() + SPIN_NS;
+    for (int i = 0; atomic_load_explicit(&job.done, memory_order_acquire) < parts; i++) {
+        relax();
+        if ((i & 63) == 63 && now_ns() > until)
+            break;
+    }
     pthread_mutex_lock(&lock);
     while (atomic_load(&job.done) < parts || job.active > 0)
         pthread_cond_wait(&finished, &lock);
@@ -151,3 +214,4 @@ int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads)
     pthread_mutex_unlock(&caller);
     return atomic_load(&job.result);
 }
+#endif
