@@ -59,10 +59,12 @@ fuzz: $(STAMP)
 verilog: $(STAMP)
 	$(VENV)/bin/hbfp verilog -o build/verilog
 
-## bench: emulation performance beside fp32: training steps (fp32, HBFP8 in-process and through
-## the wire), golden gemm against NumPy's fp32 matmul, quantize throughput, peak memory
+## bench: emulation performance beside fp32 in one run: five training steps at 1 and 2 threads and
+## beside a busy process, torch.compile against eager, the golden gemm 1024^3 against NumPy's fp32
+## matmul, quantize throughput; JSON=FILE also writes every figure (with the CPU's features and
+## the kernels used) to FILE
 bench: $(STAMP)
-	$(PY) benchmarks/bench.py
+	$(PY) benchmarks/bench.py $(if $(JSON),--json $(JSON))
 
 ## scaleout: data-parallel training on 2 ranks (torch.distributed, gloo) with fp32, HBFP8 and
 ## MXINT8 gradient exchanges: the digits MLP and CNN, 10 epochs; one table of accuracy and bytes

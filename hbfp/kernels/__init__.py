@@ -44,7 +44,7 @@ from . import build
 from .native import Compiled
 
 __all__ = ["IMPLS", "COMPILED", "Codes", "KernelWarning", "available", "why", "preferred", "resolve", "default_threads",
-           "gemm", "quantize", "requantize", "dequantize", "im2col", "col2im", "conv_geometry", "activation_table"]
+           "gemm", "quantize", "requantize", "dequantize", "im2col", "col2im", "im2col_quantize", "conv_geometry", "activation_table"]
 
 #: The compiled variants, fastest first.
 COMPILED = tuple(v.name for v in build.VARIANTS)
@@ -568,6 +568,33 @@ def im2col(x, kernel, stride, padding, dilation):
     out = np.empty((g[0] * g[12] * g[13], g[1] * g[4] * g[5]), np.float32)
     lib.im2col(xn, g, out, threads=default_threads())
     return _like(x, out)
+
+
+def im2col_quantize(x, kernel, stride, padding, dilation, fmt: Format, *, seed: int | None = None):
+    """``quantize(im2col(x), fmt, seed=seed)``, without the fp32 patch matrix where the
+    compiled kernels run (each band of it gathered into the cache and quantized there)."""
+    from hbfp.golden import bfp
+
+    bfp._check_stochastic(fmt, seed)
+    g = conv_geometry(tuple(x.shape), tuple(kernel), tuple(stride), tuple(padding), tuple(dilation))
+    lib = _conv_lib(x)
+    xn = None
+    if lib is not None:
+        xn = np.ascontiguousarray(_numpy(x))
+        if xn.dtype != np.float32:
+            lib = None
+    if lib is None:
+        return quantize(im2col(x, kernel, stride, padding, dilation), fmt, seed=seed)
+    m, n = g[0] * g[12] * g[13], g[1] * g[4] * g[5]
+    th, tw = fmt.tile
+    codes = np.empty((m, n), fmt.code_dtype)
+    exps = np.empty((-(-m // th), -(-n // tw)), np.uint8)
+    if codes.size:
+        key = _seed_key(seed) if fmt.rounding == "stochastic" else 0
+        lib.im2col_quantize(xn, g, fmt, key, codes, exps, threads=default_threads())
+    else:
+        exps[...] = 0
+    return _like(x, codes), _like(x, exps)
 
 
 def col2im(cols, shape, kernel, stride, padding, dilation):

@@ -81,6 +81,11 @@ FUNCTIONS = {
     "hbfp_col2im": ("int", (("cols", "const float *"), *((d, "long") for d in (
         "n", "c", "h", "w", "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow")),
         ("out", "float *"), ("threads", "int"))),
+    # hbfp_quantize of hbfp_im2col's matrix, without the matrix (codes and exponents contiguous).
+    "hbfp_im2col_quantize": ("int", (("x", "const float *"), *((d, "long") for d in (
+        "n", "c", "h", "w", "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow", "th", "tw")),
+        ("mbits", "int"), ("rounding", "int"), ("key", "unsigned"), ("codes", "void *"), ("code_bytes", "int"),
+        ("exps", "unsigned char *"), ("threads", "int"))),
 }
 
 

@@ -245,5 +245,14 @@ class Compiled:
     def im2col(self, x, geometry: tuple, out, *, threads: int = 1) -> None:
         _check(self.lib.hbfp_im2col(Mem(x, "x").ptr, *geometry, Mem(out, "out").ptr, threads), "im2col")
 
+    def im2col_quantize(self, x, geometry: tuple, fmt, key: int, codes, exps, *, threads: int = 1) -> None:
+        """``quantize`` of ``im2col(x)`` into codes and exponents (contiguous, the patch
+        matrix's shape and tiles), without the matrix."""
+        th, tw = fmt.tile
+        v = array.array("q", (Mem(x, "x").ptr, *geometry, th, tw, fmt.mantissa_bits, ROUNDINGS[fmt.rounding], key,
+                              Mem(codes, "codes").ptr, codes.itemsize if isinstance(codes, np.ndarray)
+                              else codes.element_size(), Mem(exps, "exps").ptr, threads))
+        _check(self.lib.hbfp_im2col_quantize_v(v.buffer_info()[0]), "im2col_quantize")
+
     def col2im(self, cols, geometry: tuple, out, *, threads: int = 1) -> None:
         _check(self.lib.hbfp_col2im(Mem(cols, "cols").ptr, *geometry, Mem(out, "out").ptr, threads), "col2im")

@@ -418,16 +418,18 @@ class HbfpMatmul(torch.autograd.Function):
     """``a @ b`` (2-D) on ``device``, with the backward products on the device too.
 
     ``stored``: optional ``_StoredOperand`` of ``b`` (wide weight storage): the products read
-    its codes instead of quantizing ``b``; the gradient still flows to ``b``."""
+    its codes instead of quantizing ``b``; the gradient still flows to ``b``. ``patches``:
+    optional ``_LazyPatches`` that ``a`` stands for (``a`` then only carries the gradient):
+    ``a``'s codes are quantized from the image directly, the same codes as of ``a`` itself."""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, device, stored: _StoredOperand | None = None,
-                rounding: Rounding | None = None):
+                rounding: Rounding | None = None, patches=None):
         rounding = rounding or current_rounding()
         cfg = rounding.recipe.forward
         ctx.device, ctx.stored, ctx.rounding = device, stored, rounding
         ctx.op = _report.current()
-        ctx.qa = _operand(device, a, cfg, rounding)
+        ctx.qa = patches.codes(device, cfg, rounding) if patches is not None else _operand(device, a, cfg, rounding)
         ctx.qb = stored.codes if stored is not None else _operand(device, b, cfg, rounding)
         ctx.transposed = stored is not None and stored.transposed
         return _product(device, ctx.qa, ctx.qb, cfg, rounding, transpose_b=ctx.transposed)
@@ -453,7 +455,7 @@ class HbfpMatmul(torch.autograd.Function):
             grad_a = _product(dev, quantized(gi), ctx.qb, gi, rounding, transpose_b=not ctx.transposed)
         if ctx.needs_input_grad[1]:
             grad_b = _product(dev, ctx.qa, quantized(gw), gw, rounding, transpose_a=True)  # a^T @ grad
-        return grad_a, grad_b, None, None, None
+        return grad_a, grad_b, None, None, None, None
 
 
 #: The 16-bit float dtypes: their operands reach the device as fp32, their results come back
@@ -461,7 +463,8 @@ class HbfpMatmul(torch.autograd.Function):
 _HALF = {torch.bfloat16, torch.float16}
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOperand | None = None) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOperand | None = None,
+           patches=None) -> torch.Tensor:
     """``a @ b`` in HBFP with torch.matmul's shapes: matrices, stacks (leading axes broadcast)
     and vectors (a 1-D operand is a one-row or one-column matrix, its axis removed after)."""
     device = device or default_device()
@@ -476,7 +479,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOper
     if a.dim() == 1:  # (K,) @ (..., K, N): a one-row product
         return matmul(a[None, :], b, device, stored=stored)[..., 0, :]
     if a.dim() == 2 and b.dim() == 2:
-        return HbfpMatmul.apply(a, b, device, stored)
+        return HbfpMatmul.apply(a, b, device, stored, None, patches)
     if b.dim() == 2:  # (..., M, K) @ (K, N): one product over all leading rows
         lead = a.shape[:-1]
         return HbfpMatmul.apply(a.reshape(-1, a.shape[-1]), b, device, stored).reshape(*lead, b.shape[-1])
@@ -650,21 +653,52 @@ def _col2im(cols, shape, kernel, stride, padding, dilation):
     return kernels.col2im(cols, shape, kernel, stride, padding, dilation)
 
 
+class _LazyPatches:
+    """The patches of a convolution of ``x`` that a product reads as codes only: quantized from
+    the image directly (``hbfp.kernels.im2col_quantize``: no fp32 patch matrix), with the
+    rounding and the seed the product would give the patch matrix itself."""
+
+    def __init__(self, x, kernel, stride, padding, dilation):
+        self.x, self.geometry = x.detach(), (kernel, stride, padding, dilation)
+
+    @staticmethod
+    def applies(device, x) -> bool:
+        from hbfp import kernels
+
+        return (getattr(device, "direct_device", None) is not None and _square(device) and x.dtype == torch.float32
+                and x.device.type == "cpu" and kernels._conv_lib(x) is not None)
+
+    @torch.compiler.disable
+    def codes(self, device, cfg: ProductConfig, rounding: Rounding):
+        from hbfp import kernels
+
+        seed = rounding.seed(cfg)  # as _operand draws it: one a quantization
+        with _device_work():
+            return kernels.im2col_quantize(self.x, *self.geometry, device.format(cfg.rounding), seed=seed)
+
+
 class _Patches(torch.autograd.Function):
     """The patches of a convolution as one matrix, (N*OH*OW) x (C*KH*KW): ``F.unfold`` with its
-    columns as rows, gathered in one pass (``hbfp.kernels.im2col``). The backward sums the
-    gradient back onto the image as ``unfold``'s own backward (``F.fold``) does, in its order
+    columns as rows, gathered in one pass (``hbfp.kernels.im2col``); with ``lazy``, a stand-in
+    of no memory (a zero expanded to the matrix's shape) that only carries the gradient, for a
+    product that reads the patches' codes (``_LazyPatches``). The backward sums the gradient
+    back onto the image as ``unfold``'s own backward (``F.fold``) does, in its order
     (``hbfp.kernels.col2im``), so gradients keep their bits."""
 
     @staticmethod
-    def forward(ctx, x, kernel, stride, padding, dilation):
+    def forward(ctx, x, kernel, stride, padding, dilation, lazy=False):
         ctx.geometry = (x.shape[0], x.shape[1], tuple(x.shape[-2:]), kernel, stride, padding, dilation)
+        if lazy:
+            from hbfp import kernels
+
+            g = kernels.conv_geometry(tuple(x.shape), kernel, stride, padding, dilation)
+            return x.new_zeros(()).expand(g[0] * g[12] * g[13], g[1] * g[4] * g[5])
         return _im2col(x, kernel, stride, padding, dilation)
 
     @staticmethod
     def backward(ctx, grad):
         n, c, size, kernel, stride, padding, dilation = ctx.geometry
-        return _col2im(grad, (n, c, *size), kernel, stride, padding, dilation), None, None, None, None
+        return _col2im(grad.contiguous(), (n, c, *size), kernel, stride, padding, dilation), None, None, None, None, None
 
 
 def _same_padding(kernel, dilation) -> tuple[int, ...]:
@@ -718,9 +752,11 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     for i in range(groups):
         # (N*OH*OW, C/g*KH*KW) @ (C/g*KH*KW, OUT/g)
         xi = x if groups == 1 else x[:, i * cin:(i + 1) * cin]
-        patches = _Patches.apply(xi, kernel, stride, padding, dilation)
+        lazy = _LazyPatches(xi, kernel, stride, padding, dilation) if _LazyPatches.applies(device, xi) else None
+        patches = _Patches.apply(xi, kernel, stride, padding, dilation, lazy is not None)
         wi = matrix if groups == 1 else matrix[i * cout:(i + 1) * cout]
-        ys.append(matmul(patches, wi.t(), device, stored=_stored_operand(weight, device, None if groups == 1 else wi)))
+        ys.append(matmul(patches, wi.t(), device, stored=_stored_operand(weight, device, None if groups == 1 else wi),
+                         patches=lazy))
     y = ys[0] if groups == 1 else torch.cat(ys, dim=1)
     if bias is not None:
         y = y + bias

@@ -41,6 +41,12 @@ typedef int i32;
 typedef int (*hbfp_task)(void *ctx, long part);
 int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads);
 
+/* ---- a convolution's patches (conv.c) ---------------------------------------------------- */
+
+/* Rows [p0, p0 + count) of the patch matrix of a convolution (hbfp_im2col's) into dst. */
+void hbfp_patch_rows(const float *x, long c, long h, long w, long kh, long kw, long sh, long sw, long ph, long pw,
+                     long dh, long dw, long oh, long ow, long p0, long count, float *dst);
+
 /* ---- the device's fp32 rules ------------------------------------------------------------ */
 
 /* Flush to zero and denormals are zero for this thread's SSE/AVX arithmetic: a result below

@@ -196,8 +196,9 @@ static double tile_scale_for(unsigned emax, int frac, int *in_f32)
    branches on the data, which vectorize. Returns 0, or -1 if out of memory. */
 static int quantize_bands(const float *x, long rs, long m, long n, long th, long tw, int mbits, int rounding,
                           unsigned key, void *codes, int code_bytes, long ldq, unsigned char *exps, long lde,
-                          long band0, long band1, unsigned base)
+                          long band0, long band1, unsigned base, long xrow0)
 {
+    /* x holds the matrix's rows from xrow0 on (0: all of them; a band gathered elsewhere: im2col) */
     long tc = (n + tw - 1) / tw;
     int frac = mbits - 2;
     double qmax = (double)((1LL << (mbits - 1)) - 1);
@@ -220,7 +221,7 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
     int flat = tc == 1 && rs == n && ldq == n && rounding != 2;
     for (long b = band0; b < band1 && flat; b++) {
         long r0 = b * th, len = (m - r0 < th ? m - r0 : th) * n;
-        const float *xb = x + r0 * rs;
+        const float *xb = x + (r0 - xrow0) * rs;
         unsigned emax = 0;
         for (long i = 0; i < len; i++) {
             unsigned e = (f32_bits(xb[i]) >> 23) & 0xFF;
@@ -247,7 +248,7 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
         memset(colmax, 0, (size_t)n * sizeof(unsigned));
         int narrow = 1; /* every live tile's scale a normal fp32: the rows in fp32 */
         for (long r = 0; r < rows; r++) {
-            const float *xr = x + (r0 + r) * rs;
+            const float *xr = x + (r0 - xrow0 + r) * rs;
             for (long c = 0; c < n; c++) {
                 unsigned e = (f32_bits(xr[c]) >> 23) & 0xFF;
                 colmax[c] = e > colmax[c] ? e : colmax[c];
@@ -266,7 +267,7 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
             }
         }
         for (long r = 0; r < rows; r++) {
-            const float *xr = x + (r0 + r) * rs;
+            const float *xr = x + (r0 - xrow0 + r) * rs;
 #if defined(__AVX2__)
             if (narrow && code_bytes <= 2) {
                 void *row = (char *)codes + (r0 + r) * ldq * code_bytes;
@@ -310,7 +311,7 @@ static int quantize_part(void *ctx, long p)
     long bi = p / j->chunks, b0 = p % j->chunks * j->step, b1 = b0 + j->step < j->tr ? b0 + j->step : j->tr;
     return quantize_bands(j->x + bi * j->xbs, j->rs, j->m, j->n, j->th, j->tw, j->mbits, j->rounding, j->key,
                           (char *)j->codes + bi * j->cbs * j->code_bytes, j->code_bytes, j->ldq, j->exps + bi * j->ebs,
-                          j->lde, b0, b1, (unsigned)((bi * j->pos_step) & 0xFFFFFFFFull));
+                          j->lde, b0, b1, (unsigned)((bi * j->pos_step) & 0xFFFFFFFFull), 0);
 }
 
 /* quantize_bands over all tile-row bands of `batch` matrices (strides xbs, cbs, ebs; matrix i's
@@ -335,4 +336,57 @@ int hbfp_quantize(const float *x, long rs, long m, long n, long th, long tw, int
     quantize_job job = {x, rs, m, n, th, tw, mbits, rounding, key, codes, code_bytes, ldq, exps, lde, step, tr,
                         chunks, xbs, cbs, ebs, pos_step};
     return hbfp_parallel(quantize_part, &job, batch * chunks, threads);
+}
+
+/* ---- im2col and quantize in one pass ------------------------------------------------------ */
+
+typedef struct {
+    const float *x;
+    long n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow;
+    long th, tw;
+    int mbits, rounding;
+    unsigned key;
+    void *codes;
+    int code_bytes;
+    unsigned char *exps;
+    long step, bands;
+} patches_job;
+
+static int patches_part(void *ctx, long part)
+{
+    const patches_job *j = ctx;
+    long m = j->n * j->oh * j->ow, ckk = j->c * j->kh * j->kw, tc = (ckk + j->tw - 1) / j->tw;
+    float *band = malloc((size_t)(j->th * ckk) * sizeof(float));
+    if (!band)
+        return -1;
+    int rc = 0;
+    long b1 = (part + 1) * j->step < j->bands ? (part + 1) * j->step : j->bands;
+    for (long b = part * j->step; b < b1 && !rc; b++) {
+        long r0 = b * j->th, rows = m - r0 < j->th ? m - r0 : j->th;
+        hbfp_patch_rows(j->x, j->c, j->h, j->w, j->kh, j->kw, j->sh, j->sw, j->ph, j->pw, j->dh, j->dw, j->oh, j->ow,
+                        r0, rows, band);
+        rc = quantize_bands(band, ckk, m, ckk, j->th, j->tw, j->mbits, j->rounding, j->key, j->codes, j->code_bytes,
+                            ckk, j->exps, tc, b, b + 1, 0, r0);
+    }
+    free(band);
+    return rc;
+}
+
+/* bfp.quantize of im2col(x) (the patches of a convolution as one matrix, hbfp_im2col), without
+   the matrix: each tile-row band of it gathered into a buffer of the thread's, then quantized. */
+int hbfp_im2col_quantize(const float *x, long n, long c, long h, long w, long kh, long kw, long sh, long sw, long ph,
+                         long pw, long dh, long dw, long oh, long ow, long th, long tw, int mbits, int rounding,
+                         unsigned key, void *codes, int code_bytes, unsigned char *exps, int threads)
+{
+    if (th < 1 || tw < 1 || mbits < 2 || mbits > 16 || rounding < 0 || rounding > 2 ||
+        (code_bytes != 1 && code_bytes != 2))
+        return HBFP_EINVAL;
+    long m = n * oh * ow, bands = (m + th - 1) / th;
+    if (m * c * kh * kw < PARALLEL_ELEMENTS || bands < 2)
+        threads = 1;
+    long parts = threads <= 1 ? 1 : 4L * threads, step = (bands + parts - 1) / parts;
+    step = step < 1 ? 1 : step;
+    patches_job job = {x, n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, th, tw, mbits, rounding, key, codes,
+                       code_bytes, exps, step, bands};
+    return hbfp_parallel(patches_part, &job, (bands + step - 1) / step, threads);
 }
