@@ -290,3 +290,29 @@ def test_the_compiler_runs_under_a_time_limit(tmp_path):
     out = _probe({"CC": str(slow), "HBFP_CC_TIMEOUT": "1"}, tmp_path / "cache")
     assert out[0].startswith("WARNING")
     assert out[1] == "False" and ("more than 1 s" in out[2] or "slowcc" in out[2])
+
+
+_THREADS_PROBE = """
+import numpy as np
+from hbfp import kernels
+from hbfp.golden import HBFP8, quantize
+from hbfp.golden.gemm import gemm
+rng = np.random.default_rng(2)
+a = quantize(rng.standard_normal((300, 400)).astype(np.float32))
+b = quantize(rng.standard_normal((400, 500)).astype(np.float32))
+one = kernels.gemm(a, b, threads=1)
+two = kernels.gemm(a, b, threads=2)
+three = kernels.gemm(a, b, threads=3)
+ref = gemm(a, b, impl="reference")
+print(all(np.array_equal(x.view(np.uint32), ref.view(np.uint32)) for x in (one, two, three)))
+"""
+
+
+def test_the_pool_without_openmp_keeps_the_bits(tmp_path, built_cache):
+    """Where the compiler has no OpenMP the kernels' own thread pool shares the work out: the
+    same bits on any number of threads (built here with HBFP_OPENMP=0)."""
+    env = {**os.environ, "HBFP_CACHE": str(_copy_cache(built_cache, tmp_path / "cache")), "HBFP_KERNELS": "c",
+           "HBFP_OPENMP": "0"}
+    r = subprocess.run([sys.executable, "-c", _THREADS_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "True"
