@@ -40,10 +40,11 @@ def operands(rng, m, k, n, fmt=HBFP8, spread=6):
     return quantize(x, fmt), quantize(y, fmt.transposed())
 
 
-# Edges of the 6 x 16 register tile, the 24-row and 512-column blocks, the K blocks (384 codes),
-# K-tiles that are not whole pairs, and a long K.
+# Edges of the 6 x 16 register tile (6 x 32 for the VNNI tile), the 24-row and 512-column blocks,
+# the K blocks (384 codes), K-tiles that are not whole pairs or quads, and a long K.
 SHAPES = [(1, 24, 1), (5, 48, 31), (6, 24, 16), (7, 72, 17), (13, 240, 64), (25, 250, 70), (64, 500, 600),
-          (40, 9, 16), (30, 50, 48), (9, 4096, 16), (3, 24 * 40, 530), (100, 385, 33)]
+          (40, 9, 16), (30, 50, 48), (9, 4096, 16), (3, 24 * 40, 530), (100, 385, 33), (6, 24, 32),
+          (12, 26, 33), (7, 51, 95), (97, 98, 64), (5, 3, 40)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -84,6 +85,28 @@ def test_every_storage_order_and_sliced_views(variant):
     assert same(golden_gemm(qa, b_slice, impl=variant), want)
     assert same(kernels.gemm((qa.codes, qa.exponents), (qb.codes[::-1][::-1], qb.exponents), fa=qa.fmt, fb=qb.fmt,
                              impl=variant), want)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_int8_code_in_long_transposed_operands(variant):
+    """Every int8 code, -128 (a raw operand's) included, in operands stored transposed over more
+    rows than one packing chunk (96), with K-tiles that are not whole quads: the int8 tiles add
+    128 to B's codes and take 128 times A's code sums back off, exactly."""
+    rng = np.random.default_rng(16)
+    m, k, n = 200, 7 * 24 + 5, 70
+    ea = rng.integers(110, 140, (-(-m // 24), -(-k // 24))).astype(np.uint8)
+    eb = rng.integers(110, 140, (-(-k // 24), -(-n // 24))).astype(np.uint8)
+    ca = rng.integers(-128, 128, (m, k)).astype(np.int8)
+    cb = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    ca[:, :24] = -128  # the extreme sums of a K-tile
+    cb[:24, :] = -128
+    want = reference(BFPTensor(ca, ea, HBFP8), BFPTensor(cb, eb, HBFP8))
+    at = BFPTensor(np.ascontiguousarray(ca.T).T, ea, HBFP8)
+    bt = BFPTensor(np.ascontiguousarray(cb.T).T, eb, HBFP8)
+    for a in (BFPTensor(ca, ea, HBFP8), at):
+        for b in (BFPTensor(cb, eb, HBFP8), bt):
+            for threads in (1, 2):
+                assert same(kernels.gemm(a, b, impl=variant, threads=threads), want)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

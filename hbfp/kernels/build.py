@@ -60,6 +60,8 @@ class Variant:
 
 #: Fastest first. "c": portable C (the compiler vectorizes it for the architecture's baseline).
 VARIANTS = (
+    Variant("avx512", ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+            FEATURES["avx512"] | FEATURES["avx2"]),
     Variant("avx2", ("-mavx2", "-mfma"), FEATURES["avx2"]),
     Variant("c", (), 0),
 )

@@ -32,6 +32,17 @@
 
 #define MR 6
 #define NR 16
+/* The AVX-512 VNNI tile (int8 codes): MR rows x VNR columns, two zmm registers of 16 int32
+   sums a row; its B panels are VNR columns wide. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__x86_64__)
+#define HBFP_VNNI 1
+#define VNR 32
+#define NRS VNR /* the scales of a B panel: room for the widest panel */
+#define VNR_OR_NR VNR
+#else
+#define NRS NR
+#define VNR_OR_NR NR
+#endif
 #define KC_TARGET 384 /* codes of K per block (rounded to whole K-tiles) */
 #define MC 24         /* rows of an output block (a multiple of MR) */
 #define NC 512        /* columns of an output block (a multiple of NR) */
@@ -43,11 +54,12 @@
 typedef struct {
     float sf[MR];
     short x[MR];
+    i32 corr[MR]; /* VNNI: -128 times the row's code sum over the K-tile (see vnni_tile) */
     char safe;
 } scales_a_t;
 typedef struct {
-    float sf[NR];
-    short x[NR];
+    float sf[NRS];
+    short x[NRS];
     char safe;
 } scales_b_t;
 
@@ -64,6 +76,8 @@ typedef struct {
     int sbits;                  /* bits of the largest K-tile sum */
     int a_layout, a_block, b_kind; /* how the operands pack (see gemm_part) */
     int direct;                 /* the fp32 sums accumulate in out itself */
+    int vnni;                   /* int8 codes in quads along K (the VNNI tile), else int16 pairs */
+    int nr;                     /* columns of a B panel: NR, or VNR for the VNNI tile */
     i16 *apk, *bpk;             /* the K block's packed panels: [batch][panel][pairs] */
     scales_a_t *asc;            /* [batch][panel][K-tile] */
     scales_b_t *bsc;
@@ -293,7 +307,7 @@ static void scales_b(const gemm_job *g, const hbfp_operand *b, const void *codes
                 s->x[c] = x;
             }
         }
-        for (int c = cols; c < NR; c++) {
+        for (int c = cols; c < g->nr; c++) {
             s->sf[c] = 1.0f;
             s->x[c] = 0;
         }
@@ -408,15 +422,16 @@ static void pack_b_any(const gemm_job *g, const hbfp_operand *b, const void *cod
 /* acc[r][c] += p for the exact sums s (int64: any width) by the exact route: p in double,
    rounded to fp32 at 24 bits (fp32(s) is s's RNE rounding; the power of two is exact), a
    result below 2**-126 a zero of its sign, overflow to inf, NaN from a NaN tile. */
-static void step_exact(const long long *s, long lds, const scales_a_t *sa, const scales_b_t *sb, float *acc, long lda)
+static void step_exact(const long long *s, long lds, int nr, const scales_a_t *sa, const scales_b_t *sb, float *acc,
+                       long lda)
 {
-    double da[MR], db[NR];
+    double da[MR], db[NRS];
     for (int r = 0; r < MR; r++)
         da[r] = scale_of(sa->x[r]);
-    for (int c = 0; c < NR; c++)
+    for (int c = 0; c < nr; c++)
         db[c] = scale_of(sb->x[c]);
     for (int r = 0; r < MR; r++)
-        for (int c = 0; c < NR; c++) {
+        for (int c = 0; c < nr; c++) {
             double v = (double)(float)s[r * lds + c] * da[r] * db[c];
             float p = fabs(v) < 0x1p-126 ? copysignf(0.0f, (float)v) : (float)v;
             acc[r * lda + c] = add_ftz(acc[r * lda + c], p);
@@ -614,11 +629,268 @@ static inline void tile_avx2(const panel_a *a, long off, const i16 *bp, long np,
 }
 #endif
 
+#ifdef HBFP_VNNI
+/* ---- the AVX-512 VNNI path: int8 codes in quads along K ------------------------------------
+
+   vpdpbusd multiplies four unsigned bytes by four signed bytes and adds the four products to
+   an int32 lane, exactly. A's codes are the signed side, broadcast from the panel; B's are made
+   unsigned by adding 128 (flipping the sign bit), so a lane sums a * (b + 128), and the K-tile
+   sum is that minus 128 * sum(a): the sums start from corr = -128 * (the row's code sum over
+   the K-tile), worked out while A is packed. Each K-tile is padded to whole quads with zero
+   codes of A (what B holds there is multiplied by zero). Any int8 code takes part, -128 (a raw
+   operand's) included: every partial sum fits int32 while tk * 255 * 128 < 2**31.
+
+   Panels: A's (MR rows) quad after quad, each the MR rows' four codes (k .. k + 3); B's (VNR
+   columns) quad after quad, each the VNR columns' four codes + 128. A quad is 4 bytes, as an
+   int16 pair is, so the driver's panel sizes in units (pairs or quads) hold for both. */
+
+/* Largest K side of a tile for the VNNI tile (its int32 lanes never wrap). */
+#define VNNI_TK_MAX 32768
+
+static inline long quads(long kn)
+{
+    return (kn + 3) / 4;
+}
+
+/* A's rows [i0, i0 + rows), K-tiles [t0, t1), as quads into ap; each K-tile's corr into sc. */
+static void pack_a_quads(const gemm_job *g, const hbfp_operand *a, const void *codes, long i0, int rows, long t0,
+                         long t1, i8 *ap, scales_a_t *sc)
+{
+    int by = a->code_bytes;
+    for (long t = t0; t < t1; t++) {
+        long kn = tile_k(g, t), nq = quads(kn), k0 = t * g->tk;
+        scales_a_t *s = sc + (t - t0);
+        for (int r = 0; r < MR; r++) {
+            i32 sum = 0;
+            i8 *d = ap + r * 4;
+            if (r >= rows) {
+                for (long q = 0; q < nq; q++)
+                    memset(d + q * MR * 4, 0, 4);
+            } else if (by == 1 && a->cs == 1) { /* the row's K-tile is consecutive */
+                const i8 *x = (const i8 *)codes + (i0 + r) * a->rs + k0;
+                long k = 0;
+                for (; k + 4 <= kn; k += 4, d += MR * 4) {
+                    memcpy(d, x + k, 4);
+                    sum += x[k] + x[k + 1] + x[k + 2] + x[k + 3];
+                }
+                for (int h = 0; k < kn && h < 4; h++) {
+                    d[h] = k + h < kn ? x[k + h] : 0;
+                    sum += d[h];
+                }
+            } else {
+                long at = (i0 + r) * a->rs + k0 * a->cs;
+                for (long q = 0; q < nq; q++, d += MR * 4)
+                    for (int h = 0; h < 4; h++) {
+                        long kk = 4 * q + h;
+                        d[h] = kk < kn ? (i8)code_at(codes, by, at + kk * a->cs) : 0;
+                        sum += d[h];
+                    }
+            }
+            s->corr[r] = -128 * sum;
+        }
+        ap += nq * MR * 4;
+    }
+}
+
+/* Rows [i0, i0 + rows) of an A stored with consecutive rows (A^T's rows are K) into panels
+   of MR rows at ap + q * pstride (bytes), K-tiles [t0, t1): per quad, four K-rows' codes of
+   up to 96 rows interleaved at once (SSE2 unpacks), then each panel's MR of them copied out;
+   the corr of panel q's K-tile t at sc + q * kt + t - t0. */
+static void pack_a_quads_block(const gemm_job *g, const hbfp_operand *a, const void *codes, long i0, long rows,
+                               long t0, long t1, i8 *ap, long pstride, scales_a_t *sc)
+{
+    enum { CHUNK = 96 };
+    i32 inter[CHUNK + MR] __attribute__((aligned(16)));
+    i32 sums[CHUNK + MR];
+    long panels = (rows + MR - 1) / MR, off = 0; /* quads so far */
+    for (long t = t0; t < t1; t++) {
+        long kn = tile_k(g, t), nq = quads(kn);
+        for (long r0 = 0; r0 < rows; r0 += CHUNK) {
+            long w = rows - r0 < CHUNK ? rows - r0 : CHUNK;
+            for (long r = 0; r < CHUNK + MR; r++)
+                sums[r] = 0;
+            for (long q = 0; q < nq; q++) {
+                const i8 *x[4];
+                i8 zero[CHUNK] = {0};
+                for (int h = 0; h < 4; h++) {
+                    long kk = 4 * q + h;
+                    x[h] = kk < kn ? (const i8 *)codes + (t * g->tk + kk) * a->cs + i0 + r0 : zero;
+                }
+                long r = 0;
+                for (; r + 16 <= w; r += 16) {
+                    __m128i v0 = _mm_loadu_si128((const __m128i *)(x[0] + r));
+                    __m128i v1 = _mm_loadu_si128((const __m128i *)(x[1] + r));
+                    __m128i v2 = _mm_loadu_si128((const __m128i *)(x[2] + r));
+                    __m128i v3 = _mm_loadu_si128((const __m128i *)(x[3] + r));
+                    __m128i lo01 = _mm_unpacklo_epi8(v0, v1), hi01 = _mm_unpackhi_epi8(v0, v1);
+                    __m128i lo23 = _mm_unpacklo_epi8(v2, v3), hi23 = _mm_unpackhi_epi8(v2, v3);
+                    _mm_store_si128((__m128i *)(inter + r), _mm_unpacklo_epi16(lo01, lo23));
+                    _mm_store_si128((__m128i *)(inter + r + 4), _mm_unpackhi_epi16(lo01, lo23));
+                    _mm_store_si128((__m128i *)(inter + r + 8), _mm_unpacklo_epi16(hi01, hi23));
+                    _mm_store_si128((__m128i *)(inter + r + 12), _mm_unpackhi_epi16(hi01, hi23));
+                }
+                for (; r < w; r++) {
+                    i8 v[4] = {x[0][r], x[1][r], x[2][r], x[3][r]};
+                    memcpy(inter + r, v, 4);
+                }
+                for (r = w; r < CHUNK + MR; r++)
+                    inter[r] = 0;
+                for (r = 0; r < w; r++)
+                    sums[r] += x[0][r] + x[1][r] + x[2][r] + x[3][r];
+                for (long p = r0 / MR; p < panels && p * MR < r0 + w; p++)
+                    memcpy(ap + p * pstride + (off + q) * MR * 4, inter + (p * MR - r0), MR * 4);
+            }
+            for (long p = r0 / MR; p < panels && p * MR < r0 + w; p++) {
+                scales_a_t *s = sc + p * g->kt + (t - t0);
+                for (int r = 0; r < MR; r++)
+                    s->corr[r] = -128 * sums[p * MR - r0 + r];
+            }
+        }
+        off += nq;
+    }
+}
+
+/* B's columns [j0, j0 + cols), K-tiles [t0, t1), as quads of codes + 128 into bp. */
+static void pack_b_quads(const gemm_job *g, const hbfp_operand *b, const void *codes, long j0, int cols, long t0,
+                         long t1, unsigned char *bp)
+{
+    int by = b->code_bytes;
+    const __m128i flip = _mm_set1_epi8((char)0x80);
+    for (long t = t0; t < t1; t++) {
+        long kn = tile_k(g, t), nq = quads(kn), k0 = t * g->tk;
+        for (long q = 0; q < nq; q++, bp += VNR * 4) {
+            long k = k0 + 4 * q;
+            int full = 4 * q + 4 <= kn;
+            if (full && cols == VNR && by == 1 && b->cs == 1) { /* four K-rows of consecutive columns */
+                for (int half = 0; half < 2; half++) {
+                    const i8 *x0 = (const i8 *)codes + k * b->rs + j0 + 16 * half;
+                    __m128i v0 = _mm_loadu_si128((const __m128i *)x0);
+                    __m128i v1 = _mm_loadu_si128((const __m128i *)(x0 + b->rs));
+                    __m128i v2 = _mm_loadu_si128((const __m128i *)(x0 + 2 * b->rs));
+                    __m128i v3 = _mm_loadu_si128((const __m128i *)(x0 + 3 * b->rs));
+                    __m128i lo01 = _mm_unpacklo_epi8(v0, v1), hi01 = _mm_unpackhi_epi8(v0, v1);
+                    __m128i lo23 = _mm_unpacklo_epi8(v2, v3), hi23 = _mm_unpackhi_epi8(v2, v3);
+                    __m128i *d = (__m128i *)(bp + 64 * half);
+                    _mm_storeu_si128(d, _mm_xor_si128(_mm_unpacklo_epi16(lo01, lo23), flip));
+                    _mm_storeu_si128(d + 1, _mm_xor_si128(_mm_unpackhi_epi16(lo01, lo23), flip));
+                    _mm_storeu_si128(d + 2, _mm_xor_si128(_mm_unpacklo_epi16(hi01, hi23), flip));
+                    _mm_storeu_si128(d + 3, _mm_xor_si128(_mm_unpackhi_epi16(hi01, hi23), flip));
+                }
+            } else if (full && by == 1 && b->rs == 1) { /* B^T stored: a column's quad is consecutive */
+                int c = 0;
+                for (; c < cols; c++) {
+                    unsigned v;
+                    memcpy(&v, (const i8 *)codes + (j0 + c) * b->cs + k, 4);
+                    v ^= 0x80808080u;
+                    memcpy(bp + 4 * c, &v, 4);
+                }
+                memset(bp + 4 * c, 0x80, (size_t)(VNR - c) * 4);
+            } else {
+                for (int c = 0; c < VNR; c++)
+                    for (int h = 0; h < 4; h++) {
+                        long kk = 4 * q + h;
+                        long v = c < cols && kk < kn ? code_at(codes, by, (k0 + kk) * b->rs + (j0 + c) * b->cs) : 0;
+                        bp[4 * c + h] = (unsigned char)(v + 128);
+                    }
+            }
+        }
+    }
+}
+
+/* A's four codes of row r in the quad at p, broadcast to every lane. */
+static inline __m512i vnni_a(const i8 *p)
+{
+    return _mm512_set1_epi32(_mm_cvtsi128_si32(_mm_loadu_si32(p)));
+}
+
+/* The int32 sums of one K-tile of nq quads (corr included) in s[MR][2]. */
+#define VNNI_SUMS(s, ap, bp, nq, corr)                                                                  \
+    do {                                                                                                \
+        for (int r_ = 0; r_ < MR; r_++)                                                                 \
+            s[r_][0] = s[r_][1] = _mm512_set1_epi32((corr)[r_]);                                        \
+        for (long q_ = 0; q_ < (nq); q_++, ap += MR * 4, bp += VNR * 4) {                               \
+            __m512i b0_ = _mm512_loadu_si512(bp), b1_ = _mm512_loadu_si512(bp + 64);                    \
+            for (int r_ = 0; r_ < MR; r_++) {                                                           \
+                __m512i x_ = vnni_a(ap + 4 * r_);                                                       \
+                s[r_][0] = _mm512_dpbusd_epi32(s[r_][0], b0_, x_);                                      \
+                s[r_][1] = _mm512_dpbusd_epi32(s[r_][1], b1_, x_);                                      \
+            }                                                                                           \
+        }                                                                                               \
+    } while (0)
+
+/* A run of nt K-tiles of nq quads each, every one safe: their fp32 steps onto acc (MR x VNR,
+   row stride lda) in order, p = (fp32(s) * sa) * sb as in the AVX2 tile; the fp32 sums stay in
+   registers over the run. */
+static void vnni_run(const i8 *ap, const unsigned char *bp, long nq, long nt, const scales_a_t *sa,
+                     const scales_b_t *sb, float *acc, long lda)
+{
+    __m512 f[MR][2];
+    for (int r = 0; r < MR; r++) {
+        f[r][0] = _mm512_loadu_ps(acc + r * lda);
+        f[r][1] = _mm512_loadu_ps(acc + r * lda + 16);
+    }
+    for (long t = 0; t < nt; t++, sa++, sb++) {
+        __m512i s[MR][2];
+        VNNI_SUMS(s, ap, bp, nq, sa->corr);
+        __m512 y0 = _mm512_loadu_ps(sb->sf), y1 = _mm512_loadu_ps(sb->sf + 16);
+        for (int r = 0; r < MR; r++) {
+            __m512 x = _mm512_set1_ps(sa->sf[r]);
+            f[r][0] = _mm512_add_ps(f[r][0], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r][0]), x), y0));
+            f[r][1] = _mm512_add_ps(f[r][1], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r][1]), x), y1));
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        _mm512_storeu_ps(acc + r * lda, f[r][0]);
+        _mm512_storeu_ps(acc + r * lda + 16, f[r][1]);
+    }
+}
+
+/* One register tile over K-tiles [t0, t1) of the quad panels: runs of safe K-tiles of one
+   length at once, any other K-tile by its int32 sums and the exact route. */
+static void register_tile_vnni(const gemm_job *g, const i8 *ap, const scales_a_t *sa, const unsigned char *bp,
+                               const scales_b_t *sb, long t0, long t1, float *acc, long lda)
+{
+    for (long t = t0; t < t1;) {
+        long nq = quads(tile_k(g, t));
+        const scales_a_t *ra = sa + (t - t0);
+        const scales_b_t *rb = sb + (t - t0);
+        if (ra->safe && rb->safe) {
+            long end = t + 1;
+            while (end < t1 && sa[end - t0].safe && sb[end - t0].safe && quads(tile_k(g, end)) == nq)
+                end++;
+            vnni_run(ap, bp, nq, end - t, ra, rb, acc, lda);
+            ap += nq * MR * 4 * (end - t);
+            bp += nq * VNR * 4 * (end - t);
+            t = end;
+        } else {
+            __m512i s[MR][2];
+            long long w[MR * VNR];
+            i32 lanes[16];
+            VNNI_SUMS(s, ap, bp, nq, ra->corr);
+            for (int r = 0; r < MR; r++)
+                for (int h = 0; h < 2; h++) {
+                    _mm512_storeu_si512(lanes, s[r][h]);
+                    for (int c = 0; c < 16; c++)
+                        w[r * VNR + 16 * h + c] = lanes[c];
+                }
+            step_exact(w, VNR, VNR, ra, rb, acc, lda);
+            t++;
+        }
+    }
+}
+#endif
+
 /* One register tile over K-tiles [t0, t1) of the packed panels: acc (MR x NR, row stride
    lda) += every K-tile's p in order. */
 static void register_tile(const gemm_job *g, const panel_a *a, const scales_a_t *sa, const i16 *bp,
                           const scales_b_t *sb, long t0, long t1, float *acc, long lda)
 {
+#ifdef HBFP_VNNI
+    if (g->vnni) {
+        register_tile_vnni(g, (const i8 *)a->p, sa, (const unsigned char *)bp, sb, t0, t1, acc, lda);
+        return;
+    }
+#endif
     long off = 0;
     for (long t = t0; t < t1; t++) {
         long np = (tile_k(g, t) + 1) / 2;
@@ -627,7 +899,7 @@ static void register_tile(const gemm_job *g, const panel_a *a, const scales_a_t 
         if (g->wide) {
             long long s[MR * NR];
             tile_sums_wide(a, off, bp, np, s);
-            step_exact(s, NR, ra, rb, acc, lda);
+            step_exact(s, NR, NR, ra, rb, acc, lda);
         } else if (ra->safe && rb->safe) {
 #if defined(__AVX2__) && defined(__x86_64__)
             /* the run of safe K-tiles of this length from here, at once */
@@ -653,7 +925,7 @@ static void register_tile(const gemm_job *g, const panel_a *a, const scales_a_t 
 #endif
             for (int i = 0; i < MR * NR; i++)
                 w[i] = s[i];
-            step_exact(w, NR, ra, rb, acc, lda);
+            step_exact(w, NR, NR, ra, rb, acc, lda);
         }
         off += np;
         bp += np * NR * 2;
@@ -662,12 +934,12 @@ static void register_tile(const gemm_job *g, const panel_a *a, const scales_a_t 
 
 /* ---- the output block ------------------------------------------------------------------ */
 
-/* Pairs of K-tiles [t0, t1): their packed length along K. */
-static long pairs(const gemm_job *g, long t0, long t1)
+/* The packed length along K of K-tiles [t0, t1): pairs, or quads for the VNNI tile. */
+static long units(const gemm_job *g, long t0, long t1)
 {
     long total = 0;
     for (long t = t0; t < t1; t++)
-        total += (tile_k(g, t) + 1) / 2;
+        total += g->vnni ? (tile_k(g, t) + 3) / 4 : (tile_k(g, t) + 1) / 2;
     return total;
 }
 
@@ -728,13 +1000,14 @@ static void write_back(const gemm_job *g, long bi, long r0, long rows, long c0, 
 static void edge_tile(const gemm_job *g, const panel_a *a, const scales_a_t *sa, const i16 *bp, const scales_b_t *sb,
                       long t0, long t1, float *acc, long lda, int rows, int cols)
 {
-    float tmp[MR * NR] __attribute__((aligned(32)));
+    float tmp[MR * NRS] __attribute__((aligned(64)));
+    int nr = g->nr;
     memset(tmp, 0, sizeof tmp);
     for (int r = 0; r < rows; r++)
-        memcpy(tmp + r * NR, acc + r * lda, (size_t)cols * sizeof(float));
-    register_tile(g, a, sa, bp, sb, t0, t1, tmp, NR);
+        memcpy(tmp + r * nr, acc + r * lda, (size_t)cols * sizeof(float));
+    register_tile(g, a, sa, bp, sb, t0, t1, tmp, nr);
     for (int r = 0; r < rows; r++)
-        memcpy(acc + r * lda, tmp + r * NR, (size_t)cols * sizeof(float));
+        memcpy(acc + r * lda, tmp + r * nr, (size_t)cols * sizeof(float));
 }
 
 /* One packing task of the K block: a group of A's panels or of B's of one matrix. */
@@ -749,29 +1022,45 @@ static int pack_part(void *ctx, long task)
         const unsigned char *exps = a->exps + bi * a->ebs;
         long q0 = t * g->a_group, q1 = q0 + g->a_group < g->pa ? q0 + g->a_group : g->pa;
         i16 *base = g->apk + bi * g->pa * kp * MR * 2;
-        if (g->a_block) /* rows of consecutive codes: all the group's rows at once */
-            pack_a_pairs_block(g, a, codes, q0 * MR, (q1 * MR < g->m ? q1 * MR : g->m) - q0 * MR, t0, t1,
-                               base + q0 * kp * MR * 2, kp * MR * 2);
+        scales_a_t *sc = g->asc + bi * g->pa * g->kt + t0;
+        long rows_in = (q1 * MR < g->m ? q1 * MR : g->m) - q0 * MR;
+#ifdef HBFP_VNNI
+        if (g->vnni && g->a_block) /* rows of consecutive codes: all the group's rows at once */
+            pack_a_quads_block(g, a, codes, q0 * MR, rows_in, t0, t1, (i8 *)(base + q0 * kp * MR * 2), kp * MR * 4,
+                               sc + q0 * g->kt);
+#endif
+        if (g->a_block && !g->vnni)
+            pack_a_pairs_block(g, a, codes, q0 * MR, rows_in, t0, t1, base + q0 * kp * MR * 2, kp * MR * 2);
         for (long q = q0; q < q1; q++) {
             long i = q * MR;
             int rows = g->m - i < MR ? (int)(g->m - i) : MR;
             i16 *aq = base + q * kp * MR * 2;
-            if (g->a_layout == A_ROWS)
+            if (!g->vnni && g->a_layout == A_ROWS)
                 pack_a_rows(g, a, codes, i, rows, t0, t1, aq, kp * 2);
-            else if (!g->a_block)
+            else if (!g->vnni && !g->a_block)
                 pack_a_pairs(g, a, codes, i, rows, t0, t1, aq);
-            scales_a(g, a, codes, exps, i, rows, t0, t1, g->asc + (bi * g->pa + q) * g->kt + t0);
+#ifdef HBFP_VNNI
+            else if (g->vnni && !g->a_block)
+                pack_a_quads(g, a, codes, i, rows, t0, t1, (i8 *)aq, sc + q * g->kt);
+#endif
+            scales_a(g, a, codes, exps, i, rows, t0, t1, sc + q * g->kt);
         }
     } else {
         t -= g->a_tasks;
         const void *codes = (const char *)b->codes + bi * b->bs * b->code_bytes;
         const unsigned char *exps = b->exps + bi * b->ebs;
         long q0 = t * g->b_group, q1 = q0 + g->b_group < g->pb ? q0 + g->b_group : g->pb;
-        i16 *base = g->bpk + bi * g->pb * kp * NR * 2;
+        int nr = g->nr;
+        i16 *base = g->bpk + bi * g->pb * kp * nr * 2;
         for (long q = q0; q < q1; q++) {
-            long j = q * NR;
-            int cols = g->n - j < NR ? (int)(g->n - j) : NR;
-            i16 *bq = base + q * kp * NR * 2;
+            long j = q * nr;
+            int cols = g->n - j < nr ? (int)(g->n - j) : nr;
+            i16 *bq = base + q * kp * nr * 2;
+#ifdef HBFP_VNNI
+            if (g->vnni)
+                pack_b_quads(g, b, codes, j, cols, t0, t1, (unsigned char *)bq);
+            else
+#endif
             if (g->b_kind == 0)
                 pack_b_rows(g, b, codes, j, cols, t0, t1, bq);
             else if (g->b_kind == 1)
@@ -802,29 +1091,30 @@ static int gemm_part(void *ctx, long part)
     int first = g->t0 == 0, last = g->t1 >= g->kt;
     float *acc = g->direct ? (float *)o->out + bi * o->bso : g->acc + bi * g->m * g->n;
     long lda = g->direct ? o->ldo : g->n;
-    const i16 *apk = g->apk + bi * g->pa * kp * MR * 2, *bpk = g->bpk + bi * g->pb * kp * NR * 2;
+    int nr = g->nr;
+    const i16 *apk = g->apk + bi * g->pa * kp * MR * 2, *bpk = g->bpk + bi * g->pb * kp * nr * 2;
     const scales_a_t *asc = g->asc + bi * g->pa * g->kt;
     const scales_b_t *bsc = g->bsc + bi * g->pb * g->kt;
     for (long jc = c0; jc < c1; jc += NC) {
-        long nc = c1 - jc < NC ? c1 - jc : NC, q0b = jc / NR, npanels = (nc + NR - 1) / NR;
+        long nc = c1 - jc < NC ? c1 - jc : NC, q0b = jc / nr, npanels = (nc + nr - 1) / nr;
         for (long ic = r0; ic < r1; ic += MC) {
             long mc = r1 - ic < MC ? r1 - ic : MC, q0a = ic / MR, mpanels = (mc + MR - 1) / MR;
             float *blk = acc + ic * lda + jc;
             if (first) /* from C (subnormals read as zeros) or +0, while the block is in the cache */
                 read_c(g, bi, ic, mc, jc, nc, blk, lda);
             for (long qb = q0b; qb < q0b + npanels && t1 > t0; qb++) {
-                int cols = c1 - qb * NR < NR ? (int)(c1 - qb * NR) : NR;
+                int cols = c1 - qb * nr < nr ? (int)(c1 - qb * nr) : nr;
                 for (long qa = q0a; qa < q0a + mpanels; qa++) {
                     panel_a pa = {apk + qa * kp * MR * 2, kp * 2, g->a_layout};
                     int rows = r1 - qa * MR < MR ? (int)(r1 - qa * MR) : MR;
-                    float *at = acc + qa * MR * lda + qb * NR;
+                    float *at = acc + qa * MR * lda + qb * nr;
                     /* the sums have only the product's rows and columns: a tile at their edge
                        goes through a full tile's buffer */
-                    if (rows < MR || cols < NR)
-                        edge_tile(g, &pa, asc + qa * g->kt + t0, bpk + qb * kp * NR * 2, bsc + qb * g->kt + t0, t0, t1,
+                    if (rows < MR || cols < nr)
+                        edge_tile(g, &pa, asc + qa * g->kt + t0, bpk + qb * kp * nr * 2, bsc + qb * g->kt + t0, t0, t1,
                                   at, lda, rows, cols);
                     else
-                        register_tile(g, &pa, asc + qa * g->kt + t0, bpk + qb * kp * NR * 2, bsc + qb * g->kt + t0,
+                        register_tile(g, &pa, asc + qa * g->kt + t0, bpk + qb * kp * nr * 2, bsc + qb * g->kt + t0,
                                       t0, t1, at, lda);
                 }
             }
@@ -882,8 +1172,16 @@ int hbfp_gemm(const hbfp_operand *a, const hbfp_operand *b, const hbfp_output *o
     g.a_block = a->cs != 1 && a->rs == 1;
     g.b_kind = b->cs == 1 ? 0 : b->rs == 1 ? 1 : 2;
     g.direct = !o->out_bf16 && !o->table;
+#ifdef HBFP_VNNI
+    /* int8 codes (or narrower in int16) take the VNNI tile */
+    g.vnni = !g.wide && g.tk <= VNNI_TK_MAX && (a->code_bytes == 1 || a->qmax < 127) &&
+             (b->code_bytes == 1 || b->qmax < 127);
+    if (g.vnni)
+        g.a_block = a->cs != 1 && a->rs == 1 && a->code_bytes == 1;
+#endif
+    g.nr = g.vnni ? VNR_OR_NR : NR;
     g.pa = (m + MR - 1) / MR;
-    g.pb = (n + NR - 1) / NR;
+    g.pb = (n + g.nr - 1) / g.nr;
     g.kct = KC_TARGET / g.tk > 0 ? KC_TARGET / g.tk : 1;
     if (g.kct > g.kt)
         g.kct = g.kt > 0 ? g.kt : 1;
@@ -897,12 +1195,12 @@ int hbfp_gemm(const hbfp_operand *a, const hbfp_operand *b, const hbfp_output *o
         long parts = batch * ((m + g.rows - 1) / g.rows) * ((n + g.cols - 1) / g.cols);
         if (parts >= want)
             break;
-        if (g.cols >= g.rows && g.cols >= 2 * NR)
-            g.cols = ((g.cols + 1) / 2 + NR - 1) / NR * NR;
+        if (g.cols >= g.rows && g.cols >= 2 * g.nr)
+            g.cols = ((g.cols + 1) / 2 + g.nr - 1) / g.nr * g.nr;
         else if (g.rows >= 2 * MC)
             g.rows = ((g.rows + 1) / 2 + MC - 1) / MC * MC;
-        else if (g.cols >= 2 * NR)
-            g.cols = ((g.cols + 1) / 2 + NR - 1) / NR * NR;
+        else if (g.cols >= 2 * g.nr)
+            g.cols = ((g.cols + 1) / 2 + g.nr - 1) / g.nr * g.nr;
         else if (g.rows >= 2 * MR)
             g.rows = ((g.rows + 1) / 2 + MR - 1) / MR * MR;
         else
@@ -921,9 +1219,9 @@ int hbfp_gemm(const hbfp_operand *a, const hbfp_operand *b, const hbfp_output *o
     g.a_tasks = (g.pa + g.a_group - 1) / g.a_group;
     g.b_tasks = (g.pb + g.b_group - 1) / g.b_group;
 
-    long kpmax = pairs(&g, 0, g.kct > g.kt ? g.kt : g.kct);
+    long kpmax = units(&g, 0, g.kct > g.kt ? g.kt : g.kct);
     size_t a_bytes = (size_t)batch * g.pa * kpmax * MR * 2 * sizeof(i16);
-    size_t b_bytes = (size_t)batch * g.pb * kpmax * NR * 2 * sizeof(i16);
+    size_t b_bytes = (size_t)batch * g.pb * kpmax * g.nr * 2 * sizeof(i16);
     size_t sa_bytes = (size_t)batch * g.pa * (g.kt > 0 ? g.kt : 1) * sizeof(scales_a_t);
     size_t sb_bytes = (size_t)batch * g.pb * (g.kt > 0 ? g.kt : 1) * sizeof(scales_b_t);
     size_t acc_bytes = g.direct ? 0 : (size_t)batch * m * n * sizeof(float);
@@ -945,7 +1243,7 @@ int hbfp_gemm(const hbfp_operand *a, const hbfp_operand *b, const hbfp_output *o
            register tiles over it (with no K-tile, one pass: C or +0, the bias, the epilogue). */
         for (g.t0 = 0; rc == 0; g.t0 += g.kct) {
             g.t1 = g.t0 + g.kct < g.kt ? g.t0 + g.kct : g.kt;
-            g.kp = pairs(&g, g.t0, g.t1);
+            g.kp = units(&g, g.t0, g.t1);
             if (g.t1 > g.t0)
                 rc = hbfp_parallel(pack_part, &g, batch * (g.a_tasks + g.b_tasks), threads);
             if (rc == 0)
