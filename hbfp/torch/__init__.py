@@ -432,6 +432,9 @@ class HbfpMatmul(torch.autograd.Function):
         ctx.qa = patches.codes(device, cfg, rounding) if patches is not None else _operand(device, a, cfg, rounding)
         ctx.qb = stored.codes if stored is not None else _operand(device, b, cfg, rounding)
         ctx.transposed = stored is not None and stored.transposed
+        # b a transposed view of a matrix (a Linear's weight as in x out): its gradient is made
+        # in the matrix's layout, so that autograd hands it to the weight without a copy
+        ctx.b_view = ctx.transposed or (b.dim() == 2 and not b.is_contiguous() and b.t().is_contiguous())
         return _product(device, ctx.qa, ctx.qb, cfg, rounding, transpose_b=ctx.transposed)
 
     @staticmethod
@@ -453,8 +456,11 @@ class HbfpMatmul(torch.autograd.Function):
 
         if ctx.needs_input_grad[0]:  # grad @ b^T (b stored as in the forward product)
             grad_a = _product(dev, quantized(gi), ctx.qb, gi, rounding, transpose_b=not ctx.transposed)
-        if ctx.needs_input_grad[1]:
-            grad_b = _product(dev, ctx.qa, quantized(gw), gw, rounding, transpose_a=True)  # a^T @ grad
+        if ctx.needs_input_grad[1]:  # a^T @ grad, or (grad^T @ a)^T: the same sums, the same bits
+            if ctx.b_view:
+                grad_b = _product(dev, quantized(gw), ctx.qa, gw, rounding, transpose_a=True).t()
+            else:
+                grad_b = _product(dev, ctx.qa, quantized(gw), gw, rounding, transpose_a=True)
         return grad_a, grad_b, None, None, None, None
 
 
@@ -760,7 +766,9 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = ys[0] if groups == 1 else torch.cat(ys, dim=1)
     if bias is not None:
         y = y + bias
-    return y.reshape(n, oh * ow, out_ch).transpose(1, 2).reshape(n, out_ch, oh, ow)
+    # torch's own layout (N, C, H, W) in memory: the next operations (an activation and its
+    # backward beside a gradient in that layout) run several times slower on mixed strides
+    return y.reshape(n, oh * ow, out_ch).transpose(1, 2).contiguous().reshape(n, out_ch, oh, ow)
 
 
 def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0, dilation=1,

@@ -818,19 +818,20 @@ static inline __m512i vnni_a(const i8 *p)
         }                                                                                               \
     } while (0)
 
-/* A run of nt K-tiles of nq quads each, every one safe: their fp32 steps onto acc (MR x VNR,
-   row stride lda) in order, p = (fp32(s) * sa) * sb as in the AVX2 tile; the fp32 sums stay in
-   registers over the run. */
-static void vnni_run(const i8 *ap, const unsigned char *bp, long nq, long nt, const scales_a_t *sa,
-                     const scales_b_t *sb, float *acc, long lda)
+/* A run of K-tiles [t, t1), every one safe: their fp32 steps onto acc (MR x VNR, row stride
+   lda) in order, p = (fp32(s) * sa) * sb as in the AVX2 tile, from +0 where `zero` (acc is not
+   read); the fp32 sums stay in registers over the run. */
+static void vnni_run(const gemm_job *g, const i8 *ap, const unsigned char *bp, long t, long t1, const scales_a_t *sa,
+                     const scales_b_t *sb, float *acc, long lda, int zero)
 {
     __m512 f[MR][2];
     for (int r = 0; r < MR; r++) {
-        f[r][0] = _mm512_loadu_ps(acc + r * lda);
-        f[r][1] = _mm512_loadu_ps(acc + r * lda + 16);
+        f[r][0] = zero ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * lda);
+        f[r][1] = zero ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * lda + 16);
     }
-    for (long t = 0; t < nt; t++, sa++, sb++) {
+    for (; t < t1; t++, sa++, sb++) {
         __m512i s[MR][2];
+        long nq = quads(tile_k(g, t));
         VNNI_SUMS(s, ap, bp, nq, sa->corr);
         __m512 y0 = _mm512_loadu_ps(sb->sf), y1 = _mm512_loadu_ps(sb->sf + 16);
         for (int r = 0; r < MR; r++) {
@@ -845,24 +846,28 @@ static void vnni_run(const i8 *ap, const unsigned char *bp, long nq, long nt, co
     }
 }
 
-/* One register tile over K-tiles [t0, t1) of the quad panels: runs of safe K-tiles of one
-   length at once, any other K-tile by its int32 sums and the exact route. */
+/* One register tile over K-tiles [t0, t1) of the quad panels: runs of safe K-tiles at once,
+   any other K-tile by its int32 sums and the exact route; from +0 where `zero` (acc not read). */
 static void register_tile_vnni(const gemm_job *g, const i8 *ap, const scales_a_t *sa, const unsigned char *bp,
-                               const scales_b_t *sb, long t0, long t1, float *acc, long lda)
+                               const scales_b_t *sb, long t0, long t1, float *acc, long lda, int zero)
 {
     for (long t = t0; t < t1;) {
         long nq = quads(tile_k(g, t));
         const scales_a_t *ra = sa + (t - t0);
         const scales_b_t *rb = sb + (t - t0);
         if (ra->safe && rb->safe) {
-            long end = t + 1;
-            while (end < t1 && sa[end - t0].safe && sb[end - t0].safe && quads(tile_k(g, end)) == nq)
+            long end = t + 1, n = 0;
+            while (end < t1 && sa[end - t0].safe && sb[end - t0].safe)
                 end++;
-            vnni_run(ap, bp, nq, end - t, ra, rb, acc, lda);
-            ap += nq * MR * 4 * (end - t);
-            bp += nq * VNR * 4 * (end - t);
-            t = end;
+            vnni_run(g, ap, bp, t, end, ra, rb, acc, lda, zero);
+            for (; t < end; t++)
+                n += quads(tile_k(g, t));
+            ap += n * MR * 4;
+            bp += n * VNR * 4;
         } else {
+            if (zero)
+                for (int r = 0; r < MR; r++)
+                    memset(acc + r * lda, 0, VNR * sizeof(float));
             __m512i s[MR][2];
             long long w[MR * VNR];
             i32 lanes[16];
@@ -876,6 +881,7 @@ static void register_tile_vnni(const gemm_job *g, const i8 *ap, const scales_a_t
             step_exact(w, VNR, VNR, ra, rb, acc, lda);
             t++;
         }
+        zero = 0;
     }
 }
 #endif
@@ -883,14 +889,17 @@ static void register_tile_vnni(const gemm_job *g, const i8 *ap, const scales_a_t
 /* One register tile over K-tiles [t0, t1) of the packed panels: acc (MR x NR, row stride
    lda) += every K-tile's p in order. */
 static void register_tile(const gemm_job *g, const panel_a *a, const scales_a_t *sa, const i16 *bp,
-                          const scales_b_t *sb, long t0, long t1, float *acc, long lda)
+                          const scales_b_t *sb, long t0, long t1, float *acc, long lda, int zero)
 {
 #ifdef HBFP_VNNI
     if (g->vnni) {
-        register_tile_vnni(g, (const i8 *)a->p, sa, (const unsigned char *)bp, sb, t0, t1, acc, lda);
+        register_tile_vnni(g, (const i8 *)a->p, sa, (const unsigned char *)bp, sb, t0, t1, acc, lda, zero);
         return;
     }
 #endif
+    if (zero)
+        for (int r = 0; r < MR; r++)
+            memset(acc + r * lda, 0, NR * sizeof(float));
     long off = 0;
     for (long t = t0; t < t1; t++) {
         long np = (tile_k(g, t) + 1) / 2;
@@ -1005,7 +1014,7 @@ static void edge_tile(const gemm_job *g, const panel_a *a, const scales_a_t *sa,
     memset(tmp, 0, sizeof tmp);
     for (int r = 0; r < rows; r++)
         memcpy(tmp + r * nr, acc + r * lda, (size_t)cols * sizeof(float));
-    register_tile(g, a, sa, bp, sb, t0, t1, tmp, nr);
+    register_tile(g, a, sa, bp, sb, t0, t1, tmp, nr, 0);
     for (int r = 0; r < rows; r++)
         memcpy(acc + r * lda, tmp + r * nr, (size_t)cols * sizeof(float));
 }
@@ -1100,7 +1109,10 @@ static int gemm_part(void *ctx, long part)
         for (long ic = r0; ic < r1; ic += MC) {
             long mc = r1 - ic < MC ? r1 - ic : MC, q0a = ic / MR, mpanels = (mc + MR - 1) / MR;
             float *blk = acc + ic * lda + jc;
-            if (first) /* from C (subnormals read as zeros) or +0, while the block is in the cache */
+            /* from C (subnormals read as zeros), while the block is in the cache, or +0: then
+               the tiles start from zeros of their own and the block is not read first */
+            int zero = first && !o->c && t1 > t0;
+            if (first && !zero)
                 read_c(g, bi, ic, mc, jc, nc, blk, lda);
             for (long qb = q0b; qb < q0b + npanels && t1 > t0; qb++) {
                 int cols = c1 - qb * nr < nr ? (int)(c1 - qb * nr) : nr;
@@ -1110,12 +1122,15 @@ static int gemm_part(void *ctx, long part)
                     float *at = acc + qa * MR * lda + qb * nr;
                     /* the sums have only the product's rows and columns: a tile at their edge
                        goes through a full tile's buffer */
-                    if (rows < MR || cols < nr)
+                    if (rows < MR || cols < nr) {
+                        for (int r = 0; zero && r < rows; r++)
+                            memset(at + r * lda, 0, (size_t)cols * sizeof(float));
                         edge_tile(g, &pa, asc + qa * g->kt + t0, bpk + qb * kp * nr * 2, bsc + qb * g->kt + t0, t0, t1,
                                   at, lda, rows, cols);
-                    else
+                    } else {
                         register_tile(g, &pa, asc + qa * g->kt + t0, bpk + qb * kp * nr * 2, bsc + qb * g->kt + t0,
-                                      t0, t1, at, lda);
+                                      t0, t1, at, lda, zero);
+                    }
                 }
             }
             if (last)
