@@ -124,6 +124,32 @@ def test_the_split_over_threads_keeps_the_bits(variant, threads):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("rounding", ["nearest_even", "toward_zero", "stochastic"])
+def test_quantize_reads_any_strides(variant, rounding):
+    """A transposed view (a gradient's transpose, read down its stored rows), a column slice and
+    a view with a row step quantize as their contiguous copies do, stochastic positions
+    included (they are the view's own), at 1 and 2 threads, NumPy and torch alike."""
+    import torch
+
+    rng = np.random.default_rng(17)
+    base = (rng.standard_normal((130, 75)) * np.exp2(rng.integers(-8, 9, (130, 1)))).astype(np.float32)
+    base[7, 3] = np.nan
+    fmt = HBFP8.with_rounding(rounding)
+    seed = 5 if rounding == "stochastic" else None
+    for view in (base.T, base[:, 10:60], base[::2], base.T[::3, 1:]):
+        ref = quantize(np.ascontiguousarray(view), fmt, seed=seed, impl="reference")
+        for x in (view, torch.from_numpy(base).T if view is base.T else None):
+            if x is None:
+                continue
+            for threads in (1, 2):
+                codes, exps = kernels.quantize(x, fmt, seed=seed, impl=variant, threads=threads)
+                assert np.array_equal(np.asarray(codes), ref.codes) and np.array_equal(np.asarray(exps), ref.exponents)
+        if view is base.T:  # the lean path of torch tensors (impl=None)
+            codes, exps = kernels.quantize(torch.from_numpy(base).T, fmt, seed=seed)
+            assert np.array_equal(codes.numpy(), ref.codes) and np.array_equal(exps.numpy(), ref.exponents)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_stacks_equal_their_products(variant):
     rng = np.random.default_rng(8)
     nb, m, k, n = 5, 30, 70, 26

@@ -412,15 +412,15 @@ def quantize(x, fmt: Format, *, seed: int | None = None, impl: str | None = None
             xn = xn.to(torch.float32)
         if xn.dim() not in (2, 3):
             raise ValueError(f"quantize takes a matrix or a stack of them, got shape {tuple(xn.shape)}")
-        if xn.shape[-1] > 1 and xn.stride(-1) != 1 or min(xn.stride()) < 0:
-            xn = xn.contiguous()  # rows of consecutive values (torch's blocked copy of a transposed view is fast)
+        if min(xn.stride()) < 0 or name not in _COMPILED and xn.shape[-1] > 1 and xn.stride(-1) != 1:
+            xn = xn.contiguous()  # rows of consecutive values (the compiled kernels read any strides)
     else:
         xn = bfp._as_f32(x)
         if xn.ndim == 1:
             xn = xn[None, :]
         if xn.ndim not in (2, 3):
             raise ValueError(f"quantize takes a matrix or a stack of them, got shape {xn.shape}")
-        if xn.shape[-1] > 1 and xn.strides[-1] != 4 or any(s < 0 for s in xn.strides):
+        if any(s < 0 for s in xn.strides) or name not in _COMPILED and xn.shape[-1] > 1 and xn.strides[-1] != 4:
             xn = np.ascontiguousarray(xn)
     th, tw = fmt.tile
     m, n = xn.shape[-2:]
@@ -466,16 +466,16 @@ def _seed_key(seed: int) -> int:
 
 
 def _quantize_lean(x, fmt: Format, seed, threads):
-    """``quantize`` of a CPU fp32 torch tensor (a matrix or a stack; rows of consecutive
-    values) by the preferred compiled kernel, in a few microseconds: None elsewhere."""
+    """``quantize`` of a CPU fp32 torch tensor (a matrix or a stack, any nonnegative strides:
+    a transposed view is read as it lies) by the preferred compiled kernel, in a few
+    microseconds: None elsewhere."""
     name = _best_cpu()
     lib = _COMPILED.get(name)
     if lib is None:
         return None
     import torch
 
-    if x.dtype != torch.float32 or not x.is_cpu or x.dim() not in (2, 3) or (x.shape[-1] > 1 and x.stride(-1) != 1) \
-            or min(x.stride()) < 0:
+    if x.dtype != torch.float32 or not x.is_cpu or x.dim() not in (2, 3) or min(x.stride()) < 0:
         return None
     th, tw = fmt.tile
     m, n = x.shape[-2:]

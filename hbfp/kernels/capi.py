@@ -10,7 +10,7 @@ import ctypes
 
 #: Bumped whenever a signature, a struct or the meaning of an argument changes; a library that
 #: reports another number is rebuilt, never called.
-ABI = 1
+ABI = 2
 
 #: C types of the table and their ctypes.
 _CTYPES = {
@@ -62,9 +62,9 @@ FUNCTIONS = {
     "hbfp_gemm": ("int", (("a", "const hbfp_operand *"), ("b", "const hbfp_operand *"),
                           ("o", "const hbfp_output *"), ("batch", "long"), ("m", "long"), ("n", "long"),
                           ("k", "long"), ("threads", "int"))),
-    # bfp.quantize of `batch` m x n fp32 matrices (row stride rs, consecutive columns; batch
-    # strides xbs, cbs, ebs), stochastic positions as if stacked, each padded to whole tiles.
-    "hbfp_quantize": ("int", (("x", "const float *"), ("rs", "long"), ("m", "long"), ("n", "long"),
+    # bfp.quantize of `batch` m x n fp32 matrices (row and column strides rs, cs; batch strides
+    # xbs, cbs, ebs), stochastic positions as if stacked, each padded to whole tiles.
+    "hbfp_quantize": ("int", (("x", "const float *"), ("rs", "long"), ("cs", "long"), ("m", "long"), ("n", "long"),
                               ("th", "long"), ("tw", "long"), ("mbits", "int"), ("rounding", "int"),
                               ("key", "unsigned"), ("codes", "void *"), ("code_bytes", "int"), ("ldq", "long"),
                               ("exps", "unsigned char *"), ("lde", "long"), ("batch", "long"), ("xbs", "long"),

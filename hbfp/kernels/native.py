@@ -191,12 +191,12 @@ class Compiled:
 
     def quantize_tensor(self, x, fmt, key: int, codes, exps, threads: int) -> None:
         """``quantize`` of a CPU fp32 torch tensor the caller has checked (a matrix or a stack,
-        consecutive columns) into new ``codes`` and ``exps`` (contiguous)."""
+        any nonnegative strides) into new ``codes`` and ``exps`` (contiguous)."""
         st, cst, est = x.stride(), codes.stride(), exps.stride()
         nd = x.dim()
         th, tw = fmt.tile
         v = array.array("q", (
-            x.data_ptr(), st[-2], x.shape[-2], x.shape[-1], th, tw, fmt.mantissa_bits, ROUNDINGS[fmt.rounding], key,
+            x.data_ptr(), st[-2], st[-1], x.shape[-2], x.shape[-1], th, tw, fmt.mantissa_bits, ROUNDINGS[fmt.rounding], key,
             codes.data_ptr(), codes.element_size(), cst[-2], exps.data_ptr(), est[-2], x.shape[0] if nd == 3 else 1,
             st[0] if nd == 3 else 0, cst[0] if nd == 3 else 0, est[0] if nd == 3 else 0, threads))
         rc = self.lib.hbfp_quantize_v(v.buffer_info()[0])
@@ -206,15 +206,15 @@ class Compiled:
     # ---- quantization ---------------------------------------------------------------------
 
     def quantize(self, x, fmt, key: int | None, codes, exps, *, threads: int = 1) -> None:
-        """``bfp.quantize`` of an fp32 matrix ``x`` (consecutive columns) into ``codes`` (int8 or
+        """``bfp.quantize`` of an fp32 matrix ``x`` (any nonnegative strides) into ``codes`` (int8 or
         int16 of its shape, contiguous rows) and ``exps`` (uint8, one per tile, contiguous rows);
         or of a stack of them (a leading axis: each quantized alone, its stochastic positions
         those of the stack as one matrix, every matrix padded to whole tiles). ``key``: the
         stochastic generator's key (``bfp._key(seed)``)."""
         mx, mc, me = Mem(x, "x"), Mem(codes, "the codes"), Mem(exps, "the exponents")
         nd = len(mx.shape)
-        if mx.dtype != np.float32 or nd not in (2, 3) or (mx.shape[-1] > 1 and mx.strides[-1] != 1):
-            raise ValueError("quantize takes an fp32 matrix (or a stack of them) with consecutive columns")
+        if mx.dtype != np.float32 or nd not in (2, 3):
+            raise ValueError("quantize takes an fp32 matrix (or a stack of them)")
         m, n = mx.shape[-2:]
         nb = mx.shape[0] if nd == 3 else 1
         th, tw = fmt.tile
@@ -224,7 +224,7 @@ class Compiled:
         if fmt.rounding == "stochastic" and key is None:
             raise ValueError("stochastic rounding needs the generator's key")
         bs = (lambda m_: m_.strides[0] if nd == 3 else 0)
-        _check(self.lib.hbfp_quantize(mx.ptr, mx.strides[-2], m, n, th, tw, fmt.mantissa_bits, ROUNDINGS[fmt.rounding],
+        _check(self.lib.hbfp_quantize(mx.ptr, mx.strides[-2], mx.strides[-1], m, n, th, tw, fmt.mantissa_bits, ROUNDINGS[fmt.rounding],
                                       int(key or 0), mc.ptr, mc.itemsize, mc.strides[-2], me.ptr, me.strides[-2], nb,
                                       bs(mx), bs(mc), bs(me), threads), "quantize")
 

@@ -246,10 +246,12 @@ class _Product:
         return (recipe.forward if forward else recipe.grad_input), forward
 
     def _operand(self, x, cfg: ProductConfig, forward: bool):
-        if self.forward is not None and not forward:
+        if self.forward is not None and (not forward or cfg.rounding == "nearest_even"):
             hit, codes = self.forward.lookup(x)
-            if hit:
+            if hit and not forward:
                 return x if codes is None else codes
+            if hit and codes is not None:  # a forward operand again (an RNN's weight at every time
+                return codes               # step): to nearest, its codes are the same; quantized once
         q = _operand(self.device, x, cfg, self.rounding)
         if self.forward is not None and forward:
             self.forward.remember(x, q if isinstance(q, tuple) else None)
@@ -338,7 +340,7 @@ def _quantized(device, x: torch.Tensor, rounding: str = "nearest_even", seed: in
         from hbfp import kernels
 
         with _device_work():
-            return kernels.quantize(x.detach().contiguous(), device.format(rounding), seed=seed)
+            return kernels.quantize(x.detach(), device.format(rounding), seed=seed)  # any strides
     if getattr(device, "direct_device", None) is None or not _square(device):
         return x  # quantized by the product itself (blocks along K: in the layout it stores)
     from hbfp import kernels

@@ -756,6 +756,36 @@ static void pack_b_quads(const gemm_job *g, const hbfp_operand *b, const void *c
 {
     int by = b->code_bytes;
     const __m128i flip = _mm_set1_epi8((char)0x80);
+    if (by == 1 && b->rs == 1 && cols == VNR && g->tk % 4 == 0) {
+        /* B^T stored, whole K-tiles of whole quads: the panel's quads are each column's K run
+           as it lies, so blocks of 4 columns x 4 quads are transposed as 32-bit units */
+        long tf = t1 > t0 && tile_k(g, t1 - 1) < g->tk ? t1 - 1 : t1, nq = (tf - t0) * (g->tk / 4), q = 0;
+        const i8 *x = (const i8 *)codes + j0 * b->cs + t0 * g->tk;
+        for (; q + 4 <= nq; q += 4)
+            for (int c0 = 0; c0 < VNR; c0 += 4) {
+                const i8 *xc = x + c0 * b->cs + 4 * q;
+                __m128i r0 = _mm_loadu_si128((const __m128i *)xc);
+                __m128i r1 = _mm_loadu_si128((const __m128i *)(xc + b->cs));
+                __m128i r2 = _mm_loadu_si128((const __m128i *)(xc + 2 * b->cs));
+                __m128i r3 = _mm_loadu_si128((const __m128i *)(xc + 3 * b->cs));
+                __m128i u0 = _mm_unpacklo_epi32(r0, r1), u1 = _mm_unpackhi_epi32(r0, r1);
+                __m128i u2 = _mm_unpacklo_epi32(r2, r3), u3 = _mm_unpackhi_epi32(r2, r3);
+                unsigned char *d = bp + q * VNR * 4 + c0 * 4;
+                _mm_storeu_si128((__m128i *)d, _mm_xor_si128(_mm_unpacklo_epi64(u0, u2), flip));
+                _mm_storeu_si128((__m128i *)(d + VNR * 4), _mm_xor_si128(_mm_unpackhi_epi64(u0, u2), flip));
+                _mm_storeu_si128((__m128i *)(d + 2 * VNR * 4), _mm_xor_si128(_mm_unpacklo_epi64(u1, u3), flip));
+                _mm_storeu_si128((__m128i *)(d + 3 * VNR * 4), _mm_xor_si128(_mm_unpackhi_epi64(u1, u3), flip));
+            }
+        for (; q < nq; q++)
+            for (int c = 0; c < VNR; c++) {
+                unsigned v;
+                memcpy(&v, x + c * b->cs + 4 * q, 4);
+                v ^= 0x80808080u;
+                memcpy(bp + q * VNR * 4 + 4 * c, &v, 4);
+            }
+        bp += nq * VNR * 4;
+        t0 = tf; /* the last, partial K-tile (if any) below */
+    }
     for (long t = t0; t < t1; t++) {
         long kn = tile_k(g, t), nq = quads(kn), k0 = t * g->tk;
         for (long q = 0; q < nq; q++, bp += VNR * 4) {

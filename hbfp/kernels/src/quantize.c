@@ -294,7 +294,7 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
 
 typedef struct {
     const float *x;
-    long rs, m, n, th, tw;
+    long rs, cs, m, n, th, tw;
     int mbits, rounding;
     unsigned key;
     void *codes;
@@ -309,16 +309,38 @@ static int quantize_part(void *ctx, long p)
 {
     const quantize_job *j = ctx;
     long bi = p / j->chunks, b0 = p % j->chunks * j->step, b1 = b0 + j->step < j->tr ? b0 + j->step : j->tr;
-    return quantize_bands(j->x + bi * j->xbs, j->rs, j->m, j->n, j->th, j->tw, j->mbits, j->rounding, j->key,
-                          (char *)j->codes + bi * j->cbs * j->code_bytes, j->code_bytes, j->ldq, j->exps + bi * j->ebs,
-                          j->lde, b0, b1, (unsigned)((bi * j->pos_step) & 0xFFFFFFFFull), 0);
+    const float *x = j->x + bi * j->xbs;
+    void *codes = (char *)j->codes + bi * j->cbs * j->code_bytes;
+    unsigned base = (unsigned)((bi * j->pos_step) & 0xFFFFFFFFull);
+    if (j->cs == 1 || j->n <= 1)
+        return quantize_bands(x, j->rs, j->m, j->n, j->th, j->tw, j->mbits, j->rounding, j->key, codes, j->code_bytes,
+                              j->ldq, j->exps + bi * j->ebs, j->lde, b0, b1, base, 0);
+    /* Columns apart (a transposed view): each band's rows gathered into a buffer first, reading
+       down the stored rows where they are the band's columns (rs == 1), then quantized there. */
+    float *band = malloc((size_t)(j->th * j->n) * sizeof(float));
+    if (!band)
+        return HBFP_ENOMEM;
+    int rc = 0;
+    for (long b = b0; b < b1 && !rc; b++) {
+        long r0 = b * j->th, rows = j->m - r0 < j->th ? j->m - r0 : j->th;
+        for (long c = 0; c < j->n; c++) {
+            const float *xc = x + r0 * j->rs + c * j->cs;
+            for (long r = 0; r < rows; r++)
+                band[r * j->n + c] = xc[r * j->rs];
+        }
+        rc = quantize_bands(band, j->n, j->m, j->n, j->th, j->tw, j->mbits, j->rounding, j->key, codes, j->code_bytes,
+                            j->ldq, j->exps + bi * j->ebs, j->lde, b, b + 1, base, r0);
+    }
+    free(band);
+    return rc;
 }
 
-/* quantize_bands over all tile-row bands of `batch` matrices (strides xbs, cbs, ebs; matrix i's
+/* quantize_bands over all tile-row bands of `batch` matrices (row and column strides rs, cs of x;
+   batch strides xbs, cbs, ebs; matrix i's
    stream positions start at i * pos_step: the positions of the matrices stacked, each padded to
    whole tiles), in parts of bands that threads take as they come free (up to four a thread;
    one thread below PARALLEL_ELEMENTS). */
-int hbfp_quantize(const float *x, long rs, long m, long n, long th, long tw, int mbits, int rounding, unsigned key,
+int hbfp_quantize(const float *x, long rs, long cs, long m, long n, long th, long tw, int mbits, int rounding, unsigned key,
                   void *codes, int code_bytes, long ldq, unsigned char *exps, long lde, long batch, long xbs,
                   long cbs, long ebs, int threads)
 {
@@ -333,7 +355,7 @@ int hbfp_quantize(const float *x, long rs, long m, long n, long th, long tw, int
         step = 1;
     long chunks = (tr + step - 1) / step;
     unsigned long long pos_step = (unsigned long long)tr * th * (unsigned long long)((n + tw - 1) / tw * tw);
-    quantize_job job = {x, rs, m, n, th, tw, mbits, rounding, key, codes, code_bytes, ldq, exps, lde, step, tr,
+    quantize_job job = {x, rs, cs, m, n, th, tw, mbits, rounding, key, codes, code_bytes, ldq, exps, lde, step, tr,
                         chunks, xbs, cbs, ebs, pos_step};
     return hbfp_parallel(quantize_part, &job, batch * chunks, threads);
 }
