@@ -103,13 +103,17 @@ static int col2im_part(void *ctx, long part)
             if (y >= oh)
                 continue;
             for (long j = 0; j < kw; j++) {
-                long col = (ch * kh + i) * kw + j;
+                long col = (ch * kh + i) * kw + j, off = j * dw - pw; /* xx = z * sw + off */
                 const float *src = g->src + (b * oh + y) * ow * ckk + col;
-                for (long z = 0; z < ow; z++) {
-                    long xx = z * sw - pw + j * dw;
-                    if (xx >= 0 && xx < w)
-                        row[xx] += src[z * ckk];
-                }
+                long lo = off >= 0 ? 0 : (-off + sw - 1) / sw;       /* the z whose xx lie in the row */
+                long hi = w - off <= 0 ? 0 : (w - off + sw - 1) / sw;
+                hi = hi < ow ? hi : ow;
+                if (sw == 1)
+                    for (long z = lo; z < hi; z++)
+                        row[z + off] += src[z * ckk];
+                else
+                    for (long z = lo; z < hi; z++)
+                        row[z * sw + off] += src[z * ckk];
             }
         }
     }
