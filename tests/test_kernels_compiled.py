@@ -230,6 +230,21 @@ def test_im2col_and_col2im_equal_torchs_unfold_and_fold(shape, kernel, stride, p
     assert same(back.numpy(), folded.numpy())  # the same additions in the same order
 
 
+@pytest.mark.parametrize("shape", [(32, 1024, 64), (3, 5, 7), (2, 17, 9), (1, 33, 40), (4, 8, 8), (2, 100, 3), (0, 4, 4)])
+def test_transpose_equals_a_copy_of_the_transposed_view(shape):
+    """kernels.transpose (a convolution's rows to the image and back): the blocks of 8 x 8 in
+    registers and every edge past them, NumPy and torch alike."""
+    import torch
+
+    x = np.random.default_rng(19).standard_normal(shape).astype(np.float32)
+    assert np.array_equal(kernels.transpose(x), np.ascontiguousarray(np.swapaxes(x, 1, 2)))
+    t = torch.from_numpy(x)
+    got = kernels.transpose(t)
+    assert got.is_contiguous() and torch.equal(got, t.transpose(1, 2).contiguous())
+    with pytest.raises(ValueError, match="3 axes"):
+        kernels.transpose(x.reshape(-1))
+
+
 def test_conv_geometry_is_checked():
     x = np.zeros((1, 1, 4, 4), np.float32)
     with pytest.raises(ValueError, match="no convolution output"):

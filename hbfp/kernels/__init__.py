@@ -44,7 +44,8 @@ from . import build
 from .native import Compiled
 
 __all__ = ["IMPLS", "COMPILED", "Codes", "KernelWarning", "available", "why", "preferred", "resolve", "default_threads",
-           "gemm", "quantize", "requantize", "dequantize", "im2col", "col2im", "im2col_quantize", "conv_geometry", "activation_table"]
+           "gemm", "quantize", "requantize", "dequantize", "im2col", "col2im", "im2col_quantize", "conv_geometry", "activation_table",
+           "transpose"]
 
 #: The compiled variants, fastest first.
 COMPILED = tuple(v.name for v in build.VARIANTS)
@@ -623,3 +624,23 @@ def col2im(cols, shape, kernel, stride, padding, dilation):
     out = np.empty(tuple(shape), np.float32)
     lib.col2im(cn, g, out, threads=default_threads())
     return _like(cols, out)
+
+
+def transpose(x):
+    """``x`` (a stack of matrices, B x M x N) as the contiguous stack of their transposes,
+    B x N x M: a convolution's product rows (output positions, channels) to the image's layout
+    and back. Blocked in the compiled kernels for float32 CPU memory (torch's copy of a
+    transposed view runs several times slower), else the array library's own copy."""
+    if x.ndim != 3:
+        raise ValueError(f"transpose takes a stack of matrices (3 axes), got shape {tuple(x.shape)}")
+    lib = _conv_lib(x)
+    torch_in = _is_torch(x)
+    if lib is not None and (x.dtype == np.float32 if not torch_in else str(x.dtype) == "torch.float32"):
+        xn = _numpy(x)
+        if not xn.flags.c_contiguous:
+            xn = np.ascontiguousarray(xn)
+        out = np.empty((xn.shape[0], xn.shape[2], xn.shape[1]), np.float32)
+        if out.size:
+            lib.transpose(xn, out, threads=default_threads())
+        return _like(x, out)
+    return x.transpose(1, 2).contiguous() if torch_in else np.ascontiguousarray(np.swapaxes(x, 1, 2))

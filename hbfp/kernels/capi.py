@@ -10,7 +10,7 @@ import ctypes
 
 #: Bumped whenever a signature, a struct or the meaning of an argument changes; a library that
 #: reports another number is rebuilt, never called.
-ABI = 2
+ABI = 3
 
 #: C types of the table and their ctypes.
 _CTYPES = {
@@ -81,6 +81,9 @@ FUNCTIONS = {
     "hbfp_col2im": ("int", (("cols", "const float *"), *((d, "long") for d in (
         "n", "c", "h", "w", "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow")),
         ("out", "float *"), ("threads", "int"))),
+    # out[b] = x[b]^T for a stack of `batch` m x n fp32 matrices (both contiguous).
+    "hbfp_transpose": ("int", (("x", "const float *"), ("batch", "long"), ("m", "long"), ("n", "long"),
+                               ("out", "float *"), ("threads", "int"))),
     # hbfp_quantize of hbfp_im2col's matrix, without the matrix (codes and exponents contiguous).
     "hbfp_im2col_quantize": ("int", (("x", "const float *"), *((d, "long") for d in (
         "n", "c", "h", "w", "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow", "th", "tw")),

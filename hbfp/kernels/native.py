@@ -254,5 +254,14 @@ class Compiled:
                               else codes.element_size(), Mem(exps, "exps").ptr, threads))
         _check(self.lib.hbfp_im2col_quantize_v(v.buffer_info()[0]), "im2col_quantize")
 
+    def transpose(self, x, out, *, threads: int = 1) -> None:
+        """``out[b] = x[b].T`` of a contiguous stack of fp32 matrices into a contiguous ``out``."""
+        mx, mo = Mem(x, "x"), Mem(out, "out")
+        nb, m, n = mx.shape
+        if mx.dtype != np.float32 or mo.dtype != np.float32 or mo.shape != (nb, n, m) \
+                or mx.strides != (m * n, n, 1) or mo.strides != (m * n, m, 1):
+            raise ValueError("transpose takes a contiguous fp32 stack and a contiguous out of the transposed shape")
+        _check(self.lib.hbfp_transpose(mx.ptr, nb, m, n, mo.ptr, threads), "transpose")
+
     def col2im(self, cols, geometry: tuple, out, *, threads: int = 1) -> None:
         _check(self.lib.hbfp_col2im(Mem(cols, "cols").ptr, *geometry, Mem(out, "out").ptr, threads), "col2im")

@@ -709,6 +709,28 @@ class _Patches(torch.autograd.Function):
         return _col2im(grad.contiguous(), (n, c, *size), kernel, stride, padding, dilation), None, None, None, None, None
 
 
+class _Image(torch.autograd.Function):
+    """A convolution's product rows (N x positions x channels) as the image's layout (N x
+    channels x positions) in memory, and its gradient back: torch's own layout, since the next
+    operations (an activation and its backward beside a gradient in that layout) run several
+    times slower on mixed strides; both ways by ``hbfp.kernels.transpose`` (a blocked copy)."""
+
+    @staticmethod
+    def forward(ctx, rows):
+        return _transpose(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _transpose(grad)
+
+
+@torch.compiler.disable
+def _transpose(x):
+    from hbfp import kernels
+
+    return kernels.transpose(x.detach())
+
+
 def _same_padding(kernel, dilation) -> tuple[int, ...]:
     """F.pad's amounts (last axis first) of padding='same': the total dilation * (k - 1) per
     axis, the extra one on the right, as torch's convolution pads it."""
@@ -768,9 +790,7 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = ys[0] if groups == 1 else torch.cat(ys, dim=1)
     if bias is not None:
         y = y + bias
-    # torch's own layout (N, C, H, W) in memory: the next operations (an activation and its
-    # backward beside a gradient in that layout) run several times slower on mixed strides
-    return y.reshape(n, oh * ow, out_ch).transpose(1, 2).contiguous().reshape(n, out_ch, oh, ow)
+    return _Image.apply(y.reshape(n, oh * ow, out_ch)).reshape(n, out_ch, oh, ow)
 
 
 def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0, dilation=1,

@@ -128,3 +128,75 @@ int hbfp_col2im(const float *cols, long n, long c, long h, long w, long kh, long
         threads = 1;
     return hbfp_parallel(col2im_part, &g, n * h, threads);
 }
+
+/* ---- a stack of matrices transposed (a product's rows of output positions to an image and
+   back) ------------------------------------------------------------------------------------ */
+
+#define TRANSPOSE_BLOCK 32
+
+typedef struct {
+    const float *x;
+    long batch, m, n, row_blocks;
+    float *out;
+} transpose_job;
+
+/* Rows [i0, i0 + TRANSPOSE_BLOCK) of matrix b, all columns, in 32 x 32 blocks: a block's rows
+   are read where they lie and its columns written as the output's rows, both within the cache
+   (torch's strided copy of a transposed view goes element by element, several times slower). */
+static int transpose_part(void *ctx, long part)
+{
+    const transpose_job *g = ctx;
+    long b = part / g->row_blocks, i0 = part % g->row_blocks * TRANSPOSE_BLOCK;
+    long i1 = i0 + TRANSPOSE_BLOCK < g->m ? i0 + TRANSPOSE_BLOCK : g->m, m = g->m, n = g->n;
+    const float *x = g->x + b * m * n;
+    float *out = g->out + b * m * n;
+    for (long j0 = 0; j0 < n; j0 += TRANSPOSE_BLOCK) {
+        long j1 = j0 + TRANSPOSE_BLOCK < n ? j0 + TRANSPOSE_BLOCK : n;
+        long i = i0, j = j0;
+#if defined(__AVX2__)
+        /* 8 x 8 blocks in registers: eight rows in, eight columns out */
+        for (i = i0; i + 8 <= i1; i += 8)
+            for (j = j0; j + 8 <= j1; j += 8) {
+                const float *s = x + i * n + j;
+                __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + n), r2 = _mm256_loadu_ps(s + 2 * n);
+                __m256 r3 = _mm256_loadu_ps(s + 3 * n), r4 = _mm256_loadu_ps(s + 4 * n), r5 = _mm256_loadu_ps(s + 5 * n);
+                __m256 r6 = _mm256_loadu_ps(s + 6 * n), r7 = _mm256_loadu_ps(s + 7 * n);
+                __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+                __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+                __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+                __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+                __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+                __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+                __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+                __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+                float *d = out + j * m + i;
+                _mm256_storeu_ps(d, _mm256_permute2f128_ps(u0, u4, 0x20));
+                _mm256_storeu_ps(d + m, _mm256_permute2f128_ps(u1, u5, 0x20));
+                _mm256_storeu_ps(d + 2 * m, _mm256_permute2f128_ps(u2, u6, 0x20));
+                _mm256_storeu_ps(d + 3 * m, _mm256_permute2f128_ps(u3, u7, 0x20));
+                _mm256_storeu_ps(d + 4 * m, _mm256_permute2f128_ps(u0, u4, 0x31));
+                _mm256_storeu_ps(d + 5 * m, _mm256_permute2f128_ps(u1, u5, 0x31));
+                _mm256_storeu_ps(d + 6 * m, _mm256_permute2f128_ps(u2, u6, 0x31));
+                _mm256_storeu_ps(d + 7 * m, _mm256_permute2f128_ps(u3, u7, 0x31));
+            }
+        /* the block's edges: columns past the last whole 8, then rows past the last whole 8 */
+        for (long ii = i0; ii < i; ii++)
+            for (long jj = j; jj < j1; jj++)
+                out[jj * m + ii] = x[ii * n + jj];
+#endif
+        for (long jj = j0; jj < j1; jj++)
+            for (long ii = i; ii < i1; ii++)
+                out[jj * m + ii] = x[ii * n + jj];
+    }
+    return 0;
+}
+
+int hbfp_transpose(const float *x, long batch, long m, long n, float *out, int threads)
+{
+    if (batch < 0 || m < 0 || n < 0)
+        return HBFP_EINVAL;
+    transpose_job g = {x, batch, m, n, (m + TRANSPOSE_BLOCK - 1) / TRANSPOSE_BLOCK, out};
+    if (batch * m * n < PARALLEL_ELEMENTS)
+        threads = 1;
+    return hbfp_parallel(transpose_part, &g, batch * g.row_blocks, threads);
+}
