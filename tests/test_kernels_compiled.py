@@ -230,6 +230,26 @@ def test_im2col_and_col2im_equal_torchs_unfold_and_fold(shape, kernel, stride, p
     assert same(back.numpy(), folded.numpy())  # the same additions in the same order
 
 
+@pytest.mark.parametrize("shape, kernel, stride, padding, dilation", CONVS + [((4, 6, 13, 13), (3, 3), (1, 1), (1, 1), (1, 1))])
+@pytest.mark.parametrize("rounding", ["nearest_even", "stochastic"])
+def test_patches_quantized_from_the_image_equal_the_quantized_patches(shape, kernel, stride, padding, dilation,
+                                                                       rounding):
+    """im2col_quantize (each 24-row band of the patch matrix gathered into the cache, runs of
+    8 positions x 8 columns through the registers, masked at the image's edges) gives the
+    golden quantization of torch's unfold, stochastic positions included."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)) * 4
+    fmt = HBFP8.with_rounding(rounding)
+    seed = 11 if rounding == "stochastic" else None
+    cols = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+    patches = cols.transpose(1, 2).reshape(-1, cols.shape[1]).contiguous().numpy()
+    ref = quantize(patches, fmt, seed=seed, impl="reference")
+    codes, exps = kernels.im2col_quantize(x, kernel, stride, padding, dilation, fmt, seed=seed)
+    assert np.array_equal(codes.numpy(), ref.codes) and np.array_equal(exps.numpy(), ref.exponents)
+
+
 @pytest.mark.parametrize("shape", [(32, 1024, 64), (3, 5, 7), (2, 17, 9), (1, 33, 40), (4, 8, 8), (2, 100, 3), (0, 4, 4)])
 def test_transpose_equals_a_copy_of_the_transposed_view(shape):
     """kernels.transpose (a convolution's rows to the image and back): the blocks of 8 x 8 in

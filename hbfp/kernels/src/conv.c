@@ -18,6 +18,41 @@ typedef struct {
     float *out;
 } conv_job;
 
+#if defined(__AVX2__)
+/* The 8 x 8 block of rows r0 .. r7 stored by columns: column c at d + c * ld. */
+static inline void transpose8_regs(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4, __m256 r5, __m256 r6,
+                                   __m256 r7, float *d, long ld)
+{
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(d, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(d + ld, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(d + 2 * ld, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(d + 3 * ld, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(d + 4 * ld, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(d + 5 * ld, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(d + 6 * ld, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(d + 7 * ld, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+#endif
+
+#if defined(__AVX2__)
+/* d[c * ld + r] = s[r * ls + c] for r, c < 8: eight rows in registers, eight columns out. */
+static inline void transpose8(const float *s, long ls, float *d, long ld)
+{
+    __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + ls), r2 = _mm256_loadu_ps(s + 2 * ls);
+    __m256 r3 = _mm256_loadu_ps(s + 3 * ls), r4 = _mm256_loadu_ps(s + 4 * ls), r5 = _mm256_loadu_ps(s + 5 * ls);
+    __m256 r6 = _mm256_loadu_ps(s + 6 * ls), r7 = _mm256_loadu_ps(s + 7 * ls);
+    transpose8_regs(r0, r1, r2, r3, r4, r5, r6, r7, d, ld);
+}
+#endif
+
 /* Rows [p0, p0 + count) of the patch matrix into dst (row-major, C*KH*KW values a row): output
    position p = (b, y, z) of x (N x C x H x W fp32, contiguous) holds
    x[b, c, y*sh - ph + i*dh, z*sw - pw + j*dw] at column (c*KH + i)*KW + j, zero outside the
@@ -27,10 +62,61 @@ void hbfp_patch_rows(const float *x, long c, long h, long w, long kh, long kw, l
                      long dh, long dw, long oh, long ow, long p0, long count, float *dst)
 {
     long ckk = c * kh * kw;
+#if defined(__AVX2__)
+    /* Stride 1: per column of the patch matrix, the image row it reads (NULL: outside the
+       image) and the positions [lo, hi) that read inside it; blocks of 8 positions x 8 columns
+       go through the registers, transposed (8 loads of a run of a row, masked where positions
+       read outside it, and 8 stores of a run of a patch row); the rest below, one by one. */
+    const float **src = sw == 1 ? malloc((size_t)ckk * sizeof(*src)) : NULL;
+    long *lim = src ? malloc((size_t)ckk * 2 * sizeof(long)) : NULL;
+#endif
     for (long p = p0; p < p0 + count;) {
         long b = p / (oh * ow), y = p / ow % oh, z0 = p % ow;
         long z1 = z0 + (p0 + count - p) < ow ? z0 + (p0 + count - p) : ow; /* the run within this row */
         float *out = dst + (p - p0) * ckk;
+#if defined(__AVX2__)
+        if (src && lim && z1 - z0 >= 8) {
+            for (long ch = 0, col = 0; ch < c; ch++)
+                for (long i = 0; i < kh; i++) {
+                    long yy = y * sh - ph + i * dh;
+                    for (long j = 0; j < kw; j++, col++) {
+                        long off = j * dw - pw;
+                        src[col] = yy < 0 || yy >= h ? NULL : x + ((b * c + ch) * h + yy) * w + off;
+                        lim[2 * col] = off >= 0 ? 0 : -off;
+                        lim[2 * col + 1] = w - off;
+                    }
+                }
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            long zb = z0;
+            for (; zb + 8 <= z1; zb += 8) {
+                float *d = out + (zb - z0) * ckk;
+                const __m256i at = _mm256_add_epi32(lane, _mm256_set1_epi32((int)zb));
+                long c0 = 0;
+                for (; c0 + 8 <= ckk; c0 += 8) {
+                    __m256 r[8];
+                    for (int q = 0; q < 8; q++) {
+                        long cq = c0 + q;
+                        /* the lanes whose positions read inside the image row (a masked-off
+                           lane reads no memory) */
+                        __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)lim[2 * cq]), at),
+                                                         _mm256_cmpgt_epi32(_mm256_set1_epi32((int)lim[2 * cq + 1]), at));
+                        r[q] = src[cq] ? _mm256_maskload_ps(src[cq] + zb, in) : _mm256_setzero_ps();
+                    }
+                    transpose8_regs(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], d + c0, ckk);
+                }
+                for (; c0 < ckk; c0++)
+                    for (long z = zb; z < zb + 8; z++)
+                        d[(z - zb) * ckk + c0] = src[c0] && z >= lim[2 * c0] && z < lim[2 * c0 + 1] ? src[c0][z] : 0.0f;
+            }
+            if (zb == z1) {
+                p += z1 - z0;
+                continue;
+            }
+            out += (zb - z0) * ckk; /* the run's last few positions, below */
+            p += zb - z0;
+            z0 = zb;
+        }
+#endif
         for (long ch = 0; ch < c; ch++) {
             const float *img = x + (b * c + ch) * h * w;
             for (long i = 0; i < kh; i++) {
@@ -59,6 +145,10 @@ void hbfp_patch_rows(const float *x, long c, long h, long w, long kh, long kw, l
         }
         p += z1 - z0;
     }
+#if defined(__AVX2__)
+    free(src);
+    free(lim);
+#endif
 }
 
 /* x to out: (N*OH*OW) x (C*KH*KW), row-major (hbfp_patch_rows). One part per row of output
@@ -157,27 +247,7 @@ static int transpose_part(void *ctx, long part)
         /* 8 x 8 blocks in registers: eight rows in, eight columns out */
         for (i = i0; i + 8 <= i1; i += 8)
             for (j = j0; j + 8 <= j1; j += 8) {
-                const float *s = x + i * n + j;
-                __m256 r0 = _mm256_loadu_ps(s), r1 = _mm256_loadu_ps(s + n), r2 = _mm256_loadu_ps(s + 2 * n);
-                __m256 r3 = _mm256_loadu_ps(s + 3 * n), r4 = _mm256_loadu_ps(s + 4 * n), r5 = _mm256_loadu_ps(s + 5 * n);
-                __m256 r6 = _mm256_loadu_ps(s + 6 * n), r7 = _mm256_loadu_ps(s + 7 * n);
-                __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-                __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-                __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-                __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-                __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-                __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-                __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-                __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-                float *d = out + j * m + i;
-                _mm256_storeu_ps(d, _mm256_permute2f128_ps(u0, u4, 0x20));
-                _mm256_storeu_ps(d + m, _mm256_permute2f128_ps(u1, u5, 0x20));
-                _mm256_storeu_ps(d + 2 * m, _mm256_permute2f128_ps(u2, u6, 0x20));
-                _mm256_storeu_ps(d + 3 * m, _mm256_permute2f128_ps(u3, u7, 0x20));
-                _mm256_storeu_ps(d + 4 * m, _mm256_permute2f128_ps(u0, u4, 0x31));
-                _mm256_storeu_ps(d + 5 * m, _mm256_permute2f128_ps(u1, u5, 0x31));
-                _mm256_storeu_ps(d + 6 * m, _mm256_permute2f128_ps(u2, u6, 0x31));
-                _mm256_storeu_ps(d + 7 * m, _mm256_permute2f128_ps(u3, u7, 0x31));
+                transpose8(x + i * n + j, n, out + j * m + i, m);
             }
         /* the block's edges: columns past the last whole 8, then rows past the last whole 8 */
         for (long ii = i0; ii < i; ii++)
