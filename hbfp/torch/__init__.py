@@ -519,12 +519,14 @@ def _matrix(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(weight.shape[0], -1)
 
 
-def _stored_operand(weight: torch.Tensor, device, matrix: torch.Tensor | None = None) -> _StoredOperand | None:
+def _stored_operand(weight: torch.Tensor, device, matrix: torch.Tensor | None = None,
+                    storage=None) -> _StoredOperand | None:
     """The codes the device reads of a wide-stored weight (None if stored as fp32): of its
-    matrix, or of ``matrix`` (a group's rows of it)."""
+    matrix, or of ``matrix`` (a group's rows of it); ``storage``: its format, where not the
+    weight's own (a compiled graph's tensors carry no attribute: ``hbfp.torch.compiled``)."""
     from hbfp import kernels
 
-    storage = weight_storage(weight)
+    storage = weight_storage(weight) if storage is None else storage
     if storage is None:
         return None
     fmt = device.format()
@@ -916,6 +918,12 @@ class _Offload(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if type(func) is torch._ops.OpOverload:  # an operator itself (a compiled graph calls them): no route
+            return func(*args, **kwargs)
+        if torch.compiler.is_compiling():  # Dynamo traces: the products as operators of the graph
+            from .compiled import route as compiled_route
+
+            return compiled_route(self, func, args, kwargs)
         route = _ROUTES.get(func) if _routing_active() else None
         if route is not None:
             out = route(self, *args, **kwargs)
@@ -940,6 +948,7 @@ def _counted(name: str, fn, autocast: bool = True, mode: bool = False):
             args, kwargs = [cast(t) for t in args], {k: cast(v) for k, v in kwargs.items()}
         with _report.routing(name), torch.autocast("cpu", enabled=False):
             return fn(device, *args, **kwargs)
+    routed.name, routed.autocast = name, autocast  # what hbfp.torch.compiled emits for it
     return routed
 
 
@@ -1061,10 +1070,9 @@ def offload(device=None, precision: str | None = None, recipe=None):
         device = host.open(f"emu:format={formats.pop()}") if formats else default_device()
     r.check(device)
     precision = precision or format_name(device.format()).lower().replace(" ", "")
-    # torch.compile'd code runs eagerly inside: a compiled graph would run its products on the
-    # host (Inductor's own matrix kernels), silently (the products reach the device as eager calls)
-    eager = contextlib.nullcontext() if torch.compiler.is_compiling() else torch.compiler.set_stance("force_eager")
-    with matmul_precision(precision), use_recipe(r) as _, backend_flags(), eager:
+    from .compiled import compiling  # torch.compile'd code: its products as hbfp operators
+
+    with matmul_precision(precision), use_recipe(r) as _, backend_flags(), compiling():
         product = _Product(device, current_rounding())
         try:
             with AtenOffload(product, _routing_active), _Offload(device, product):

@@ -71,6 +71,13 @@ def count_host(op: str, macs: int, why: str) -> None:
                       "see hbfp.torch.report()", HbfpFallbackWarning, stacklevel=5)
 
 
+def discard(op: str) -> None:
+    """Forget ``op``'s line (work of torch's own that an ``offload`` context routed, counted
+    under ``op`` on purpose: ``hbfp.torch.compiled``)."""
+    with _lock:
+        _counts.pop(op, None)
+
+
 @contextlib.contextmanager
 def routing(op: str):
     """Device products issued in the body are counted under ``op`` (nested: the outermost

@@ -30,22 +30,32 @@ MAX_ENTRIES = 4096
 MAX_BYTES = 1 << 30
 
 
-def _key(x: torch.Tensor):
-    """The memory ``x`` reads (a matrix, or a stack of them along the first axis), independent
-    of a transposition of its matrices; and whether ``x`` is the transpose of that canonical
-    form."""
-    if x.dim() not in (2, 3) or type(x) is not torch.Tensor:
-        return None, False
+def _layout(x: torch.Tensor):
+    """The sizes and strides of ``x`` (a matrix, or a stack of them along the first axis) with
+    its matrices in a canonical orientation (a transposed view has the layout of what it
+    views), and whether ``x`` is the transpose of that form; None for other tensors."""
+    if x.dim() not in (2, 3):
+        return None
     *lead, r, c = x.shape
     *lead_s, sr, sc = x.stride()
     flipped = sr < sc or (sr == sc and r < c)
     if flipped:
         r, c, sr, sc = c, r, sc, sr
+    return (*lead, *lead_s, r, c, sr, sc), flipped
+
+
+def _key(x: torch.Tensor):
+    """The memory ``x`` reads (a matrix, or a stack of them along the first axis), independent
+    of a transposition of its matrices; and whether ``x`` is the transpose of that canonical
+    form."""
+    layout = _layout(x) if type(x) is torch.Tensor else None
+    if layout is None:
+        return None, False
     try:
         base = x.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # a tensor without storage (a fake tensor)
         return None, False
-    return (base, x.storage_offset(), *lead, *lead_s, r, c, sr, sc, x._version, x.dtype), flipped
+    return (base, x.storage_offset(), *layout[0], x._version, x.dtype), layout[1]
 
 
 def _flip(codes):
