@@ -401,3 +401,20 @@ def test_wide_storage_covers_attention_rnn_and_bilinear_weights():
     for w in handle.weights:  # on the HBFP16 grid
         m = w.detach().reshape(w.shape[0], -1)
         assert torch.equal(kernels.dequantize(*kernels.quantize(m, HBFP16), HBFP16), m)
+
+
+def test_dot_runs_on_the_host_where_the_thread_routes_nothing():
+    """Under the matmul precision 'highest' inside offload (and for integer operands) dot and
+    vdot run as torch's own computation: dot.out's CPU kernel calls the routed dot again, so
+    the host's computation must not go through it (it recursed until the stack ran out)."""
+    a, b = torch.arange(7.0) - 3, torch.arange(7.0) * 2 + 1  # integer values: exact in any order
+    ai, bi = torch.arange(7), torch.arange(7) + 2
+    with ht.offload(hbfp.host.open("emu")):
+        with ht.matmul_precision("highest"):
+            assert torch.equal(torch.dot(a, b), (a * b).sum()) and torch.equal(torch.vdot(a, b), (a * b).sum())
+            with pytest.raises(RuntimeError, match="1D tensors of the same size"):
+                torch.dot(a, b[:3])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ht.HbfpFallbackWarning)
+            got = torch.dot(ai, bi)
+    assert got.dtype == torch.int64 and int(got) == int((ai * bi).sum())

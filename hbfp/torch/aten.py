@@ -248,6 +248,14 @@ def _dot(product, a, b):
     return product(a[None, :], b[:, None])[0, 0]
 
 
+def _own_dot(a, b):
+    """torch's own dot product of two vectors, as a 1 x 1 ``mm.out`` (whose CPU kernel, unlike
+    ``dot.out``'s, does not call the routed operator again)."""
+    if a.dim() != 1 or b.dim() != 1 or a.shape != b.shape:
+        raise RuntimeError(f"dot: 1D tensors of the same size expected, got {tuple(a.shape)} and {tuple(b.shape)}")
+    return aten.mm.out(a.resolve_conj()[None, :], b.resolve_conj()[:, None], out=a.new_empty((1, 1)))[0, 0]
+
+
 def _out_mm(a, b):
     return a.new_empty((a.shape[0], b.shape[1]))
 
@@ -272,8 +280,9 @@ _OPS = {
     "mv": (_mv, lambda a, v: a.numel(), lambda a, v: aten.mv.out(a, v, out=a.new_empty((a.shape[0],)))),
     "addmv": (_addmv, lambda c, a, v, **k: a.numel(),
               lambda c, a, v, **k: aten.addmv.out(c, a, v, **k, out=a.new_empty((a.shape[0],)))),
-    "dot": (_dot, lambda a, b: a.numel(), lambda a, b: aten.dot.out(a, b, out=a.new_empty(()))),
-    "vdot": (_dot, lambda a, b: a.numel(), lambda a, b: aten.vdot.out(a, b, out=a.new_empty(()))),
+    # (dot.out's CPU kernel calls dot itself, which is routed here: torch's own as a 1 x 1 mm.out)
+    "dot": (_dot, lambda a, b: a.numel(), lambda a, b: _own_dot(a, b)),
+    "vdot": (_dot, lambda a, b: a.numel(), lambda a, b: _own_dot(a.conj() if a.is_complex() else a, b)),
 }
 #: The operators whose CPU kernels ``AtenOffload`` replaces.
 ROUTED = tuple(f"aten.{name}" for name in _OPS)
