@@ -7,12 +7,13 @@ faster sits behind this registry, and every caller (``hbfp.golden``'s own ``gemm
 - ``gemm(a, b, ...)``: the product's results (``C + A @ B + bias``, an activation, fp32 or
   bf16) of two stored operands, matrices or stacks of them;
 - ``quantize(x, fmt, ...)``, ``dequantize(codes, exponents, fmt)``;
-- ``im2col``/``col2im``: a convolution's patches as one matrix and back.
+- ``im2col``/``col2im``: a convolution's patches as one matrix and back; ``transpose``: a
+  stack of matrices transposed (a convolution's product rows to the image's layout and back).
 
 Implementations (``IMPLS``), each chosen with ``impl=`` and tested against the reference:
 
-- compiled integer kernels (``build.VARIANTS``): ``avx2`` (exact int32 K-tile sums by
-  vpmaddwd), ``c`` (portable C, any CPU); built on first use for the CPU's features and loaded
+- compiled integer kernels (``build.VARIANTS``): ``avx512`` (exact int32 K-tile sums of int8
+  codes by AVX-512 VNNI's vpdpbusd), ``avx2`` (by vpmaddwd), ``c`` (portable C, any CPU); built on first use for the CPU's features and loaded
   only where the CPU has them;
 - ``numpy``: NumPy fp32 BLAS on the scaled codes, exact under checked preconditions (the
   reference outside them); no compiler needed;

@@ -3,7 +3,8 @@ set, and finding out which of them this CPU can run.
 
 Each variant is compiled with its own fixed flags (never ``-march=native``), so a library's
 instructions depend only on its variant: ``c`` (the compiler's baseline for the machine: any
-CPU of its architecture), ``avx2`` (AVX2 and FMA). The cache key covers the sources, the
+CPU of its architecture), ``avx2`` (AVX2 and FMA), ``avx512`` (those and AVX-512 F, BW, VL, DQ
+and VNNI). The cache key covers the sources, the
 generated header, the flags and the compiler's own version text; a variant is loaded only
 where ``hbfp_cpu_features`` (run from the ``c`` build, which any CPU of the architecture can
 execute) reports what it needs, so a cache shared between machines never runs an instruction

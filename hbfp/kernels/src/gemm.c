@@ -5,9 +5,10 @@
    rounded once to fp32 (RNE, a result below 2**-126 a zero of its sign, overflow to inf; NaN
    when either tile is NaN); then the bias, an activation on the bf16 rounding, fp32 or bf16 out.
 
-   The codes are packed as 16-bit pairs along K, so that one multiply-add instruction of the
-   CPU (x86's vpmaddwd, or the compiler's vectorization of the portable loop) forms two
-   products and their sum exactly: int8 or narrow int16 codes whose K-tile sums fit 31 bits
+   With AVX-512 VNNI, int8 codes are packed as quads along K for vpdpbusd (the VNNI path
+   below). Otherwise the codes are packed as 16-bit pairs along K, so that one multiply-add
+   instruction of the CPU (x86's vpmaddwd, or the compiler's vectorization of the portable
+   loop) forms two products and their sum exactly: int8 or narrow int16 codes whose K-tile sums fit 31 bits
    sum in 32-bit lanes; wider codes (HBFP16: 24 * 32767**2 needs 35 bits) sum in 64 bits.
 
    The fp32 step per K-tile, p = (fp32(s) * sa) * sb: sa = 2**(E_A - 127 - frac_A) and
