@@ -1045,6 +1045,22 @@ for _name, _nd, _transposed, _funcs in (
         _ROUTES[_f] = _counted(_name, _route_conv_nd(_nd, _transposed), mode=True)
 
 
+def _route_lstm():
+    """``torch.lstm`` (nn.LSTM's call) by ``hbfp.torch.rnn`` where it applies, else ATen's LSTM
+    (its products routed at the ATen level). Eager only: a compiled graph keeps torch.lstm."""
+    from . import rnn
+
+    counted = _counted("lstm", rnn.layers, autocast=False)
+
+    def route(offload, *args, **kwargs):
+        return counted(offload, *args, **kwargs) if rnn.applies(args, kwargs) else NotImplemented
+    route.name, route.autocast, route.compiled = "lstm", False, False
+    return route
+
+
+_ROUTES[torch.lstm] = _route_lstm()
+
+
 @contextlib.contextmanager
 def offload(device=None, precision: str | None = None, recipe=None):
     """Run the matrix products of an unchanged model on ``device`` while the context is

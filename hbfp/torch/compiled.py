@@ -667,7 +667,7 @@ def route(mode, func, args, kwargs):
 
     _prepare()
     routed = _ROUTES.get(func)
-    if routed is None or not _applies(args, kwargs):
+    if routed is None or not getattr(routed, "compiled", True) or not _applies(args, kwargs):
         return func(*args, **kwargs)
     if routed.autocast and torch.is_autocast_enabled("cpu"):  # as autocast runs a product: in its dtype
         dtype = torch.get_autocast_dtype("cpu")

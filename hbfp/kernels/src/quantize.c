@@ -322,8 +322,21 @@ static int quantize_part(void *ctx, long p)
         return HBFP_ENOMEM;
     int rc = 0;
     for (long b = b0; b < b1 && !rc; b++) {
-        long r0 = b * j->th, rows = j->m - r0 < j->th ? j->m - r0 : j->th;
-        for (long c = 0; c < j->n; c++) {
+        long r0 = b * j->th, rows = j->m - r0 < j->th ? j->m - r0 : j->th, c = 0;
+#if defined(__AVX2__)
+        /* A transposed view (rs == 1): blocks of 8 stored rows x 8 of their values through the
+           registers, where they become 8 band rows x 8 columns. */
+        if (j->rs == 1 && rows >= 8)
+            for (; c + 8 <= j->n; c += 8) {
+                long r = 0;
+                for (; r + 8 <= rows; r += 8)
+                    transpose8(x + r0 + r + c * j->cs, j->cs, band + r * j->n + c, j->n);
+                for (; r < rows; r++)
+                    for (long i = 0; i < 8; i++)
+                        band[r * j->n + c + i] = x[r0 + r + (c + i) * j->cs];
+            }
+#endif
+        for (; c < j->n; c++) {
             const float *xc = x + r0 * j->rs + c * j->cs;
             for (long r = 0; r < rows; r++)
                 band[r * j->n + c] = xc[r * j->rs];

@@ -1,0 +1,156 @@
+"""``nn.LSTM`` under ``offload``, a layer at a time: the input projection of every time step as
+one product, the recurrence as one product per step, and the weight gradient of the recurrence
+as one product over all steps (as cuDNN computes it), with the cell's elementwise work on the
+host in fp32.
+
+ATen's own LSTM (what the ATen-level routing sees with oneDNN off) runs each cell as a dozen
+operators, each recorded for autograd, and each step's weight gradient as a product of its own
+(K = the batch: 32 rows of a 24-row tile grid). Here a step costs one product and eight host
+operations forward, one product and twelve backward; the recurrent weight is quantized once a
+pass (nearest, as every forward operand), each step's gate gradient once (the backward
+configuration's rounding).
+
+The products are the recipe's: forward ones (input projection, h @ W_hh^T) under ``forward``;
+the step's hidden gradient (dG @ W_hh, W_hh as the forward read it) under ``grad_input``; the
+recurrent weight's gradient dG^T @ H (H: the hidden states the steps read, as one matrix,
+rounded as forward operands are) under ``grad_weight``; the input projection's backward
+products are ``HbfpMatmul``'s. The gates are torch's order (input, forget, cell, output).
+
+Taken: unidirectional LSTMs without projections (``proj_size`` 0), padded or not, dropout
+between layers as ``F.dropout``; anything else (packed sequences, bidirectional, projections,
+autocast) goes to ATen's LSTM, whose products the ATen-level routing takes."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["applies", "layers"]
+
+
+def applies(args, kwargs) -> bool:
+    """Whether ``layers`` takes these arguments of ``torch.lstm``: its padded form (input, hx,
+    weights, has_biases, num_layers, dropout, train, bidirectional, batch_first), fp32 CPU
+    tensors, one direction, no projections, autocast off."""
+    if kwargs or len(args) != 9 or not isinstance(args[1], (tuple, list)) or torch.is_autocast_enabled("cpu"):
+        return False
+    x, hx, weights, has_biases, num_layers, _, _, bidirectional, _ = args
+    per = 4 if has_biases else 2
+    if bidirectional or not isinstance(x, torch.Tensor) or x.dim() != 3 or len(weights) != per * num_layers:
+        return False
+    tensors = [x, *hx, *weights]
+    if any(not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return False
+    hidden = weights[1].shape[1]  # W_hh: 4H x H (a projection would make it 4H x P)
+    return weights[1].shape[0] == 4 * hidden and all(h.shape[-1] == hidden for h in hx)
+
+
+def layers(device, x, hx, weights, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    """``torch.lstm``'s (output, h_n, c_n) of these arguments on ``device``, layer by layer
+    (time-major inside: each step's rows contiguous)."""
+    from . import matmul
+
+    h0, c0 = hx
+    per = 4 if has_biases else 2
+    if batch_first:
+        x = x.transpose(0, 1)
+    hs, cs = [], []
+    for layer in range(num_layers):
+        w = weights[per * layer: per * layer + per]
+        w_ih, w_hh = w[0], w[1]
+        # x @ W_ih^T + (b_ih + b_hh): every step's input projection and both biases, one product
+        xp = matmul(x.contiguous(), w_ih.t(), device)
+        if has_biases:
+            xp = xp + (w[2] + w[3])
+        x, h, c = _Recurrence.apply(xp, h0[layer], c0[layer], w_hh, device)
+        hs.append(h)
+        cs.append(c)
+        if dropout and train and layer < num_layers - 1:
+            x = F.dropout(x, dropout, True)
+    return (x.transpose(0, 1).contiguous() if batch_first else x), torch.stack(hs), torch.stack(cs)
+
+
+class _Recurrence(torch.autograd.Function):
+    """One LSTM layer's recurrence over the projected inputs ``xp`` (T x B x 4H, biases
+    included) from ``h0``, ``c0`` (B x H) with ``w_hh`` (4H x H): the outputs (T x B x H), the
+    last hidden and cell states. Each step's views come from ``unbind`` (one call a tensor)."""
+
+    @staticmethod
+    def forward(ctx, xp, h0, c0, w_hh, device):
+        from . import _device_work, _operand, _product, _report, current_rounding
+
+        rounding = current_rounding()
+        fwd = rounding.recipe.forward
+        steps, hid = xp.shape[0], w_hh.shape[1]
+        with _device_work():
+            acts = torch.empty_like(xp)         # the gates after their nonlinearities
+            cell = xp.new_empty(*xp.shape[:2], hid)    # c_t
+            tanh_c = torch.empty_like(cell)     # tanh(c_t)
+            out = torch.empty_like(cell)        # h_t
+            q_w = _operand(device, w_hh.detach().t(), fwd, rounding)  # once for every step
+            h, c = h0.detach(), c0.detach()
+            for g, x_t, sig_if, tanh_g, sig_o, i, f, gg, o, c_t, tc, h_t in zip(
+                    acts.unbind(0), xp.detach().unbind(0), acts[..., :2 * hid].unbind(0),
+                    acts[..., 2 * hid:3 * hid].unbind(0), acts[..., 3 * hid:].unbind(0), *_gates(acts, hid),
+                    cell.unbind(0), tanh_c.unbind(0), out.unbind(0)):
+                torch.add(_product(device, _operand(device, h, fwd, rounding), q_w, fwd, rounding), x_t, out=g)
+                sig_if.sigmoid_()
+                tanh_g.tanh_()
+                sig_o.sigmoid_()
+                torch.mul(f, c, out=c_t).addcmul_(i, gg)
+                torch.tanh(c_t, out=tc)
+                h = torch.mul(o, tc, out=h_t)
+                c = c_t
+        ctx.device, ctx.rounding, ctx.q_w = device, rounding, q_w
+        ctx.op = _report.current()
+        ctx.save_for_backward(h0, c0, w_hh, acts, cell, tanh_c, out)
+        return out, h.clone(), c.clone()
+
+    @staticmethod
+    def backward(ctx, d_out, d_h, d_c):
+        from . import _device_work, _operand, _product, _report
+
+        h0, c0, w_hh, acts, cell, tanh_c, out = ctx.saved_tensors
+        device, rounding = ctx.device, ctx.rounding
+        gi, gw, fwd = rounding.recipe.grad_input, rounding.recipe.grad_weight, rounding.recipe.forward
+        steps, hid = acts.shape[0], w_hh.shape[1]
+        need_h0 = ctx.needs_input_grad[1]
+        with _report.routing(ctx.op or "lstm"), _device_work():
+            d_gates = torch.empty_like(acts)    # the gradient of the gates before their nonlinearities
+            d_act = torch.empty_like(acts[0])   # of the gates after them, one step's
+            da_i, da_f, da_g, da_o = d_act[:, :hid], d_act[:, hid:2 * hid], d_act[:, 2 * hid:3 * hid], d_act[:, 3 * hid:]
+            da_if = d_act[:, :2 * hid]
+            c_prev = [c0.detach(), *cell.unbind(0)[:-1]]
+            dh, dc = d_h, d_c
+            views = list(zip(acts[..., :2 * hid].unbind(0), acts[..., 2 * hid:3 * hid].unbind(0),
+                             acts[..., 3 * hid:].unbind(0), *_gates(acts, hid), tanh_c.unbind(0), d_out.unbind(0),
+                             d_gates.unbind(0), *_gates(d_gates, hid, pairs=True)))
+            for t in range(steps - 1, -1, -1):
+                a_if, a_g, a_o, i, f, g, o, tc, dy, dg, dg_if, dg_g, dg_o = views[t]
+                dh = dy + dh
+                torch.mul(dh, tc, out=da_o)
+                dct = torch.ops.aten.tanh_backward(dh * o, tc).add_(dc)
+                torch.mul(dct, g, out=da_i)
+                torch.mul(dct, c_prev[t], out=da_f)
+                torch.mul(dct, i, out=da_g)
+                dc = dct.mul_(f)
+                torch.ops.aten.sigmoid_backward.grad_input(da_if, a_if, grad_input=dg_if)
+                torch.ops.aten.tanh_backward.grad_input(da_g, a_g, grad_input=dg_g)
+                torch.ops.aten.sigmoid_backward.grad_input(da_o, a_o, grad_input=dg_o)
+                if t or need_h0:  # dh_{t-1} = dG_t @ W_hh (W_hh as the forward read it)
+                    dh = _product(device, _operand(device, dg, gi, rounding), ctx.q_w, gi, rounding, transpose_b=True)
+            d_w = None
+            if ctx.needs_input_grad[3]:
+                # dW_hh = sum_t dG_t^T h_{t-1}: one product over every step (K = steps x batch)
+                prev = torch.cat([h0.detach()[None], out[:-1]]).reshape(-1, hid)
+                d_w = _product(device, _operand(device, d_gates.reshape(-1, 4 * hid), gw, rounding),
+                               _operand(device, prev, fwd, rounding), gw, rounding, transpose_a=True)
+        return d_gates, (dh if need_h0 else None), (dc if ctx.needs_input_grad[2] else None), d_w, None
+
+
+def _gates(x, hid: int, pairs: bool = False):
+    """Per step, the views of x's gates (T x B x 4H): input, forget, cell, output; with
+    ``pairs`` the (input and forget), cell and output ones."""
+    if pairs:
+        return x[..., :2 * hid].unbind(0), x[..., 2 * hid:3 * hid].unbind(0), x[..., 3 * hid:].unbind(0)
+    return tuple(x[..., k * hid:(k + 1) * hid].unbind(0) for k in range(4))
