@@ -229,6 +229,10 @@ def test_im2col_and_col2im_equal_torchs_unfold_and_fold(shape, kernel, stride, p
                     padding=padding, stride=stride)
     back = kernels.col2im(g, shape, kernel, stride, padding, dilation)
     assert same(back.numpy(), folded.numpy())  # the same additions in the same order
+    # the matrix stored transposed (a product's transposed output), read where it lies
+    gt = g.t().contiguous().t()
+    assert same(kernels.col2im(gt, shape, kernel, stride, padding, dilation).numpy(), folded.numpy())
+    assert same(kernels.col2im(gt.numpy(), shape, kernel, stride, padding, dilation), folded.numpy())
 
 
 @pytest.mark.parametrize("shape, kernel, stride, padding, dilation", CONVS + [((4, 6, 13, 13), (3, 3), (1, 1), (1, 1), (1, 1))])

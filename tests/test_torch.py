@@ -296,9 +296,11 @@ def test_training_runs_equal_through_the_wire_and_in_process():
 
     def run(spec):
         torch.manual_seed(5)
-        model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
-                                    torch.nn.Linear(4 * 8 * 8, 30), torch.nn.ReLU(), torch.nn.Linear(30, 10))
-        ht.convert(model[:1])  # the convolution as im2col products, the linears through offload
+        model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3, padding=1),
+                                    torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 8 * 8, 30), torch.nn.ReLU(),
+                                    torch.nn.Linear(30, 10))
+        # the convolutions as im2col products (the second's input gradient by col2im), the linears through offload
+        ht.convert(model[:3])
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         ht.wide_weight_storage(model, opt)
         dev = host.open(spec)

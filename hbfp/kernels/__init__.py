@@ -601,7 +601,8 @@ def im2col_quantize(x, kernel, stride, padding, dilation, fmt: Format, *, seed: 
 
 def col2im(cols, shape, kernel, stride, padding, dilation):
     """The adjoint of ``im2col``: the patches' values summed back onto an N x C x H x W image
-    ``shape``, bit for bit as torch's ``fold`` of the transposed patches sums them."""
+    ``shape``, bit for bit as torch's ``fold`` of the transposed patches sums them. ``cols``
+    may be stored row-major or transposed (a view of the transposed matrix: read as it is)."""
     g = conv_geometry(tuple(shape), tuple(kernel), tuple(stride), tuple(padding), tuple(dilation))
     want = (g[0] * g[12] * g[13], g[1] * g[4] * g[5])
     if tuple(cols.shape) != want:
@@ -609,7 +610,9 @@ def col2im(cols, shape, kernel, stride, padding, dilation):
     lib = _conv_lib(cols)
     cn = None
     if lib is not None:
-        cn = np.ascontiguousarray(_numpy(cols))
+        cn = _numpy(cols)
+        if cn.ndim != 2 or not (cn.strides[1] == cn.itemsize or cn.strides[0] == cn.itemsize):
+            cn = np.ascontiguousarray(cn)
         if cn.dtype != np.float32:
             lib = None
     if lib is None:

@@ -10,7 +10,7 @@ import ctypes
 
 #: Bumped whenever a signature, a struct or the meaning of an argument changes; a library that
 #: reports another number is rebuilt, never called.
-ABI = 3
+ABI = 4
 
 #: C types of the table and their ctypes.
 _CTYPES = {
@@ -78,8 +78,9 @@ FUNCTIONS = {
     "hbfp_im2col": ("int", (("x", "const float *"), *((d, "long") for d in (
         "n", "c", "h", "w", "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow")),
         ("out", "float *"), ("threads", "int"))),
+    # col2im's patch matrix at any strides: sp between positions (rows), sc between columns.
     "hbfp_col2im": ("int", (("cols", "const float *"), *((d, "long") for d in (
-        "n", "c", "h", "w", "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow")),
+        "sp", "sc", "n", "c", "h", "w", "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow")),
         ("out", "float *"), ("threads", "int"))),
     # out[b] = x[b]^T for a stack of `batch` m x n fp32 matrices (both contiguous).
     "hbfp_transpose": ("int", (("x", "const float *"), ("batch", "long"), ("m", "long"), ("n", "long"),

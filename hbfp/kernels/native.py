@@ -264,4 +264,7 @@ class Compiled:
         _check(self.lib.hbfp_transpose(mx.ptr, nb, m, n, mo.ptr, threads), "transpose")
 
     def col2im(self, cols, geometry: tuple, out, *, threads: int = 1) -> None:
-        _check(self.lib.hbfp_col2im(Mem(cols, "cols").ptr, *geometry, Mem(out, "out").ptr, threads), "col2im")
+        """``col2im`` of the patch matrix ``cols`` at its strides (row-major or transposed)."""
+        mc = Mem(cols, "cols")
+        _check(self.lib.hbfp_col2im(mc.ptr, mc.strides[0], mc.strides[1], *geometry, Mem(out, "out").ptr, threads),
+               "col2im")

@@ -422,11 +422,13 @@ class HbfpMatmul(torch.autograd.Function):
     ``stored``: optional ``_StoredOperand`` of ``b`` (wide weight storage): the products read
     its codes instead of quantizing ``b``; the gradient still flows to ``b``. ``patches``:
     optional ``_LazyPatches`` that ``a`` stands for (``a`` then only carries the gradient):
-    ``a``'s codes are quantized from the image directly, the same codes as of ``a`` itself."""
+    ``a``'s codes are quantized from the image directly, the same codes as of ``a`` itself.
+    ``grad_a_t``: ``a``'s gradient as the transposed view of (b @ grad^T), the same sums (a
+    patch matrix's, which col2im reads in runs there)."""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, device, stored: _StoredOperand | None = None,
-                rounding: Rounding | None = None, patches=None):
+                rounding: Rounding | None = None, patches=None, grad_a_t: bool = False):
         rounding = rounding or current_rounding()
         cfg = rounding.recipe.forward
         ctx.device, ctx.stored, ctx.rounding = device, stored, rounding
@@ -437,6 +439,8 @@ class HbfpMatmul(torch.autograd.Function):
         # b a transposed view of a matrix (a Linear's weight as in x out): its gradient is made
         # in the matrix's layout, so that autograd hands it to the weight without a copy
         ctx.b_view = ctx.transposed or (b.dim() == 2 and not b.is_contiguous() and b.t().is_contiguous())
+        # grad_a_t: a's gradient made transposed (a patch matrix's: col2im reads runs of it there)
+        ctx.a_t = grad_a_t
         return _product(device, ctx.qa, ctx.qb, cfg, rounding, transpose_b=ctx.transposed)
 
     @staticmethod
@@ -457,13 +461,17 @@ class HbfpMatmul(torch.autograd.Function):
             return qg[cfg.rounding]
 
         if ctx.needs_input_grad[0]:  # grad @ b^T (b stored as in the forward product)
-            grad_a = _product(dev, quantized(gi), ctx.qb, gi, rounding, transpose_b=not ctx.transposed)
+            if ctx.a_t:  # (b @ grad^T)^T: the same sums, the same bits, a transposed view
+                grad_a = _product(dev, ctx.qb, quantized(gi), gi, rounding, transpose_a=ctx.transposed,
+                                  transpose_b=True).t()
+            else:
+                grad_a = _product(dev, quantized(gi), ctx.qb, gi, rounding, transpose_b=not ctx.transposed)
         if ctx.needs_input_grad[1]:  # a^T @ grad, or (grad^T @ a)^T: the same sums, the same bits
             if ctx.b_view:
                 grad_b = _product(dev, quantized(gw), ctx.qa, gw, rounding, transpose_a=True).t()
             else:
                 grad_b = _product(dev, ctx.qa, quantized(gw), gw, rounding, transpose_a=True)
-        return grad_a, grad_b, None, None, None, None
+        return grad_a, grad_b, None, None, None, None, None
 
 
 #: The 16-bit float dtypes: their operands reach the device as fp32, their results come back
@@ -472,7 +480,7 @@ _HALF = {torch.bfloat16, torch.float16}
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOperand | None = None,
-           patches=None) -> torch.Tensor:
+           patches=None, grad_a_t: bool = False) -> torch.Tensor:
     """``a @ b`` in HBFP with torch.matmul's shapes: matrices, stacks (leading axes broadcast)
     and vectors (a 1-D operand is a one-row or one-column matrix, its axis removed after)."""
     device = device or default_device()
@@ -487,7 +495,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOper
     if a.dim() == 1:  # (K,) @ (..., K, N): a one-row product
         return matmul(a[None, :], b, device, stored=stored)[..., 0, :]
     if a.dim() == 2 and b.dim() == 2:
-        return HbfpMatmul.apply(a, b, device, stored, None, patches)
+        return HbfpMatmul.apply(a, b, device, stored, None, patches, grad_a_t)
     if b.dim() == 2:  # (..., M, K) @ (K, N): one product over all leading rows
         lead = a.shape[:-1]
         return HbfpMatmul.apply(a.reshape(-1, a.shape[-1]), b, device, stored).reshape(*lead, b.shape[-1])
@@ -708,7 +716,9 @@ class _Patches(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         n, c, size, kernel, stride, padding, dilation = ctx.geometry
-        return _col2im(grad.contiguous(), (n, c, *size), kernel, stride, padding, dilation), None, None, None, None, None
+        if not grad.t().is_contiguous():  # (the product makes it transposed: col2im reads either)
+            grad = grad.contiguous()
+        return _col2im(grad, (n, c, *size), kernel, stride, padding, dilation), None, None, None, None, None
 
 
 class _Image(torch.autograd.Function):
@@ -788,7 +798,7 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         patches = _Patches.apply(xi, kernel, stride, padding, dilation, lazy is not None)
         wi = matrix if groups == 1 else matrix[i * cout:(i + 1) * cout]
         ys.append(matmul(patches, wi.t(), device, stored=_stored_operand(weight, device, None if groups == 1 else wi),
-                         patches=lazy))
+                         patches=lazy, grad_a_t=True))
     y = ys[0] if groups == 1 else torch.cat(ys, dim=1)
     if bias is not None:
         y = y + bias

@@ -16,6 +16,7 @@ typedef struct {
     const float *src;
     long n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow;
     float *out;
+    long sp, sc; /* col2im: the patch matrix's strides (positions, columns) */
 } conv_job;
 
 /* Rows [p0, p0 + count) of the patch matrix into dst (row-major, C*KH*KW values a row): output
@@ -136,7 +137,8 @@ int hbfp_im2col(const float *x, long n, long c, long h, long w, long kh, long kw
     return hbfp_parallel(im2col_part, &g, n * oh, threads);
 }
 
-/* The adjoint of im2col: cols ((N*OH*OW) x (C*KH*KW), row-major) summed into out (N x C x H x
+/* The adjoint of im2col: cols ((N*OH*OW) x (C*KH*KW), element (p, col) at p * sp + col * sc:
+   row-major, or transposed as a product of the transposed operands writes it) summed into out (N x C x H x
    W), every pixel starting at +0 and adding its terms in ascending (i, j) (its channel's
    columns), the order of torch's col2im, so the sums have its bits. One part per row of
    pixels of an image (all its channels): the terms of row yy come from output rows
@@ -159,28 +161,65 @@ static int col2im_part(void *ctx, long part)
                 continue;
             for (long j = 0; j < kw; j++) {
                 long col = (ch * kh + i) * kw + j, off = j * dw - pw; /* xx = z * sw + off */
-                const float *src = g->src + (b * oh + y) * ow * ckk + col;
+                const float *src = g->src + (b * oh + y) * ow * g->sp + col * g->sc;
                 long lo = off >= 0 ? 0 : (-off + sw - 1) / sw;       /* the z whose xx lie in the row */
                 long hi = w - off <= 0 ? 0 : (w - off + sw - 1) / sw;
                 hi = hi < ow ? hi : ow;
                 if (sw == 1)
                     for (long z = lo; z < hi; z++)
-                        row[z + off] += src[z * ckk];
+                        row[z + off] += src[z * g->sp];
                 else
                     for (long z = lo; z < hi; z++)
-                        row[z * sw + off] += src[z * ckk];
+                        row[z * sw + off] += src[z * g->sp];
             }
         }
     }
     return 0;
 }
 
-int hbfp_col2im(const float *cols, long n, long c, long h, long w, long kh, long kw, long sh, long sw, long ph,
-                long pw, long dh, long dw, long oh, long ow, float *out, int threads)
+/* col2im of the transposed matrix (sp == 1: each column's positions consecutive), one part per
+   image plane (b, ch): its KH * KW columns in turn, each a run of the plane's positions added
+   onto the rows it meets (runs of a row of pixels), in the same order per pixel. */
+static int col2im_t_part(void *ctx, long part)
 {
-    conv_job g = {cols, n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, out};
+    const conv_job *g = ctx;
+    long c = g->c, h = g->h, w = g->w, kh = g->kh, kw = g->kw, sh = g->sh, sw = g->sw, ph = g->ph, pw = g->pw;
+    long dh = g->dh, dw = g->dw, oh = g->oh, ow = g->ow;
+    long b = part / c, ch = part % c;
+    float *plane = g->out + (b * c + ch) * h * w;
+    memset(plane, 0, (size_t)(h * w) * sizeof(float));
+    for (long i = 0; i < kh; i++)
+        for (long j = 0; j < kw; j++) {
+            const float *col = g->src + ((ch * kh + i) * kw + j) * g->sc + b * oh * ow;
+            long off = j * dw - pw; /* xx = z * sw + off */
+            long lo = off >= 0 ? 0 : (-off + sw - 1) / sw;
+            long hi = w - off <= 0 ? 0 : (w - off + sw - 1) / sw;
+            hi = hi < ow ? hi : ow;
+            for (long y = 0; y < oh; y++) {
+                long yy = y * sh - ph + i * dh;
+                if (yy < 0 || yy >= h)
+                    continue;
+                float *restrict row = plane + yy * w;
+                const float *restrict src = col + y * ow;
+                if (sw == 1)
+                    for (long z = lo; z < hi; z++)
+                        row[z + off] += src[z];
+                else
+                    for (long z = lo; z < hi; z++)
+                        row[z * sw + off] += src[z];
+            }
+        }
+    return 0;
+}
+
+int hbfp_col2im(const float *cols, long sp, long sc, long n, long c, long h, long w, long kh, long kw, long sh, long sw,
+                long ph, long pw, long dh, long dw, long oh, long ow, float *out, int threads)
+{
+    conv_job g = {cols, n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, out, sp, sc};
     if (n * oh * ow * c * kh * kw < PARALLEL_ELEMENTS)
         threads = 1;
+    if (sp == 1 && sc != 1)
+        return hbfp_parallel(col2im_t_part, &g, n * c, threads);
     return hbfp_parallel(col2im_part, &g, n * h, threads);
 }
 
