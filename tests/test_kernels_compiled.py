@@ -41,10 +41,11 @@ def operands(rng, m, k, n, fmt=HBFP8, spread=6):
 
 
 # Edges of the 6 x 16 register tile (6 x 32 for the VNNI tile), the 24-row and 512-column blocks,
-# the K blocks (384 codes), K-tiles that are not whole pairs or quads, and a long K.
+# the K blocks (384 codes, or up to 4 MiB of packed panels: several only for a K this long beside
+# few rows and columns), K-tiles that are not whole pairs or quads, and a long K.
 SHAPES = [(1, 24, 1), (5, 48, 31), (6, 24, 16), (7, 72, 17), (13, 240, 64), (25, 250, 70), (64, 500, 600),
           (40, 9, 16), (30, 50, 48), (9, 4096, 16), (3, 24 * 40, 530), (100, 385, 33), (6, 24, 32),
-          (12, 26, 33), (7, 51, 95), (97, 98, 64), (5, 3, 40)]
+          (12, 26, 33), (7, 51, 95), (97, 98, 64), (5, 3, 40), (4, 200_000, 5)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -45,7 +45,7 @@
 #define VNR_OR_NR NR
 #endif
 #define KC_TARGET 384 /* codes of K per block (rounded to whole K-tiles), at least */
-#define KC_BYTES (1L << 20) /* packed panels of a K block, at most, where KC_TARGET is exceeded */
+#define KC_BYTES (1L << 22) /* packed panels of a K block, at most, where KC_TARGET is exceeded */
 #define MC 24         /* rows of an output block (a multiple of MR) */
 #define NC 512        /* columns of an output block (a multiple of NR) */
 
@@ -1231,9 +1231,10 @@ int hbfp_gemm(const hbfp_operand *a, const hbfp_operand *b, const hbfp_output *o
     g.pb = (n + g.nr - 1) / g.nr;
     g.kct = KC_TARGET / g.tk > 0 ? KC_TARGET / g.tk : 1;
     {
-        /* A thin product (few rows or columns, K long: a weight's gradient) takes longer K
-           blocks, up to KC_BYTES of packed panels: fewer blocks, fewer passes of the threads
-           through packing and back. */
+        /* Longer K blocks where the packed panels stay under KC_BYTES (a thin product, a
+           weight's gradient: few rows or columns, K long; or all of a 1024-long K): fewer
+           blocks, fewer passes of the threads through packing and back, each a wait for the
+           slowest thread where other work shares the cores. */
         long per_code = batch * (g.pa * MR + g.pb * g.nr) * (g.vnni ? 1 : 2);
         long kct = KC_BYTES / (per_code > 0 ? per_code : 1) / g.tk;
         if (kct > g.kct)
