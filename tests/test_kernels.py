@@ -46,6 +46,16 @@ def same(t: torch.Tensor, a: np.ndarray) -> bool:
     return np.array_equal(t.cpu().numpy(), a)
 
 
+def test_seed_keys_equal_the_golden_generators():
+    """The kernels' key of a seed (Python integers) is the golden generator's (NumPy)."""
+    from hbfp.golden import bfp
+
+    for seed in (0, 1, 7, 2**31 - 1, 2**31, 2**32 - 1, 2**32 + 5, 2**40 + 3, -1, -(2**31), np.uint32(9)):
+        assert K._seed_key(seed) == int(bfp._key(seed))
+    with pytest.raises(TypeError):
+        K._seed_key(True)
+
+
 def test_mix32_and_stream_index():
     x = np.random.default_rng(0).integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32)
     assert same(T.mix32(torch.from_numpy(x.astype(np.int64))), mix32(x).astype(np.int64))

@@ -435,7 +435,7 @@ def quantize(x, fmt: Format, *, seed: int | None = None, impl: str | None = None
             codes = np.empty(xn.shape, fmt.code_dtype)
             exps = np.empty(grid, np.uint8)
         if m and n:
-            key = int(bfp._key(seed)) if fmt.rounding == "stochastic" else None
+            key = _seed_key(seed) if fmt.rounding == "stochastic" else None
             _COMPILED[name].quantize(xn, fmt, key, codes, exps, threads=default_threads() if threads is None else threads)
         else:
             exps[...] = 0
@@ -462,9 +462,19 @@ def quantize(x, fmt: Format, *, seed: int | None = None, impl: str | None = None
 
 @functools.lru_cache(maxsize=4096)
 def _seed_key(seed: int) -> int:
+    """``bfp._key(seed)`` (``mix32(seed ^ SEED_SALT)``) in Python integers: a few operations,
+    where NumPy's scalars cost tens of microseconds a quantization."""
     from hbfp.golden import bfp
 
-    return int(bfp._key(seed))
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an integer, got {seed!r}")
+    x = (int(seed) ^ bfp.SEED_SALT) & 0xFFFF_FFFF
+    m0, m1 = bfp.MIX32_MULTIPLIERS
+    x ^= x >> 16
+    x = (x * m0) & 0xFFFF_FFFF
+    x ^= x >> 15
+    x = (x * m1) & 0xFFFF_FFFF
+    return x ^ (x >> 16)
 
 
 def _quantize_lean(x, fmt: Format, seed, threads):
