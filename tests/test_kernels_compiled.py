@@ -406,3 +406,46 @@ def test_the_pool_without_openmp_keeps_the_bits(tmp_path, built_cache):
     r = subprocess.run([sys.executable, "-c", _THREADS_PROBE], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "True"
+
+
+def _same_or_both_nan(x, y) -> bool:
+    """The same bits, or NaN in both (whatever their sign and payload)."""
+    xn, yn = np.isnan(x.numpy()), np.isnan(y.numpy())
+    return np.array_equal(xn, yn) and np.array_equal(x.numpy()[~xn].view(np.int32), y.numpy()[~yn].view(np.int32))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lstm_cell_equals_its_torch_operations_and_torchs_functions(variant):
+    """src/cell.c's LSTM cell, forward and backward, gives the bits of the same operations in
+    torch (torch_ops.lstm_cell, the portable path) on every build, extreme and special gates
+    included; its sigmoid and tanh are within 4 ulp of torch's (outside the clamp of exp)."""
+    torch = pytest.importorskip("torch")
+    from hbfp.kernels import torch_ops
+
+    lib = kernels._COMPILED[variant]
+    g = torch.Generator().manual_seed(3)
+    rows, hid = 7, 37  # (not whole vectors)
+    p = torch.randn(rows, 4 * hid, generator=g) * 6
+    p[0, :12] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 30.0, -30.0, 100.0, -100.0, float("nan"), float("inf"),
+                              -float("inf"), 0.624])
+    xp = torch.randn(rows, 4 * hid, generator=g)
+    cp = torch.randn(rows, hid, generator=g) * 3
+    mine = [torch.empty(rows, 4 * hid), *(torch.empty(rows, hid) for _ in range(3))]
+    theirs = [torch.empty_like(t) for t in mine]
+    lib.lstm_cell(p, xp, cp, *mine)
+    torch_ops.lstm_cell(p, xp, cp, *theirs)
+    assert all(_same_or_both_nan(a, b) for a, b in zip(mine, theirs))
+    acts, c, tc, h = mine
+    dy, dh, dc = (torch.randn(rows, hid, generator=g) for _ in range(3))
+    mine_b = [torch.empty(rows, 4 * hid), torch.empty(rows, hid)]
+    theirs_b = [torch.empty_like(t) for t in mine_b]
+    lib.lstm_cell_backward(acts, cp, tc, dy, dh, dc, *mine_b)
+    torch_ops.lstm_cell_backward(acts, cp, tc, dy, dh, dc, *theirs_b)
+    assert all(_same_or_both_nan(a, b) for a, b in zip(mine_b, theirs_b))
+    # the nonlinearities beside torch's
+    x = torch.cat([torch.linspace(-80, 80, 100_001), torch.logspace(-30, 1, 10_001), -torch.logspace(-30, 1, 10_001)])
+
+    def ulps(a, b):
+        return (a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max().item()
+
+    assert ulps(torch_ops._tanh_f(x), torch.tanh(x)) <= 4 and ulps(torch_ops._sigmoid_f(x), torch.sigmoid(x)) <= 4

@@ -45,7 +45,7 @@ from . import build
 from .native import Compiled
 
 __all__ = ["IMPLS", "COMPILED", "Codes", "KernelWarning", "available", "why", "preferred", "resolve", "default_threads",
-           "gemm", "quantize", "requantize", "dequantize", "im2col", "col2im", "im2col_quantize", "conv_geometry", "activation_table",
+           "gemm", "quantize", "requantize", "dequantize", "im2col", "col2im", "im2col_quantize", "lstm_cell", "lstm_cell_backward", "conv_geometry", "activation_table",
            "transpose"]
 
 #: The compiled variants, fastest first.
@@ -638,6 +638,41 @@ def col2im(cols, shape, kernel, stride, padding, dilation):
     out = np.empty(tuple(shape), np.float32)
     lib.col2im(cn, g, out, threads=default_threads())
     return _like(cols, out)
+
+
+def _cell_tensors(*ts) -> bool:
+    import torch
+
+    return all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in ts)
+
+
+def lstm_cell(p, xp, c_prev, acts, c, tc, h) -> None:
+    """One LSTM time step's elementwise work (hbfp.torch.rnn), into ``acts``, ``c``, ``tc``,
+    ``h``: the gates ``p + xp`` (rows x 4H, input | forget | cell | output: the step's product
+    and its projected input) after their nonlinearities, the cell state
+    ``c = f * c_prev + i * g``, ``tc = tanh(c)`` and the hidden state ``h = o * tc``. Torch
+    tensors; compiled (src/cell.c) for contiguous fp32 CPU ones, else the same operations in
+    torch (``torch_ops.lstm_cell``): the same bits either way."""
+    lib = _conv_lib(p)
+    if lib is not None and _cell_tensors(p, xp, c_prev, acts, c, tc, h):
+        lib.lstm_cell(p, xp, c_prev, acts, c, tc, h)
+    else:
+        from . import torch_ops
+
+        torch_ops.lstm_cell(p, xp, c_prev, acts, c, tc, h)
+
+
+def lstm_cell_backward(acts, c_prev, tc, dy, dh, dc, dgates, dc_prev) -> None:
+    """``lstm_cell``'s backward: from the step's ``acts``, ``c_prev``, ``tc`` and the gradients
+    of h (``dy`` from the layer's output, ``dh`` from the next step) and of c (``dc``), the
+    gates' gradient before their nonlinearities into ``dgates`` and c_prev's into ``dc_prev``."""
+    lib = _conv_lib(acts)
+    if lib is not None and _cell_tensors(acts, c_prev, tc, dy, dh, dc, dgates, dc_prev):
+        lib.lstm_cell_backward(acts, c_prev, tc, dy, dh, dc, dgates, dc_prev)
+    else:
+        from . import torch_ops
+
+        torch_ops.lstm_cell_backward(acts, c_prev, tc, dy, dh, dc, dgates, dc_prev)
 
 
 def transpose(x):

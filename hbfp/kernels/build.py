@@ -39,7 +39,7 @@ from . import capi
 __all__ = ["Variant", "VARIANTS", "FEATURES", "load", "features", "why", "cache_dir", "library_path"]
 
 SRC = Path(__file__).with_name("src")
-SOURCES = ("pool.c", "cpu.c", "quantize.c", "dequantize.c", "conv.c", "gemm.c")
+SOURCES = ("pool.c", "cpu.c", "quantize.c", "dequantize.c", "conv.c", "gemm.c", "cell.c")
 HEADERS = ("common.h",)
 
 #: The bits ``hbfp_cpu_features`` reports (src/cpu.c).

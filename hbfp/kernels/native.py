@@ -263,6 +263,19 @@ class Compiled:
             raise ValueError("transpose takes a contiguous fp32 stack and a contiguous out of the transposed shape")
         _check(self.lib.hbfp_transpose(mx.ptr, nb, m, n, mo.ptr, threads), "transpose")
 
+    def lstm_cell(self, p, xp, c_prev, acts, c, tc, h) -> None:
+        """The LSTM cell forward (src/cell.c) on CPU fp32 torch tensors the caller has checked
+        (contiguous, rows x 4H and rows x H)."""
+        rows, hid = c.shape
+        _check(self.lib.hbfp_lstm_cell(p.data_ptr(), xp.data_ptr(), c_prev.data_ptr(), rows, hid, acts.data_ptr(),
+                                       c.data_ptr(), tc.data_ptr(), h.data_ptr()), "lstm_cell")
+
+    def lstm_cell_backward(self, acts, c_prev, tc, dy, dh, dc, dgates, dc_prev) -> None:
+        rows, hid = tc.shape
+        _check(self.lib.hbfp_lstm_cell_backward(acts.data_ptr(), c_prev.data_ptr(), tc.data_ptr(), dy.data_ptr(),
+                                                dh.data_ptr(), dc.data_ptr(), rows, hid, dgates.data_ptr(),
+                                                dc_prev.data_ptr()), "lstm_cell_backward")
+
     def col2im(self, cols, geometry: tuple, out, *, threads: int = 1) -> None:
         """``col2im`` of the patch matrix ``cols`` at its strides (row-major or transposed)."""
         mc = Mem(cols, "cols")

@@ -32,7 +32,7 @@ _MIN_NORMAL_EXP = -126
 _MAX_EXP = 127
 
 __all__ = ["mix32", "random_bits", "stream_index", "quantize", "requantize", "dequantize", "gemm", "epilogue",
-           "bf16_from_f32", "flush_f32", "to_bfp_tensor", "from_bfp_tensor"]
+           "bf16_from_f32", "flush_f32", "to_bfp_tensor", "from_bfp_tensor", "lstm_cell", "lstm_cell_backward"]
 
 _MASK32 = 0xFFFF_FFFF
 _F32_EXP = int(_bf16._F32_EXP)  # fp32's exponent field
@@ -457,3 +457,73 @@ def epilogue(acc: torch.Tensor, activation: str | None = None, out: str | Format
     if isinstance(out, Format):
         return quantize(acc, out, seed=seed)
     return acc
+
+
+# ---- the LSTM cell (src/cell.c) as torch operations --------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _cell_constants() -> dict:
+    from .capi import CELL_CONSTANTS
+
+    return {k: float.fromhex(v) for k, v in CELL_CONSTANTS.items()}
+
+
+def _exp_f(x: torch.Tensor) -> torch.Tensor:
+    """src/cell.c's exp_f: the same fp32 operations in the same order."""
+    k = _cell_constants()
+    x = x.clamp(-87.0, 88.0)
+    t = x * k["LOG2E"] + k["ROUND"]
+    n = t - k["ROUND"]
+    r = x - n * k["LN2_HI"]
+    r = r - n * k["LN2_LO"]
+    z = r * r
+    p = r * k["EXP0"] + k["EXP1"]
+    for c in ("EXP2", "EXP3", "EXP4", "EXP5"):
+        p = p * r + k[c]
+    p = p * z + r
+    p = p + 1.0
+    return p * ((t.view(torch.int32) - 0x4B400000 + 127) << 23).view(torch.float32)
+
+
+def _sigmoid_f(x: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(x, 1.0) / (1.0 + _exp_f(-x))
+
+
+def _tanh_f(x: torch.Tensor) -> torch.Tensor:
+    k = _cell_constants()
+    a = x.abs()
+    z = x * x
+    p = z * k["TANH0"] + k["TANH1"]
+    for c in ("TANH2", "TANH3", "TANH4"):
+        p = p * z + k[c]
+    small = p * z * x + x
+    big = 1.0 - torch.full_like(a, 2.0) / (_exp_f(a + a) + 1.0)  # (a number over a tensor is two roundings)
+    big = torch.where(x < 0, -big, big)
+    return torch.where(a < 0.625, small, big)
+
+
+def lstm_cell(p, xp, c_prev, acts, c, tc, h) -> None:
+    """src/cell.c's hbfp_lstm_cell: the gates p + xp (rows x 4H: input, forget, cell, output)
+    after their nonlinearities into ``acts``, c = f * c_prev + i * g, tc = tanh(c), h = o * tc."""
+    hid = c.shape[-1]
+    g = p + xp
+    acts[:, :2 * hid] = _sigmoid_f(g[:, :2 * hid])
+    acts[:, 2 * hid:3 * hid] = _tanh_f(g[:, 2 * hid:3 * hid])
+    acts[:, 3 * hid:] = _sigmoid_f(g[:, 3 * hid:])
+    i, f, gg, o = acts.split(hid, dim=1)
+    c.copy_(f * c_prev + i * gg)
+    tc.copy_(_tanh_f(c))
+    h.copy_(o * tc)
+
+
+def lstm_cell_backward(acts, c_prev, tc, dy, dh, dc, dgates, dc_prev) -> None:
+    """src/cell.c's hbfp_lstm_cell_backward."""
+    hid = tc.shape[-1]
+    i, f, g, o = acts.split(hid, dim=1)
+    d = dy + dh
+    dct = d * o * (1.0 - tc * tc) + dc
+    dgates[:, :hid] = dct * g * (1.0 - i) * i
+    dgates[:, hid:2 * hid] = dct * c_prev * (1.0 - f) * f
+    dgates[:, 2 * hid:3 * hid] = dct * i * (1.0 - g * g)
+    dgates[:, 3 * hid:] = d * tc * (1.0 - o) * o
+    dc_prev.copy_(dct * f)

@@ -1,14 +1,14 @@
 """``nn.LSTM`` under ``offload``, a layer at a time: the input projection of every time step as
 one product, the recurrence as one product per step, and the weight gradient of the recurrence
 as one product over all steps (as cuDNN computes it), with the cell's elementwise work on the
-host in fp32.
+host in fp32, one call a step (``hbfp.kernels.lstm_cell``, forward and backward).
 
 ATen's own LSTM (what the ATen-level routing sees with oneDNN off) runs each cell as a dozen
 operators, each recorded for autograd, and each step's weight gradient as a product of its own
-(K = the batch: 32 rows of a 24-row tile grid). Here a step costs one product and eight host
-operations forward, one product and twelve backward; the recurrent weight is quantized once a
-pass (nearest, as every forward operand), each step's gate gradient once (the backward
-configuration's rounding).
+(K = the batch: 32 rows of a 24-row tile grid). Here a step costs one product and one cell call
+forward, the same backward; the recurrent weight is quantized once a pass (nearest, as every
+forward operand), each step's gate gradient once (the backward configuration's rounding). The
+cell's sigmoid and tanh are fp32 formulas of its own (src/cell.c), within 4 ulp of torch's.
 
 The products are the recipe's: forward ones (input projection, h @ W_hh^T) under ``forward``;
 the step's hidden gradient (dG @ W_hh, W_hh as the forward read it) under ``grad_input``; the
@@ -73,34 +73,31 @@ def layers(device, x, hx, weights, has_biases, num_layers, dropout, train, bidir
 class _Recurrence(torch.autograd.Function):
     """One LSTM layer's recurrence over the projected inputs ``xp`` (T x B x 4H, biases
     included) from ``h0``, ``c0`` (B x H) with ``w_hh`` (4H x H): the outputs (T x B x H), the
-    last hidden and cell states. Each step's views come from ``unbind`` (one call a tensor)."""
+    last hidden and cell states. A step is one product and one call of the cell's elementwise
+    work (``hbfp.kernels.lstm_cell``), forward and backward."""
 
     @staticmethod
     def forward(ctx, xp, h0, c0, w_hh, device):
+        from hbfp import kernels
+
         from . import _device_work, _operand, _product, _report, current_rounding
 
         rounding = current_rounding()
         fwd = rounding.recipe.forward
-        steps, hid = xp.shape[0], w_hh.shape[1]
+        hid = w_hh.shape[1]
         with _device_work():
-            acts = torch.empty_like(xp)         # the gates after their nonlinearities
+            xp = xp.detach().contiguous()
+            acts = torch.empty_like(xp)                # the gates after their nonlinearities
             cell = xp.new_empty(*xp.shape[:2], hid)    # c_t
-            tanh_c = torch.empty_like(cell)     # tanh(c_t)
-            out = torch.empty_like(cell)        # h_t
+            tanh_c = torch.empty_like(cell)            # tanh(c_t)
+            out = torch.empty_like(cell)               # h_t
             q_w = _operand(device, w_hh.detach().t(), fwd, rounding)  # once for every step
-            h, c = h0.detach(), c0.detach()
-            for g, x_t, sig_if, tanh_g, sig_o, i, f, gg, o, c_t, tc, h_t in zip(
-                    acts.unbind(0), xp.detach().unbind(0), acts[..., :2 * hid].unbind(0),
-                    acts[..., 2 * hid:3 * hid].unbind(0), acts[..., 3 * hid:].unbind(0), *_gates(acts, hid),
-                    cell.unbind(0), tanh_c.unbind(0), out.unbind(0)):
-                torch.add(_product(device, _operand(device, h, fwd, rounding), q_w, fwd, rounding), x_t, out=g)
-                sig_if.sigmoid_()
-                tanh_g.tanh_()
-                sig_o.sigmoid_()
-                torch.mul(f, c, out=c_t).addcmul_(i, gg)
-                torch.tanh(c_t, out=tc)
-                h = torch.mul(o, tc, out=h_t)
-                c = c_t
+            h, c = h0.detach().contiguous(), c0.detach().contiguous()
+            for x_t, a_t, c_t, tc_t, h_t in zip(xp.unbind(0), acts.unbind(0), cell.unbind(0), tanh_c.unbind(0),
+                                                out.unbind(0)):
+                p = _product(device, _operand(device, h, fwd, rounding), q_w, fwd, rounding)
+                kernels.lstm_cell(p, x_t, c, a_t, c_t, tc_t, h_t)
+                h, c = h_t, c_t
         ctx.device, ctx.rounding, ctx.q_w = device, rounding, q_w
         ctx.op = _report.current()
         ctx.save_for_backward(h0, c0, w_hh, acts, cell, tanh_c, out)
@@ -108,6 +105,8 @@ class _Recurrence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_h, d_c):
+        from hbfp import kernels
+
         from . import _device_work, _operand, _product, _report
 
         h0, c0, w_hh, acts, cell, tanh_c, out = ctx.saved_tensors
@@ -116,41 +115,25 @@ class _Recurrence(torch.autograd.Function):
         steps, hid = acts.shape[0], w_hh.shape[1]
         need_h0 = ctx.needs_input_grad[1]
         with _report.routing(ctx.op or "lstm"), _device_work():
-            d_gates = torch.empty_like(acts)    # the gradient of the gates before their nonlinearities
-            d_act = torch.empty_like(acts[0])   # of the gates after them, one step's
-            da_i, da_f, da_g, da_o = d_act[:, :hid], d_act[:, hid:2 * hid], d_act[:, 2 * hid:3 * hid], d_act[:, 3 * hid:]
-            da_if = d_act[:, :2 * hid]
-            c_prev = [c0.detach(), *cell.unbind(0)[:-1]]
-            dh, dc = d_h, d_c
-            views = list(zip(acts[..., :2 * hid].unbind(0), acts[..., 2 * hid:3 * hid].unbind(0),
-                             acts[..., 3 * hid:].unbind(0), *_gates(acts, hid), tanh_c.unbind(0), d_out.unbind(0),
-                             d_gates.unbind(0), *_gates(d_gates, hid, pairs=True)))
+            d_gates = torch.empty_like(acts)  # the gradient of the gates before their nonlinearities
+            c_prev = [c0.detach().contiguous(), *cell.unbind(0)[:-1]]
+            dc_bufs = (torch.empty_like(d_c), torch.empty_like(d_c))
+            d_out = d_out.contiguous()
+            dh, dc = d_h.contiguous(), d_c.contiguous()
+            steps_ = list(zip(acts.unbind(0), tanh_c.unbind(0), d_out.unbind(0), d_gates.unbind(0)))
             for t in range(steps - 1, -1, -1):
-                a_if, a_g, a_o, i, f, g, o, tc, dy, dg, dg_if, dg_g, dg_o = views[t]
-                dh = dy + dh
-                torch.mul(dh, tc, out=da_o)
-                dct = torch.ops.aten.tanh_backward(dh * o, tc).add_(dc)
-                torch.mul(dct, g, out=da_i)
-                torch.mul(dct, c_prev[t], out=da_f)
-                torch.mul(dct, i, out=da_g)
-                dc = dct.mul_(f)
-                torch.ops.aten.sigmoid_backward.grad_input(da_if, a_if, grad_input=dg_if)
-                torch.ops.aten.tanh_backward.grad_input(da_g, a_g, grad_input=dg_g)
-                torch.ops.aten.sigmoid_backward.grad_input(da_o, a_o, grad_input=dg_o)
+                a_t, tc_t, dy_t, dg_t = steps_[t]
+                dc_prev = dc_bufs[t % 2]
+                kernels.lstm_cell_backward(a_t, c_prev[t], tc_t, dy_t, dh, dc, dg_t, dc_prev)
+                dc = dc_prev
                 if t or need_h0:  # dh_{t-1} = dG_t @ W_hh (W_hh as the forward read it)
-                    dh = _product(device, _operand(device, dg, gi, rounding), ctx.q_w, gi, rounding, transpose_b=True)
+                    dh = _product(device, _operand(device, dg_t, gi, rounding), ctx.q_w, gi, rounding, transpose_b=True)
             d_w = None
             if ctx.needs_input_grad[3]:
                 # dW_hh = sum_t dG_t^T h_{t-1}: one product over every step (K = steps x batch)
                 prev = torch.cat([h0.detach()[None], out[:-1]]).reshape(-1, hid)
                 d_w = _product(device, _operand(device, d_gates.reshape(-1, 4 * hid), gw, rounding),
                                _operand(device, prev, fwd, rounding), gw, rounding, transpose_a=True)
-        return d_gates, (dh if need_h0 else None), (dc if ctx.needs_input_grad[2] else None), d_w, None
+        return d_gates, (dh if need_h0 else None), (dc.clone() if ctx.needs_input_grad[2] else None), d_w, None
 
 
-def _gates(x, hid: int, pairs: bool = False):
-    """Per step, the views of x's gates (T x B x 4H): input, forget, cell, output; with
-    ``pairs`` the (input and forget), cell and output ones."""
-    if pairs:
-        return x[..., :2 * hid].unbind(0), x[..., 2 * hid:3 * hid].unbind(0), x[..., 3 * hid:].unbind(0)
-    return tuple(x[..., k * hid:(k + 1) * hid].unbind(0) for k in range(4))
