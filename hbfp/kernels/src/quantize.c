@@ -290,7 +290,7 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
 }
 
 /* Elements below which one thread quantizes the whole matrix. */
-#define PARALLEL_ELEMENTS (1L << 19)
+#define PARALLEL_ELEMENTS (1L << 17)
 
 typedef struct {
     const float *x;
