@@ -424,11 +424,12 @@ class HbfpMatmul(torch.autograd.Function):
     optional ``_LazyPatches`` that ``a`` stands for (``a`` then only carries the gradient):
     ``a``'s codes are quantized from the image directly, the same codes as of ``a`` itself.
     ``grad_a_t``: ``a``'s gradient as the transposed view of (b @ grad^T), the same sums (a
-    patch matrix's, which col2im reads in runs there)."""
+    patch matrix's, which col2im reads in runs there); ``out_t``: the product itself as the
+    transposed view of (b^T @ a^T) (a convolution's, whose channels then lie as the image's)."""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, device, stored: _StoredOperand | None = None,
-                rounding: Rounding | None = None, patches=None, grad_a_t: bool = False):
+                rounding: Rounding | None = None, patches=None, grad_a_t: bool = False, out_t: bool = False):
         rounding = rounding or current_rounding()
         cfg = rounding.recipe.forward
         ctx.device, ctx.stored, ctx.rounding = device, stored, rounding
@@ -441,6 +442,9 @@ class HbfpMatmul(torch.autograd.Function):
         ctx.b_view = ctx.transposed or (b.dim() == 2 and not b.is_contiguous() and b.t().is_contiguous())
         # grad_a_t: a's gradient made transposed (a patch matrix's: col2im reads runs of it there)
         ctx.a_t = grad_a_t
+        if out_t:  # (b^T @ a^T)^T: the same sums, the same bits, a transposed view
+            return _product(device, ctx.qb, ctx.qa, cfg, rounding, transpose_a=not ctx.transposed,
+                            transpose_b=True).t()
         return _product(device, ctx.qa, ctx.qb, cfg, rounding, transpose_b=ctx.transposed)
 
     @staticmethod
@@ -471,7 +475,7 @@ class HbfpMatmul(torch.autograd.Function):
                 grad_b = _product(dev, quantized(gw), ctx.qa, gw, rounding, transpose_a=True).t()
             else:
                 grad_b = _product(dev, ctx.qa, quantized(gw), gw, rounding, transpose_a=True)
-        return grad_a, grad_b, None, None, None, None, None
+        return grad_a, grad_b, None, None, None, None, None, None
 
 
 #: The 16-bit float dtypes: their operands reach the device as fp32, their results come back
@@ -480,7 +484,7 @@ _HALF = {torch.bfloat16, torch.float16}
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOperand | None = None,
-           patches=None, grad_a_t: bool = False) -> torch.Tensor:
+           patches=None, grad_a_t: bool = False, out_t: bool = False) -> torch.Tensor:
     """``a @ b`` in HBFP with torch.matmul's shapes: matrices, stacks (leading axes broadcast)
     and vectors (a 1-D operand is a one-row or one-column matrix, its axis removed after)."""
     device = device or default_device()
@@ -495,7 +499,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOper
     if a.dim() == 1:  # (K,) @ (..., K, N): a one-row product
         return matmul(a[None, :], b, device, stored=stored)[..., 0, :]
     if a.dim() == 2 and b.dim() == 2:
-        return HbfpMatmul.apply(a, b, device, stored, None, patches, grad_a_t)
+        return HbfpMatmul.apply(a, b, device, stored, None, patches, grad_a_t, out_t)
     if b.dim() == 2:  # (..., M, K) @ (K, N): one product over all leading rows
         lead = a.shape[:-1]
         return HbfpMatmul.apply(a.reshape(-1, a.shape[-1]), b, device, stored).reshape(*lead, b.shape[-1])
@@ -721,28 +725,6 @@ class _Patches(torch.autograd.Function):
         return _col2im(grad, (n, c, *size), kernel, stride, padding, dilation), None, None, None, None, None
 
 
-class _Image(torch.autograd.Function):
-    """A convolution's product rows (N x positions x channels) as the image's layout (N x
-    channels x positions) in memory, and its gradient back: torch's own layout, since the next
-    operations (an activation and its backward beside a gradient in that layout) run several
-    times slower on mixed strides; both ways by ``hbfp.kernels.transpose`` (a blocked copy)."""
-
-    @staticmethod
-    def forward(ctx, rows):
-        return _transpose(rows)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _transpose(grad)
-
-
-@torch.compiler.disable
-def _transpose(x):
-    from hbfp import kernels
-
-    return kernels.transpose(x.detach())
-
-
 def _same_padding(kernel, dilation) -> tuple[int, ...]:
     """F.pad's amounts (last axis first) of padding='same': the total dilation * (k - 1) per
     axis, the extra one on the right, as torch's convolution pads it."""
@@ -798,11 +780,14 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         patches = _Patches.apply(xi, kernel, stride, padding, dilation, lazy is not None)
         wi = matrix if groups == 1 else matrix[i * cout:(i + 1) * cout]
         ys.append(matmul(patches, wi.t(), device, stored=_stored_operand(weight, device, None if groups == 1 else wi),
-                         patches=lazy, grad_a_t=True))
+                         patches=lazy, grad_a_t=True, out_t=True))
+    # (N*OH*OW) x OUT, each product made transposed: its channels' rows lie as the image's
+    # planes, one copy from the image's layout (torch's own, where an activation and its
+    # backward run several times faster than on mixed strides)
     y = ys[0] if groups == 1 else torch.cat(ys, dim=1)
     if bias is not None:
         y = y + bias
-    return _Image.apply(y.reshape(n, oh * ow, out_ch)).reshape(n, out_ch, oh, ow)
+    return y.t().reshape(out_ch, n, oh * ow).transpose(0, 1).contiguous().view(n, out_ch, oh, ow)
 
 
 def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0, dilation=1,
