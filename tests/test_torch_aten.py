@@ -2,6 +2,7 @@
 einsum, tensordot, bilinear, 1-3 d and transposed convolutions on the device, forward and
 backward; the report of what ran where; dtypes; torch.compile."""
 
+import copy
 import warnings
 
 import numpy as np
@@ -418,3 +419,47 @@ def test_dot_runs_on_the_host_where_the_thread_routes_nothing():
             warnings.simplefilter("ignore", ht.HbfpFallbackWarning)
             got = torch.dot(ai, bi)
     assert got.dtype == torch.int64 and int(got) == int((ai * bi).sum())
+
+
+_ATTENTION_WIRE = """
+import copy, torch, torch.nn as nn, torch.nn.functional as F
+import hbfp.host, hbfp.torch as ht
+torch.manual_seed(7)
+class TF(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Embedding(20, 16)
+        self.t = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0), 1)
+        self.o = nn.Linear(16, 20)
+    def forward(self, x):
+        return self.o(self.t(self.e(x))).mean(1)
+base = TF()
+x, y = torch.randint(0, 20, (3, 5)), torch.randint(0, 20, (3,))
+def train(spec):
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dev = hbfp.host.open(spec)
+    for _ in range(2):
+        opt.zero_grad()
+        with ht.offload(dev):
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+fast, wire = train("emu"), train("emu:wire=1")
+moved = not all(torch.equal(p, q) for p, q in zip(fast, base.parameters()))
+print("equal" if all(torch.equal(p, q) for p, q in zip(fast, wire)) and moved else "differ")
+"""
+
+
+def test_attention_training_steps_equal_through_the_wire_and_in_process():
+    """A small transformer's steps (attention's stacked products, forward and backward) give the
+    same bits on the in-process emu and through the wire protocol: a backward stack product
+    reads a forward operand as the forward read it on both (not quantized again with the
+    gradients' rounding on the wire). In a process of its own: run inside pytest, the
+    difference this guards against did not show (the cause is not known)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ATTENTION_WIRE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "equal"

@@ -264,7 +264,7 @@ class _Product:
         return _product(self.device, qa, qb, cfg, self.rounding)
 
     def _stack(self, x, cfg: ProductConfig, forward: bool, seed: int):
-        """A stack's codes on an in-process device (``stack_codes``), through ``forward``."""
+        """A stack's codes (``stack_codes``) on a device with square tiles, through ``forward``."""
         from hbfp.host.device import stack_codes
 
         if not forward:
@@ -279,13 +279,18 @@ class _Product:
     def batched(self, a, b):
         cfg, forward = self._config()
         seed = self.rounding.seed(cfg)
-        if self.direct and self.forward is not None and a.shape[0] and a.shape[1] and b.shape[2] and a.shape[2]:
+        if self.forward is not None and a.shape[0] and a.shape[1] and b.shape[2] and a.shape[2]:
             from hbfp.host.device import _seeds
 
             sa, sb, _ = _seeds(seed, cfg.rounding)
             with _device_work():
                 qa, qb = self._stack(a, cfg, forward, sa), self._stack(b, cfg, forward, sb)
-            return _out(_device_bmm(self.device, qa, qb), cfg)
+            if self.direct:
+                return _out(_device_bmm(self.device, qa, qb), cfg)
+            # through the driver, matrix by matrix: the same codes (a forward operand's, read
+            # again by a backward product, as the forward read it)
+            return _out(torch.stack([_device_gemm(self.device, (qa[0][i], qa[1][i]), (qb[0][i], qb[1][i]))
+                                     for i in range(a.shape[0])]), cfg)
         return _out(_device_bmm(self.device, a, b, cfg.rounding, seed), cfg)
 
     def close(self) -> None:
