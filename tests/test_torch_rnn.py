@@ -113,6 +113,13 @@ def test_applies_only_to_what_it_computes():
     assert not rnn.applies((x, torch.tensor([5, 4]), hx, w, True, 1, 0.0, True, False), {})  # packed
     with torch.autocast("cpu"):
         assert not rnn.applies((x, hx, w, True, 1, 0.0, True, False, False), {})
+    assert not rnn.applies((x[:0], hx, w, True, 1, 0.0, True, False, False), {})  # empty: ATen's error
+
+
+def test_an_empty_sequence_raises_torchs_error():
+    lstm = nn.LSTM(3, 4)
+    with ht.offload(hbfp.host.open("emu")), pytest.raises(RuntimeError, match="sequence length"):
+        lstm(torch.randn(0, 2, 3))
 
 
 def test_dropout_between_layers_in_training_only():

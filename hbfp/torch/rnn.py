@@ -38,6 +38,8 @@ def applies(args, kwargs) -> bool:
     per = 4 if has_biases else 2
     if bidirectional or not isinstance(x, torch.Tensor) or x.dim() != 3 or len(weights) != per * num_layers:
         return False
+    if x.numel() == 0:  # (ATen's LSTM says what is wrong with an empty sequence or batch)
+        return False
     tensors = [x, *hx, *weights]
     if any(not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         return False
