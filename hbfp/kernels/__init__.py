@@ -8,7 +8,9 @@ faster sits behind this registry, and every caller (``hbfp.golden``'s own ``gemm
   bf16) of two stored operands, matrices or stacks of them;
 - ``quantize(x, fmt, ...)``, ``dequantize(codes, exponents, fmt)``;
 - ``im2col``/``col2im``: a convolution's patches as one matrix and back; ``transpose``: a
-  stack of matrices transposed (a convolution's product rows to the image's layout and back).
+  stack of matrices transposed (blocked);
+- ``lstm_cell``/``lstm_cell_backward``: an LSTM time step's elementwise work (compiled, or
+  the same operations in torch: the same bits), for ``hbfp.torch.rnn``.
 
 Implementations (``IMPLS``), each chosen with ``impl=`` and tested against the reference:
 
