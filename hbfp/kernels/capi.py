@@ -103,13 +103,16 @@ FUNCTIONS = {
 
 #: The fp32 constants of the LSTM cell's nonlinearities (src/cell.c, and the same operations in
 #: torch: hbfp.kernels.torch_ops.lstm_cell), as exact hexadecimal floats: ln 2 in two parts,
-#: Cephes' polynomials of exp (EXP0 .. EXP5, highest degree first) and of tanh (TANH0 .. TANH4).
+#: Cephes' polynomials of exp (EXP0 .. EXP5, highest degree first) and of tanh (TANH0 .. TANH4),
+#: exp's clamp and tanh's threshold.
 CELL_CONSTANTS = {
     "LOG2E": "0x1.715476p+0", "ROUND": "0x1.8p+23", "LN2_HI": "0x1.63p-1", "LN2_LO": "-0x1.bd0106p-13",
     "EXP0": "0x1.a0d2cep-13", "EXP1": "0x1.6e879cp-10", "EXP2": "0x1.11121p-7", "EXP3": "0x1.555382p-5",
     "EXP4": "0x1.555554p-3", "EXP5": "0x1p-1",
     "TANH0": "-0x1.75e1d4p-8", "TANH1": "0x1.52269cp-6", "TANH2": "-0x1.b83c5ap-5", "TANH3": "0x1.110726p-3",
     "TANH4": "-0x1.555532p-2",
+    "EXP_LO": "-0x1.5cp+6", "EXP_HI": "0x1.6p+6",  # exp's argument clamped to [-87, 88]: 2**n normal
+    "TANH_SMALL": "0x1.4p-1",                      # |x| below 0.625: tanh's polynomial
 }
 
 

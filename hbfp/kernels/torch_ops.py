@@ -471,7 +471,7 @@ def _cell_constants() -> dict:
 def _exp_f(x: torch.Tensor) -> torch.Tensor:
     """src/cell.c's exp_f: the same fp32 operations in the same order."""
     k = _cell_constants()
-    x = x.clamp(-87.0, 88.0)
+    x = x.clamp(k["EXP_LO"], k["EXP_HI"])
     t = x * k["LOG2E"] + k["ROUND"]
     n = t - k["ROUND"]
     r = x - n * k["LN2_HI"]
@@ -482,7 +482,8 @@ def _exp_f(x: torch.Tensor) -> torch.Tensor:
         p = p * r + k[c]
     p = p * z + r
     p = p + 1.0
-    return p * ((t.view(torch.int32) - 0x4B400000 + 127) << 23).view(torch.float32)
+    round_bits = int(np.float32(k["ROUND"]).view(np.int32))
+    return p * ((t.view(torch.int32) - round_bits + 127) << 23).view(torch.float32)
 
 
 def _sigmoid_f(x: torch.Tensor) -> torch.Tensor:
@@ -499,7 +500,7 @@ def _tanh_f(x: torch.Tensor) -> torch.Tensor:
     small = p * z * x + x
     big = 1.0 - torch.full_like(a, 2.0) / (_exp_f(a + a) + 1.0)  # (a number over a tensor is two roundings)
     big = torch.where(x < 0, -big, big)
-    return torch.where(a < 0.625, small, big)
+    return torch.where(a < k["TANH_SMALL"], small, big)
 
 
 def lstm_cell(p, xp, c_prev, acts, c, tc, h) -> None:

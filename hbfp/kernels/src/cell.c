@@ -15,8 +15,8 @@
 
 static inline float exp_f(float x)
 {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
+    x = x < HBFP_CELL_EXP_LO ? HBFP_CELL_EXP_LO : x;
+    x = x > HBFP_CELL_EXP_HI ? HBFP_CELL_EXP_HI : x;
     float t = x * HBFP_CELL_LOG2E + HBFP_CELL_ROUND; /* n + 1.5 * 2**23: n in t's low bits */
     float n = t - HBFP_CELL_ROUND;
     float r = x - n * HBFP_CELL_LN2_HI;
@@ -29,7 +29,7 @@ static inline float exp_f(float x)
     p = p * r + HBFP_CELL_EXP5;
     p = p * z + r;
     p = p + 1.0f;
-    return p * bits_f32((f32_bits(t) - 0x4B400000u + 127u) << 23); /* 2**n, n in [-126, 127] */
+    return p * bits_f32((f32_bits(t) - f32_bits(HBFP_CELL_ROUND) + 127u) << 23); /* 2**n, n in [-126, 127] */
 }
 
 static inline float sigmoid_f(float x)
@@ -48,7 +48,7 @@ static inline float tanh_f(float x)
     float small = p * z * x + x;
     float big = 1.0f - 2.0f / (exp_f(a + a) + 1.0f);
     big = x < 0.0f ? -big : big;
-    return a < 0.625f ? small : big;
+    return a < HBFP_CELL_TANH_SMALL ? small : big;
 }
 
 /* One row's c = f * c_prev + i * g, tc = tanh(c), h = o * tc (n of each). */
