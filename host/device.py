@@ -442,6 +442,12 @@ class Device:
         self.stats.cycles += cycles
         self.stats.macs += M * N * K
 
+    def count_tensors_product(self, M: int, N: int, K: int, transpose_a: bool = False, transpose_b: bool = False,
+                              final: OutFormat = OutFormat.FP32) -> None:
+        """Counts the cycles and MACs of an M x K by K x N product that ``gemm_tensors`` (or a
+        caller of the registry that stands for it: ``hbfp.torch.compiled``) computed in process."""
+        self._count_direct(self.direct_device, M, N, K, self._blocks(M, N, K, transpose_a, transpose_b, False), final)
+
     def gemm_tensors(self, a, b, *, bias=None, activation: str | None = None, out: str = "fp32",
                      transpose_a: bool = False, transpose_b: bool = False, c=None, rounding: str = "nearest_even",
                      seed=None):
@@ -492,7 +498,7 @@ class Device:
                 self.stats.host_activations += 1
                 final = OutFormat.BF16
         if M and N:
-            self._count_direct(direct, M, N, K, self._blocks(M, N, K, transpose_a, transpose_b, False), final)
+            self.count_tensors_product(M, N, K, transpose_a, transpose_b, final)
         f32 = (lambda t: None if t is None else t.detach().to(torch.float32))
         return kernels.gemm((ca, ea), (cb, eb), fa=fa, fb=fb, c=f32(c), bias=f32(bias), activation=activation,
                             out=out, leaky_shift=ident.leaky_shift)

@@ -162,3 +162,78 @@ def test_what_compiled_code_cannot_do_says_so():
         with ht.matmul_precision("highest"), pytest.raises(RuntimeError, match="'highest'"):
             lin(torch.randn(4, 8))
     assert lin(torch.randn(4, 8)).shape == (4, 8)  # outside offload: compiled again, torch's own products
+
+
+class _Products(nn.Module):
+    """Products of every layout the lean path reads: a Linear (its weight a transposed view), a
+    weight multiplied as it is stored (``torch.matmul(h, w)``), and an input without gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(30, 40)
+        self.w = nn.Parameter(torch.randn(40, 26) / 7)
+
+    def forward(self, x):
+        return torch.matmul(torch.relu(self.a(x)), self.w)
+
+
+_TOWARD_ZERO = ht.Recipe("tz", grad_input=ht.ProductConfig(rounding="toward_zero"),
+                         grad_weight=ht.ProductConfig(rounding="stochastic"), seed=5)
+_BF16_OUT = ht.Recipe("bf16", grad_weight=ht.ProductConfig(out="bf16"))
+
+
+@pytest.mark.parametrize("recipe,lean", [("default", True), ("nearest", True), (_TOWARD_ZERO, True),
+                                         (_BF16_OUT, False)])
+def test_lean_products_equal_the_general_path(monkeypatch, recipe, lean):
+    """``HbfpMatmul``'s lean path (``hbfp.torch._Lean``: the kernels called without the general
+    path's layers) gives the general path's bits, seeds and counts, device cycles included,
+    eager and compiled, under recipes with gradients rounded each way; a recipe with a bf16
+    result takes the general path."""
+    calls = []
+    forward, of = ht._Lean.forward, ht._Lean.of
+    monkeypatch.setattr(ht._Lean, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
+    torch.manual_seed(4)
+    model, x, y = _Products(), torch.randn(35, 30), torch.randint(0, 26, (35,))
+
+    def run(compiled):
+        device = host.open("emu")
+        return _train(model, x, y, device, compiled, steps=2, recipe=recipe), (device.stats.cycles, device.stats.macs)
+
+    monkeypatch.setattr(ht._Lean, "of", classmethod(lambda cls, device: None))
+    general, general_stats = run(False)
+    assert not calls
+    monkeypatch.setattr(ht._Lean, "of", of)
+    for compiled in (False, True):
+        result, stats = run(compiled)
+        _same(general, result)
+        assert stats == general_stats and stats[1] > 0
+    assert bool(calls) == lean
+
+
+def test_lean_products_of_empty_and_strided_operands():
+    """Empty sides, a zero-stride gradient (a sum's) and sliced operands: the general path's
+    results, gradients and counts."""
+    torch.manual_seed(6)
+    cases = [(torch.randn(0, 30), torch.randn(30, 9)), (torch.randn(5, 0), torch.randn(0, 9)),
+             (torch.randn(40, 60)[::2, 5:35], torch.randn(9, 30).t()), (torch.randn(7, 30), torch.randn(30, 50)[:, ::3])]
+    for a0, b0 in cases:
+        results = []
+        for lean in (False, True):
+            device = host.open("emu")
+            a, b = a0.clone().requires_grad_() if a0.is_contiguous() else a0.requires_grad_(), b0.requires_grad_()
+            of = ht._Lean.of
+            if not lean:
+                ht._Lean.of = classmethod(lambda cls, d: None)
+            try:
+                ht.reset_report()
+                with ht.offload(device):
+                    y = ht.matmul(a, b, device)
+                    y.sum().backward()
+            finally:
+                ht._Lean.of = of
+            results.append((y.detach(), a.grad, b.grad, ht.report(), device.stats.cycles, device.stats.macs))
+            a.grad = b.grad = None
+        (y0, ga0, gb0, r0, c0, m0), (y1, ga1, gb1, r1, c1, m1) = results
+        assert torch.equal(y0, y1) and r0 == r1 and (c0, m0) == (c1, m1)
+        assert (ga0 is None) == (ga1 is None) and (ga0 is None or torch.equal(ga0, ga1))
+        assert (gb0 is None) == (gb1 is None) and (gb0 is None or torch.equal(gb0, gb1))

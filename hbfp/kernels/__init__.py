@@ -553,11 +553,17 @@ def conv_geometry(shape, kernel, stride, padding, dilation) -> tuple:
     return (n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow)
 
 
+def compiled_cpu() -> Compiled | None:
+    """The compiled kernels the registry runs on the CPU (``impl=None``'s choice), or None where
+    none can run here. Their ``quantize_tensor`` and ``gemm_tensor`` are the registry's lean
+    entries for torch tensors a caller has checked (``hbfp.torch.compiled``'s products)."""
+    return _COMPILED.get(_best_cpu())
+
+
 def _conv_lib(x) -> Compiled | None:
     if _device(x) != "cpu":
         return None
-    name = _best_cpu()
-    return _COMPILED.get(name)
+    return compiled_cpu()
 
 
 def im2col(x, kernel, stride, padding, dilation):
