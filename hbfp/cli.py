@@ -392,7 +392,7 @@ def _train_ranks(args, rank: int, world: int) -> int:
     lead = rank == 0  # the rank that prints and writes the report
     spec = hd.rank_spec(args.device, rank)
     device = host.open(spec)
-    from hbfp.torch import recipes
+    from hbfp import recipes
 
     try:
         recipes.resolve(args.recipe).check(device)
@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the build goes to OUTPUT/BOARD)")
     bp.set_defaults(func=_build)
 
-    from hbfp.torch.recipes import DEFAULT_RECIPE, RECIPES
+    from hbfp.recipes import DEFAULT_RECIPE, RECIPES
     from hbfp.train import MODELS, OPTIMIZERS
 
     tp = sub.add_parser("train", help="train digits classifiers (MLP, CNN) and character language models (MLP, "

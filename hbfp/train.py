@@ -18,13 +18,13 @@ run's seed), and the master weights are kept as HBFP16 by default (wide weight s
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 __all__ = ["Run", "load_digits_split", "load_text_split", "make_model", "train", "write_report"]
 
@@ -75,6 +75,8 @@ class Run:
 
 def load_digits_split(seed: int = 0, test_share: float = 0.25):
     """(x_train, y_train, x_test, y_test) as torch tensors; pixels scaled to [0, 1]."""
+    import torch
+
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -91,6 +93,8 @@ def load_text_split(val_share: float = 0.1):
     """(train, validation) character indices of Python's documentation (``pydoc_data``) and
     the vocabulary (sorted characters); the last ``val_share`` of the text is the validation
     set."""
+    import torch
+
     from pydoc_data.topics import topics
 
     text = "\n".join(topics[k] for k in sorted(topics))
@@ -102,38 +106,49 @@ def load_text_split(val_share: float = 0.1):
 
 
 def _windows(data: torch.Tensor, starts: torch.Tensor, ctx: int) -> torch.Tensor:
+    import torch
+
     return data[starts[:, None] + torch.arange(ctx + 1)[None, :]]
 
 
-class CausalTransformer(torch.nn.Module):
-    """A 2-layer causal transformer over characters: embeddings (d 64) and learned positions,
-    two pre-norm encoder layers (4 heads, feed-forward 128) under a causal mask, a linear head;
-    the next character at every position."""
+@functools.lru_cache(maxsize=None)
+def _causal_transformer():
+    """The class of the character transformer (torch is imported where a model is made)."""
+    import torch
 
-    def __init__(self, vocab: int, ctx: int, d: int = 64, layers: int = 2):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, d)
-        self.pos = torch.nn.Parameter(torch.randn(ctx, d) * 0.02)
-        layer = torch.nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0, batch_first=True, norm_first=True)
-        self.layers = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = torch.nn.LayerNorm(d)
-        self.head = torch.nn.Linear(d, vocab)
-        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(ctx), persistent=False)
+    class CausalTransformer(torch.nn.Module):
+        """A 2-layer causal transformer over characters: embeddings (d 64) and learned positions,
+        two pre-norm encoder layers (4 heads, feed-forward 128) under a causal mask, a linear head;
+        the next character at every position."""
 
-    def forward(self, x):
-        h = self.embed(x) + self.pos[: x.shape[1]]
-        h = self.layers(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
-        return self.head(self.norm(h))
+        def __init__(self, vocab: int, ctx: int, d: int = 64, layers: int = 2):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, d)
+            self.pos = torch.nn.Parameter(torch.randn(ctx, d) * 0.02)
+            layer = torch.nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0, batch_first=True, norm_first=True)
+            self.layers = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.norm = torch.nn.LayerNorm(d)
+            self.head = torch.nn.Linear(d, vocab)
+            self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(ctx), persistent=False)
+
+        def forward(self, x):
+            h = self.embed(x) + self.pos[: x.shape[1]]
+            h = self.layers(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+            return self.head(self.norm(h))
+
+    return CausalTransformer
 
 
 def make_model(kind: str, seed: int, vocab: int | None = None) -> torch.nn.Module:
+    import torch
+
     torch.manual_seed(seed)
     if kind == "charlm":
         ctx = CONTEXT[kind]
         return torch.nn.Sequential(torch.nn.Embedding(vocab, 24), torch.nn.Flatten(), torch.nn.Linear(ctx * 24, 256),
                                    torch.nn.ReLU(), torch.nn.Linear(256, vocab))
     if kind == "transformer":
-        return CausalTransformer(vocab, CONTEXT[kind])
+        return _causal_transformer()(vocab, CONTEXT[kind])
     if kind == "mlp":
         return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     if kind == "cnn":
@@ -164,6 +179,8 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
     each rank sent and whether the ranks ended equal."""
     import contextlib
 
+    import torch
+
     if kind not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
     if precision not in ("fp32", "hbfp8"):
@@ -178,6 +195,7 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
 
     import hbfp.torch as ht
     from hbfp import distributed as hd
+    from hbfp import recipes
 
     if grad_compression not in hd.COMPRESSIONS:
         raise ValueError(f"grad_compression must be one of {hd.COMPRESSIONS}, got {grad_compression!r}")
@@ -195,7 +213,7 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
         x_train, y_train, x_test, y_test = load_digits_split(seed)
         model = make_model(kind, seed)
     hbfp8 = precision == "hbfp8"
-    r = ht.recipes.resolve(recipe).with_seed(seed) if hbfp8 else None
+    r = recipes.resolve(recipe).with_seed(seed) if hbfp8 else None
     # the transformer's attention is no layer that convert swaps: its whole step runs under offload
     routed = hbfp8 and kind == "transformer"
     if hbfp8 and not routed:
@@ -272,6 +290,8 @@ def _lm_batch(kind: str, text: torch.Tensor, starts: torch.Tensor):
 
 
 def _loss(kind: str, model, x, y):
+    import torch
+
     out = model(x)
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
@@ -279,6 +299,8 @@ def _loss(kind: str, model, x, y):
 def _val_loss(kind: str, model, val_text: torch.Tensor) -> float:
     """Mean cross-entropy (nats per character) over ``LM_VAL_WINDOWS`` windows evenly spread
     over the validation text, in chunks of 256."""
+    import torch
+
     ctx = CONTEXT[kind]
     starts = torch.linspace(0, len(val_text) - ctx - 2, LM_VAL_WINDOWS).to(torch.int64)
     total = 0.0

@@ -159,6 +159,88 @@ def command_cycles(cfg: CoreConfig, m: int, n: int, k: int, out_format: int) -> 
     return cycles
 
 
+class Buffers:
+    """The device's buffers (A's and B's codes and exponents, the accumulator, the bias) as the
+    gateware holds them, starting as zeros, and what a WRITE does to them (``write``: a WRITE
+    the device accepted; values quantized as the gateware's quantizer does on the way in).
+    ``shape``: the device's core (a ``CoreConfig``) or its IDENTIFY (``Identity``): ``size``,
+    ``tile``, ``mantissa_bits`` and ``fmt``. ``EmuDevice`` computes on them; the TCP server
+    keeps one per session (``hbfp.host.transports.Server``, "Sessions")."""
+
+    NAMES = ("a_codes", "a_exponents", "b_codes", "b_exponents", "acc", "bias")
+
+    def __init__(self, shape):
+        self.shape = shape
+        D = shape.size
+        th, tw = shape.tile
+        code_dtype = shape.fmt().code_dtype
+        self.a_codes = np.zeros((D, D), dtype=code_dtype)
+        self.b_codes = np.zeros((D, D), dtype=code_dtype)
+        self.a_exponents = np.zeros((D // th, D // tw), dtype=np.uint8)
+        self.b_exponents = np.zeros((D // th, D // tw), dtype=np.uint8)
+        self.acc = np.zeros((D, D), dtype=np.float32)
+        self.bias = np.zeros(D, dtype=np.float32)
+
+    def clear(self) -> None:
+        for name in self.NAMES:
+            getattr(self, name)[...] = 0
+
+    def write(self, payload: bytes) -> None:
+        """What the WRITE ``payload`` (accepted: a valid region, length and encoding) does."""
+        target, encoding, rounding, seed, row, col, rows, cols, data = P.decode_write(payload)
+        th, tw = self.shape.tile
+        mb = self.shape.mantissa_bits
+        if rows * cols == 0:
+            return
+        if target in (Target.A_CODES, Target.B_CODES):
+            buf = self.a_codes if target == Target.A_CODES else self.b_codes
+            buf[row : row + rows, col : col + cols] = P.decode_codes(data, rows, cols, mb)
+        elif target in (Target.A_EXPONENTS, Target.B_EXPONENTS):
+            buf = self.a_exponents if target == Target.A_EXPONENTS else self.b_exponents
+            buf[row : row + rows, col : col + cols] = np.frombuffer(data, np.uint8).reshape(rows, cols)
+        elif target == Target.ACC:
+            self.acc[row : row + rows, col : col + cols] = np.frombuffer(data, "<f4").reshape(rows, cols)
+        elif target == Target.BIAS:
+            self.bias[col : col + cols] = np.frombuffer(data, "<f4")
+        else:  # values
+            if encoding == P.Encoding.FP32:
+                flat = np.frombuffer(data, "<f4").astype(np.float32)
+            else:
+                flat = bf16.to_dtype(np.frombuffer(data, "<u2").astype(np.uint16))
+            x = P.from_tile_major(flat, rows, cols, (th, tw))
+            t = quantize(x, self.shape.fmt(_ROUNDINGS[rounding]), seed=seed)
+            if target == Target.A_VALUES:
+                codes, exps = self.a_codes, self.a_exponents
+            else:
+                codes, exps = self.b_codes, self.b_exponents
+            codes[row : row + rows, col : col + cols] = t.codes
+            exps[row // th : (row + rows) // th, col // tw : (col + cols) // tw] = t.exponents
+
+    def writes(self, name: str, max_payload: int) -> list[bytes]:
+        """WRITE payloads that put buffer ``name`` on a device as it is here, each within
+        ``max_payload``: blocks of whole rows, or of one row's columns in whole lanes."""
+        target, lanes = {"a_codes": (Target.A_CODES, self.shape.rows), "b_codes": (Target.B_CODES, self.shape.cols),
+                         "a_exponents": (Target.A_EXPONENTS, 1), "b_exponents": (Target.B_EXPONENTS, 1),
+                         "acc": (Target.ACC, self.shape.cols), "bias": (Target.BIAS, self.shape.cols)}[name]
+        buf = getattr(self, name)
+        if name == "bias":
+            buf = buf[None, :]
+        codes = name.endswith("codes")
+        width = P.code_bytes(self.shape.mantissa_bits) if codes else 1 if name.endswith("exponents") else 4
+        rows, cols = buf.shape
+        limit = max_payload - P.WRITE_HEADER
+        col_step = cols if width * cols <= limit else max(lanes, limit // (width * lanes) * lanes)
+        row_step = max(1, limit // (width * col_step))
+        out = []
+        for r0 in range(0, rows, row_step):
+            for c0 in range(0, cols, col_step):
+                block = buf[r0 : r0 + row_step, c0 : c0 + col_step]
+                data = (P.encode_codes(block, self.shape.mantissa_bits) if codes
+                        else np.ascontiguousarray(block, "<f4" if width == 4 else np.uint8).tobytes())
+                out.append(P.encode_write(target, r0, c0, *block.shape, data))
+        return out
+
+
 class _Refused(Exception):
     def __init__(self, status: Status):
         super().__init__(status.name)
@@ -205,15 +287,12 @@ class EmuDevice:
         self.functions = cfg.built_functions
         self.identity = spec.identity(abi_version)
         self.cycles_per_second = spec.clock_hz or NOMINAL_HZ
-        code_dtype = cfg.fmt().code_dtype
         # Buffer contents start as zeros (the gateware's memories have no reset either:
         # after RESET they keep whatever they held, "undefined" to the host).
-        self.a_codes = np.zeros((D, D), dtype=code_dtype)
-        self.b_codes = np.zeros((D, D), dtype=code_dtype)
-        self.a_exponents = np.zeros((D // th, D // tw), dtype=np.uint8)
-        self.b_exponents = np.zeros((D // th, D // tw), dtype=np.uint8)
-        self.acc = np.zeros((D, D), dtype=np.float32)
-        self.bias = np.zeros(D, dtype=np.float32)
+        self.buffers = Buffers(cfg)
+        b = self.buffers
+        self.a_codes, self.b_codes, self.a_exponents, self.b_exponents = b.a_codes, b.b_codes, b.a_exponents, b.b_exponents
+        self.acc, self.bias = b.acc, b.bias
         self._parser = P.FrameParser(spec.max_payload, device=True)
         self._out = bytearray()
         self._idle = 0
@@ -357,45 +436,25 @@ class EmuDevice:
         if target in (Target.A_CODES, Target.B_CODES):
             region(D, D, 1, cfg.rows if target == Target.A_CODES else cfg.cols)
             length(rows * cols * P.code_bytes(mb))
-            buf = self.a_codes if target == Target.A_CODES else self.b_codes
-            buf[row : row + rows, col : col + cols] = P.decode_codes(data, rows, cols, mb)
         elif target in (Target.A_EXPONENTS, Target.B_EXPONENTS):
             region(D // th, D // tw)
             length(rows * cols)
-            buf = self.a_exponents if target == Target.A_EXPONENTS else self.b_exponents
-            buf[row : row + rows, col : col + cols] = np.frombuffer(data, np.uint8).reshape(rows, cols)
         elif target == Target.ACC:
             region(D, D, 1, cfg.cols)
             length(4 * rows * cols)
-            self.acc[row : row + rows, col : col + cols] = np.frombuffer(data, "<f4").reshape(rows, cols)
         elif target == Target.BIAS:
             if row != 0 or rows != 1:
                 raise _Refused(Status.BAD_ADDRESS)
             region(1, D, 1, cfg.cols)
             length(4 * cols)
-            self.bias[col : col + cols] = np.frombuffer(data, "<f4")
         else:  # values: quantized here, as the gateware's quantizer does on the way in
             region(D, D, th, tw)
             if encoding not in (0, 1) or rounding not in _ROUNDINGS:
                 raise _Refused(Status.BAD_DESCRIPTOR)
             if not self._quantizes(cfg.value_quantizer, rounding):  # a reduced device
                 raise _Refused(Status.BAD_DESCRIPTOR)
-            width = 4 if encoding == P.Encoding.FP32 else 2
-            length(rows * cols * width)
-            if rows * cols == 0:
-                return b""
-            if encoding == P.Encoding.FP32:
-                flat = np.frombuffer(data, "<f4").astype(np.float32)
-            else:
-                flat = bf16.to_dtype(np.frombuffer(data, "<u2").astype(np.uint16))
-            x = P.from_tile_major(flat, rows, cols, cfg.tile)
-            t = quantize(x, cfg.fmt(_ROUNDINGS[rounding]), seed=seed)
-            if target == Target.A_VALUES:
-                codes, exps = self.a_codes, self.a_exponents
-            else:
-                codes, exps = self.b_codes, self.b_exponents
-            codes[row : row + rows, col : col + cols] = t.codes
-            exps[row // th : (row + rows) // th, col // tw : (col + cols) // tw] = t.exponents
+            length(rows * cols * (4 if encoding == P.Encoding.FP32 else 2))
+        self.buffers.write(payload)
         return b""
 
     def _quantizes(self, unit: bool, rounding: int) -> bool:

@@ -28,6 +28,7 @@ from collections import deque
 import numpy as np
 
 from . import protocol as P
+from .emu import Buffers
 from .errors import LinkError, Timeout
 from .protocol import Op, Status, Target
 
@@ -118,6 +119,16 @@ class LoopbackTransport(Transport):
         close = getattr(self.device, "close", None)
         if close:
             close()
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host`` (a name, an IPv4 or IPv6 address; ``::``: every
+    address, IPv4 too where the system allows both on one socket) and ``port``."""
+    if host == "::" and socket.has_dualstack_ipv6():
+        return socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=True)
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+    return socket.create_server(address[:2], family=family)
 
 
 def _split_host_port(arg: str) -> tuple[str, int]:
@@ -396,76 +407,10 @@ _FRAME_COST = 256
 _FEED_SLICE = 4096
 
 
-class _Context:
-    """What one session has put into the device's buffers, so that it can be put back after
-    other sessions used them: the payloads of its WRITEs that still define some element
-    (each element of each buffer remembers the last WRITE that set it; a WRITE that no longer
-    defines any element is dropped), in the order they ran, and the corner of the
-    accumulator its products have changed since it last got the device (``dirty``, read back
-    into an ACC WRITE when another session takes the device). Every WRITE kept still defines
-    an element, so a context holds at most one WRITE per buffer element."""
-
-    def __init__(self, ident: P.Identity):
-        D = ident.size
-        th, tw = ident.tile
-        self.tile = (th, tw)
-        self.shapes = {"a": (D, D), "a_exp": (D // th, D // tw), "b": (D, D), "b_exp": (D // th, D // tw),
-                       "acc": (D, D), "bias": (1, D)}
-        self.clear()
-
-    def clear(self) -> None:
-        """Forget everything (after RESET the buffers are undefined)."""
-        self.owners: dict[str, np.ndarray] = {}  # buffer -> id of the WRITE that set each element
-        self.writes: dict[int, bytes] = {}  # id -> WRITE payload, in the order they ran
-        self.refs: dict[int, int] = {}  # id -> elements it still defines
-        self.next_id = 0
-        self.dirty: tuple[int, int] | None = None
-
-    def _regions(self, target: int, row: int, col: int, rows: int, cols: int) -> list:
-        th, tw = self.tile
-        elements = (row, col, rows, cols)
-        tiles = (row // th, col // tw, rows // th, cols // tw)
-        return {
-            Target.A_CODES: [("a", elements)], Target.B_CODES: [("b", elements)],
-            Target.A_EXPONENTS: [("a_exp", elements)], Target.B_EXPONENTS: [("b_exp", elements)],
-            Target.A_VALUES: [("a", elements), ("a_exp", tiles)], Target.B_VALUES: [("b", elements), ("b_exp", tiles)],
-            Target.ACC: [("acc", elements)], Target.BIAS: [("bias", elements)],
-        }[target]
-
-    def record_write(self, payload: bytes) -> None:
-        """A WRITE the device accepted (so its region is valid)."""
-        target, _, _, _, row, col, rows, cols, _ = P.decode_write(payload)
-        if rows == 0 or cols == 0:
-            return  # a write of nothing
-        wid = self.next_id
-        self.next_id += 1
-        self.refs[wid] = 0
-        for name, (r, c, h, w) in self._regions(target, row, col, rows, cols):
-            owner = self.owners.get(name)
-            if owner is None:
-                owner = self.owners[name] = np.full(self.shapes[name], -1, np.int32)
-            view = owner[r : r + h, c : c + w]
-            ids, counts = np.unique(view, return_counts=True)
-            for old, n in zip(ids.tolist(), counts.tolist(), strict=True):
-                if old >= 0:
-                    self.refs[old] -= n
-                    if self.refs[old] == 0:
-                        del self.refs[old]
-                        del self.writes[old]
-            view[...] = wid
-            self.refs[wid] += view.size
-        self.writes[wid] = payload
-
-    def record_product(self, m: int, n: int) -> None:
-        """A GEMM the device ran: it left its sums in ``acc[:m, :n]``."""
-        dm, dn = self.dirty or (0, 0)
-        self.dirty = (max(dm, m), max(dn, n))
-
-
 class _Session:
     """One client connection: its socket, its own frame parser (a device-side one: the device
     itself only ever receives whole frames), the frames waiting for the device, the reply
-    bytes not yet sent, the STATUS counters of its own replies, and its buffer context."""
+    bytes not yet sent, the STATUS counters of its own replies, and its buffers."""
 
     def __init__(self, sock: socket.socket, name: str, ident: P.Identity, now: float):
         self.sock = sock
@@ -476,7 +421,12 @@ class _Session:
         self.inbox: deque = deque()
         self.inbox_bytes = 0
         self.out = bytearray()
-        self.context = _Context(ident)
+        #: Its buffers as they would be had it the device alone since it connected (zeros at
+        #: first and after its RESET): what it wrote, and the accumulator its products left,
+        #: read back when another session takes the device (``dirty``: the corner its products
+        #: changed since it got the device, whole blocks of the array).
+        self.buffers = Buffers(ident)
+        self.dirty: tuple[int, int] | None = None
         self.last_byte = now  # the frame timeout counts from here
         self.last_progress = now  # the client timeout counts from here
         self.eof = False
@@ -532,13 +482,17 @@ class Server(_Serving):
       bytes reach the device. A client that
       leaves, or is dropped, mid-frame leaves nothing behind: its half frame is discarded.
     - Buffers: a product takes several frames (WRITEs, then GEMMs that may accumulate), so
-      the server keeps each session's buffer contents apart. It remembers the WRITEs each
-      session's buffers still hold (``_Context``), and before a WRITE, READ, GEMM or RESET of
-      a session other than the last one to use the buffers, it reads the last one's
-      accumulator back (a READ of the corner its products wrote) and writes the new
-      session's buffers again (``switches`` counts these hand-overs). The frames of one
-      session run in the order they came; sessions with frames waiting take turns of about
-      20 ms of device time (``_TURN_SECONDS``).
+      each session has buffers of its own, as if it had the device alone: zeros when it
+      connects and after its RESET, then what its WRITEs put there and what its products
+      left in the accumulator (``Buffers``, applied as the device applies each WRITE it
+      accepted). Before a WRITE, READ, GEMM or RESET of a session other than the last one to
+      use the device, the server reads that session's accumulator back (the blocks its
+      products changed) and writes the new session's buffers where they differ (all of them
+      when the device's contents are no session's: at first, after a RESET, after that
+      session left); ``switches`` counts these hand-overs. A hand-over costs the same however
+      many WRITEs made the buffers, and no session reads what another wrote. The frames of
+      one session run in the order they came; sessions with frames waiting take turns of
+      about 20 ms of device time (``_TURN_SECONDS``).
     - STATUS reports the session's own counters (its replies, the cycles of its last GEMM
       or READ) in the device's reply; RESET also clears the session's counters.
     - Queues are bounded: once a client's unsent replies reach ``max_queued`` bytes, its
@@ -546,10 +500,12 @@ class Server(_Serving):
       client's queue peaks below ``max_queued`` plus one reply; ``peak_queued`` is the most
       any client had). Nor is more read from a client while its frames waiting for the
       device take ``max_queued`` bytes (their payloads and ``_FRAME_COST`` each). At most
-      ``max_clients`` clients are served; later ones are closed at once.
+      ``max_clients`` clients are served; a client that comes when they are takes the place
+      of the one that has sent no complete frame for the longest.
     - ``client_timeout`` (None: never): a connection that sends no complete frame for that
-      many seconds, and has none waiting for the device, is closed (a byte of reply that it
-      reads counts as a sign of life).
+      many seconds, and has none waiting for the device, is closed. Only a whole valid frame
+      counts as a sign of life: neither partial frames nor the replies it reads (the server's
+      own TIMEOUT replies to its partial frames among them).
     - ``reply_timeout``: a device that sends no byte of a reply for that many seconds has
       lost the frame; the client gets no reply (its driver resends) and serving goes on.
       ``poll``: the seconds between two looks at a device whose reply has not come yet.
@@ -570,7 +526,7 @@ class Server(_Serving):
         self.reply_timeout = reply_timeout
         self.poll = poll
         self.log = log
-        self.sock = socket.create_server((host, port))
+        self.sock = _listening_socket(host, port)
         self.sock.setblocking(False)
         self.host, self.port = self.sock.getsockname()[:2]
         #: Connections served so far.
@@ -598,7 +554,8 @@ class Server(_Serving):
 
     @property
     def spec(self) -> str:
-        return f"tcp:{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp:{host}:{self.port}"
 
     def _thread_name(self) -> str:
         return f"hbfp-serve-{self.port}"
@@ -667,11 +624,13 @@ class Server(_Serving):
             conn, addr = self.sock.accept()
         except (BlockingIOError, InterruptedError):
             return
-        name = f"{addr[0]}:{addr[1]}"
+        name = f"[{addr[0]}]:{addr[1]}" if ":" in addr[0] else f"{addr[0]}:{addr[1]}"
         if len(self._sessions) >= self.max_clients:
-            self._say(f"{name} refused: {self.max_clients} clients are connected already")
-            conn.close()
-            return
+            # The longest without a complete frame makes room (so connections that send none
+            # cannot keep every client out).
+            idle = min(self._sessions, key=lambda s: s.last_progress)
+            self._drop(idle, f"dropped for {name}: {self.max_clients} clients are connected and it sent no complete "
+                             f"frame for the longest ({now - idle.last_progress:.1f} s)")
         conn.setblocking(False)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.served += 1
@@ -705,7 +664,7 @@ class Server(_Serving):
                 return
             if n:
                 del s.out[:n]
-                s.last_progress = self._active = now
+                self._active = now
 
     def _end_of_input(self, s: _Session) -> None:
         """The client sent its last byte: a frame it left unfinished is discarded; what it
@@ -834,10 +793,10 @@ class Server(_Serving):
         status = reply.payload[0] if reply.payload else None
         if status == Status.OK:
             if op == Op.WRITE:
-                s.context.record_write(frame.payload)
+                s.buffers.write(frame.payload)
             elif op == Op.GEMM:
                 d = P.decode_gemm(frame.payload)
-                s.context.record_product(d["m"], d["n"])
+                self._changed_accumulator(s, d["m"], d["n"])
                 s.last_cycles = P.decode_cycles(reply.payload[1:])
             elif op == Op.READ:
                 # A READ's reply has no cycles: the device's STATUS has them.
@@ -845,7 +804,11 @@ class Server(_Serving):
                 if st is not None:
                     s.last_cycles = P.decode_status(st).last_cycles
         if op == Op.RESET and status == Status.OK:
-            s.context.clear()
+            # The device's buffers are undefined now: the session's read as zeros, written
+            # before its next command that uses them.
+            s.buffers.clear()
+            s.dirty = None
+            self._holder = None
             s.clear_counters()
         elif status is not None:
             s.count(status)
@@ -857,41 +820,48 @@ class Server(_Serving):
             payload = payload[:1] + P.encode_status(P.DeviceStatus(s.accepted, s.refused, s.last_cycles, s.last_error))
         self._queue(s, P.encode_frame(reply.opcode, reply.tag, payload, version=reply.version))
 
+    def _changed_accumulator(self, s: _Session, m: int, n: int) -> None:
+        """A GEMM of ``s`` left sums in the accumulator: in whole blocks of the array (the
+        padding too, docs/protocol.md "GEMM")."""
+        ident = self.identity
+        m = min(ident.size, -(-m // ident.rows) * ident.rows)
+        n = min(ident.size, -(-n // ident.cols) * ident.cols)
+        dm, dn = s.dirty or (0, 0)
+        s.dirty = (max(dm, m), max(dn, n))
+
     def _switch_to(self, s: _Session) -> None:
-        """Give the device's buffers to ``s``: save the accumulator of the session that had
-        them, then write ``s``'s buffers again."""
+        """Give the device's buffers to ``s``: read back the accumulator of the session that
+        had them, then write ``s``'s buffers where they differ from that session's (all of
+        them where the device's contents are not a session's: at first, after a RESET, after
+        the session that had them left). A hand-over costs the same however many WRITEs made
+        the buffers, and a session sees nothing another one wrote."""
         h = self._holder
         if h is s:
             return
         if h is not None:
             self.switches += 1
-            if h.context.dirty is not None:
+            if h.dirty is not None:
                 self._save_accumulator(h)
-        for payload in list(s.context.writes.values()):
-            if self._internal(Op.WRITE, payload) is None:
-                self._say(f"{s.name}: the device refused to restore a buffer write; its buffers may be wrong")
+        for name in Buffers.NAMES:
+            mine = getattr(s.buffers, name)
+            if h is not None and np.array_equal(getattr(h.buffers, name), mine):
+                continue
+            for payload in s.buffers.writes(name, self.identity.max_payload):
+                if self._internal(Op.WRITE, payload) is None:
+                    self._say(f"{s.name}: the device refused to restore a buffer write; its buffers may be wrong")
         self._holder = s
 
     def _save_accumulator(self, s: _Session) -> None:
-        """Read back the corner of the accumulator ``s``'s products wrote, as ACC WRITEs of
-        its context. (A READ flushes subnormals to zero; every later use of the accumulator
-        flushes them too, so nothing that can be observed changes.)"""
-        ident = self.identity
-        m, n = s.context.dirty
-        s.context.dirty = None
-        n = min(ident.size, -(-n // ident.cols) * ident.cols)  # ACC writes are whole lanes wide
+        """Read back the corner of the accumulator ``s``'s products wrote into its buffers. (A
+        READ flushes subnormals to zero; every later use of the accumulator flushes them too,
+        so nothing that can be observed changes.)"""
+        m, n = s.dirty
+        s.dirty = None
         data = self._internal(Op.READ, P.encode_read(m, n))
         if data is None or len(data) != 4 * m * n:
             self._say(f"{s.name}: the device did not return the accumulator; its accumulator is lost")
             return
-        acc = np.frombuffer(data, "<f4").reshape(m, n)
-        limit = ident.max_payload - P.WRITE_HEADER
-        col_step = n if 4 * n <= limit else max(ident.cols, limit // (4 * ident.cols) * ident.cols)
-        row_step = max(1, limit // (4 * col_step))
-        for r0 in range(0, m, row_step):
-            for c0 in range(0, n, col_step):
-                block = acc[r0 : r0 + row_step, c0 : c0 + col_step]
-                s.context.record_write(P.encode_write(Target.ACC, r0, c0, *block.shape, block.tobytes()))
+        s.buffers.acc[:m, :n] = np.frombuffer(data, "<f4").reshape(m, n)
 
     def _identify(self) -> None:
         data = self._internal(Op.IDENTIFY)

@@ -1,6 +1,8 @@
 import importlib.util
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -225,3 +227,32 @@ def test_the_configuration_rules_hold_under_python_O(tmp_path):
     err = proc.stderr.strip()
     assert "\n" not in err and "Traceback" not in err and "read-modify-write" in err, err
     assert not (tmp_path / "v").exists()
+
+
+_NO_TORCH = ("import sys, importlib.abc\n"
+             "class NoTorch(importlib.abc.MetaPathFinder):\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name.split('.')[0] == 'torch':\n"
+             "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+             "sys.meta_path.insert(0, NoTorch())\n"
+             "from hbfp.cli import main\n")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["info", "emu"], ["gemm", "emu", "--m", "20", "--n", "20", "--k", "20"],
+                                  ["sim-server", "--help"], ["golden-demo"]])
+def test_commands_that_need_no_torch_import_none(args):
+    """As after ``pip install hbfp`` without the torch extra: the commands that need no torch
+    run, and none of them imports it where it is installed either."""
+    run = (f"try:\n    code = main({args!r})\nexcept SystemExit as e:\n    code = e.code\n"
+           "print('torch' in sys.modules)\nsys.exit(code)\n")
+    r = subprocess.run([sys.executable, "-c", _NO_TORCH + run], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-c", "import sys\nfrom hbfp.cli import main\n" + run], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("False"), (r.stdout[-500:], r.stderr[-2000:])
+
+
+def test_train_without_torch_says_what_to_install():
+    code = _NO_TORCH + "sys.exit(main(['train', '--models', 'mlp', '--sim-epochs', '0']))\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "pip install 'hbfp[torch]'" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -144,6 +144,126 @@ def test_sessions_keep_their_own_buffers_tags_and_status():
         assert st.last_cycles == command_cycles(CFG, 4, 8, 0, P.OutFormat.FP32)  # its READ's
 
 
+def _gemm_all(client: Raw, tag: int, size: int) -> np.ndarray:
+    """A size^3 GEMM of whatever the buffers hold: its fp32 result."""
+    client.send(Op.GEMM, tag, P.encode_gemm(size, size, size))
+    r = client.reply()
+    assert r.status == Status.OK
+    return np.frombuffer(r.data[4:], "<f4")
+
+
+def _read_all(client: Raw, tag: int, size: int) -> np.ndarray:
+    client.send(Op.READ, tag, P.encode_read(size, size))
+    r = client.reply()
+    assert r.status == Status.OK
+    return np.frombuffer(r.data, "<f4")
+
+
+def test_a_session_never_sees_another_ones_data():
+    """A session reads zeros where it has not written: beside a session that has, after that
+    one left, and after its own RESET or another's (the device's buffers still hold them)."""
+    size = CFG.size
+    rng = np.random.default_rng(3)
+    x, y = (rng.standard_normal((size, size)).astype(np.float32) for _ in range(2))
+    with Server(EmuDevice(CFG)).start() as server:
+        a = host.open(server.spec, timeout=5)
+        a.gemm(x, y)
+        with Raw(server) as b:
+            assert not _read_all(b, 1, size).any()  # A's accumulator
+            assert not _gemm_all(b, 2, size).any()  # A's operands
+            assert not _read_all(b, 3, size).any()  # its own GEMM of zeros, nothing of A's
+        a.close()
+        with Raw(server) as c:  # A has left: its data is still in the device
+            assert not _gemm_all(c, 4, size).any()
+        a2 = host.open(server.spec, timeout=5)
+        a2.gemm(y, x)
+        a2.reset()
+        with Raw(server) as d:
+            assert not _gemm_all(d, 5, size).any()
+        with Raw(server) as e:  # a session's own RESET: its buffers read as zeros, on the device too
+            e.send(Op.WRITE, 6, P.encode_write(Target.ACC, 0, 0, 4, 8, np.ones((4, 8), "<f4").tobytes()))
+            assert e.reply().status == Status.OK
+            assert _read_all(e, 7, size).any()
+            e.send(Op.RESET, 8)
+            assert e.reply().status == Status.OK
+            assert not _read_all(e, 9, size).any()
+        a2.close()
+
+
+class _Counting:
+    """A byte device that counts the frames the server sends it."""
+
+    def __init__(self, device):
+        self.device, self.frames, self._parser = device, [], P.FrameParser(1 << 20, device=True)
+
+    def write(self, data: bytes) -> None:
+        self.frames += [f.opcode for f in self._parser.feed(data) if isinstance(f, P.Frame)]
+        self.device.write(data)
+
+    def read(self, max_bytes=None) -> bytes:
+        return self.device.read(max_bytes)
+
+
+def test_a_hand_over_costs_the_same_however_many_writes_made_the_buffers():
+    """A session of many small WRITEs: the frames a hand-over sends the device do not grow
+    with them (its buffers are put back whole, not replayed), and the session still gets its
+    own data back."""
+    size = CFG.size
+    device = _Counting(EmuDevice(CFG))
+    costs = []
+    codes = np.random.default_rng(4).integers(-127, 128, (size, size), dtype=np.int8)
+    with Server(device).start() as server, Raw(server) as many, Raw(server) as other:
+        tiles = size // CFG.tile[0]
+        for target, data in ((Target.A_CODES, codes), (Target.B_CODES, codes),
+                             (Target.B_EXPONENTS, np.full((tiles, tiles), 120, np.uint8))):
+            many.send(Op.WRITE, 9, P.encode_write(target, 0, 0, *data.shape, data.tobytes()))
+            assert many.reply().status == Status.OK
+        for writes in (4, 400):
+            tag = 0
+            for i in range(writes):  # single exponents, one byte each, over and over
+                many.send(Op.WRITE, tag, P.encode_write(Target.A_EXPONENTS, i % 2, 0, 1, 1, bytes([100 + i % 7])))
+                assert many.reply().status == Status.OK
+                tag += 1
+            want = _gemm_all(many, tag, size)
+            other.send(Op.STATUS, 1)
+            assert other.reply().status == Status.OK
+            _read_all(other, 2, size)  # other takes the device
+            before = len(device.frames)
+            got = _read_all(many, tag + 1, size)  # and gives it back
+            costs.append(len(device.frames) - before)
+            assert want.any() and np.array_equal(got, want)
+    assert costs[1] == costs[0], costs
+
+
+def test_partial_frames_and_their_timeouts_are_no_sign_of_life():
+    """Connections that only ever start frames (their TIMEOUT replies read) are dropped after
+    client_timeout, and at max_clients a new client takes the place of the longest idle one."""
+    messages: list[str] = []
+    with Server(EmuDevice(CFG, frame_timeout=1000), client_timeout=1.0, max_clients=2,
+                log=messages.append).start() as server, Raw(server) as junk1, Raw(server) as junk2:
+        for _ in range(4):
+            for junk in (junk1, junk2):
+                junk.sock.sendall(b"HB")
+            time.sleep(0.1)
+        with host.open(server.spec, timeout=5) as dev:  # a third client while two are connected
+            assert dev.info().size == CFG.size
+        assert junk1.closed_within(3.0) and junk2.closed_within(3.0)
+    assert any("dropped for" in m and "2 clients are connected" in m for m in messages), messages
+
+
+def test_ipv6_loopback_serves():
+    if not socket.has_ipv6:
+        pytest.skip("this Python has no IPv6")
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError as e:
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    with Server(EmuDevice(CFG), "::1", 0).start() as server:
+        assert server.spec.startswith("tcp:[::1]:")
+        with host.open(server.spec, timeout=5) as dev:
+            assert product(dev, np.random.default_rng(2), 20, 30, 10)
+
+
 def drip(server: Server, stop: threading.Event) -> None:
     """One byte every 50 ms: IDENTIFY requests, over and over, until ``stop``."""
     frame = P.encode_frame(Op.IDENTIFY, 1)

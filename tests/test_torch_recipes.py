@@ -10,7 +10,7 @@ import hbfp.host
 import hbfp.torch as ht
 from hbfp.golden import BFPTensor, quantize
 from hbfp.golden.gemm import gemm as golden_gemm
-from hbfp.torch.recipes import Rounding
+from hbfp.recipes import Rounding
 
 
 def u32(t):

@@ -14,7 +14,7 @@
   ``torch.set_float32_matmul_precision``: ``offload`` sets its device's format's name
   (``"hbfp8"``, ``"mxint8"``) while it is active and restores the previous value on exit,
   exceptions included.
-- Recipes (``Recipe``, ``RECIPES``, ``use_recipe``; ``hbfp.torch.recipes``): per product
+- Recipes (``Recipe``, ``RECIPES``, ``use_recipe``; ``hbfp.recipes``): per product
   (forward, grad_input, grad_weight) the format, the rounding (stochastic with its seeds) and
   the output format; the default rounds gradients stochastically.
 - ``wide_weight_storage(model, optimizer)``: the paper's wide weight storage. The master
@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import counts as _report
-from .recipes import DEFAULT_RECIPE, RECIPES, ProductConfig, Recipe, Rounding, format_name
-from .recipes import resolve as _resolve_recipe
+from hbfp.recipes import DEFAULT_RECIPE, RECIPES, ProductConfig, Recipe, Rounding, format_name
+from hbfp.recipes import resolve as _resolve_recipe
 from .counts import HbfpFallbackWarning, OpCount, fallbacks, format_report, report, reset_fallbacks, reset_report
 
 __all__ = [
