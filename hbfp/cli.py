@@ -81,7 +81,8 @@ def _units_from_args(args) -> dict:
 def _verilog(args) -> int:
     from pathlib import Path
 
-    from hbfp.hw.generate import components, generate
+    from hbfp.hw.generate import MANIFEST, components, generate, generated_files
+    from hbfp.outputs import Output, OutputConflict
 
     try:
         cfg = _config_from_args(args)
@@ -96,30 +97,20 @@ def _verilog(args) -> int:
                   f"configuration has {', '.join(known)}", file=sys.stderr)
             return 2
     output = Path(args.output)
-    in_the_way = _not_a_folder(output)
-    if in_the_way is not None:
-        print(f"hbfp verilog: {in_the_way} is {'a file' if in_the_way.exists() else 'a broken symbolic link'}, not a "
-              f"folder: -o names the folder the Verilog goes to", file=sys.stderr)
+    try:  # before any work: a file or a link in the way, or files of the user's it would overwrite
+        out = Output(output, generated_files(cfg, args.only), command="hbfp verilog", manifest=MANIFEST)
+    except OutputConflict as e:
+        print(f"hbfp verilog: {e}", file=sys.stderr)
         return 2
     print(f"GEMM core {cfg.rows}x{cfg.cols}, {cfg.mantissa_bits}-bit codes, tile {cfg.tile[0]}x{cfg.tile[1]}, "
           f"buffers {cfg.size}x{cfg.size} -> {args.output}")
     try:
-        generate(cfg, output, only=args.only)
+        out.begin()
+        generate(cfg, output, only=args.only, write=out.put)
     except OSError as e:
         print(f"hbfp verilog: cannot write {output}: {e}", file=sys.stderr)
         return 1
     return 0
-
-
-def _not_a_folder(path):
-    """The first of ``path`` and its parents that exists but is not a folder (a file, a broken
-    symbolic link), or None when ``path`` is a folder or can be made one."""
-    import os
-
-    for p in (path, *path.parents):
-        if os.path.lexists(p):
-            return None if p.is_dir() else p
-    return None
 
 
 def _build(args) -> int:
@@ -329,11 +320,27 @@ def _sim_server(args) -> int:
     return 0
 
 
+def _train_output(args):
+    """The report's folder, checked before any training (None: refused, said why)."""
+    from pathlib import Path
+
+    from hbfp import train as tr
+    from hbfp.outputs import OutputConflict
+
+    try:
+        return tr.report_output(Path(args.out))
+    except OutputConflict as e:
+        print(f"hbfp train: {e}", file=sys.stderr)
+        return None
+
+
 def _train(args) -> int:
     from hbfp import distributed as hd
 
     if args.nproc < 1:
         print("hbfp train: --nproc must be at least 1", file=sys.stderr)
+        return 2
+    if _train_output(args) is None:
         return 2
     if hd.launched():  # a rank started by torchrun (or by the launcher below)
         return _train_rank(args)
@@ -390,6 +397,9 @@ def _train_ranks(args, rank: int, world: int) -> int:
 
     out = Path(args.out)
     lead = rank == 0  # the rank that prints and writes the report
+    output = _train_output(args) if lead else None
+    if lead and output is None:
+        return 2
     spec = hd.rank_spec(args.device, rank)
     device = host.open(spec)
     from hbfp import recipes
@@ -453,7 +463,7 @@ def _train_ranks(args, rank: int, world: int) -> int:
                      f"simulator build/open {opened:.1f} s).")
     if not lead:
         return 0 if ok else 1
-    table = tr.write_report(runs, out, extra)
+    table = tr.write_report(runs, out, extra, output)
     print()
     print(table)
     print(f"\ncurves: {out / 'curves.png'}, table: {out / 'results.md'}")

@@ -316,14 +316,31 @@ def _metric(r: Run) -> str:
     return f"{100 * r.final_accuracy:.2f}%"
 
 
-def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None) -> str:
-    """Write curves (PNG), a markdown table and the runs (JSON) under ``outdir``; return the table."""
+#: What ``write_report`` writes into its folder, and its record of them there (``hbfp.outputs``).
+REPORT_FILES = ("curves.png", "results.md", "runs.json")
+MANIFEST = ".hbfp-train.json"
+
+
+def report_output(outdir: Path):
+    """The folder ``write_report`` writes into, checked before any training (``hbfp.outputs``:
+    ``OutputConflict`` if a file is in the way, or it holds report files of the user's)."""
+    from hbfp.outputs import Output
+
+    return Output(outdir, REPORT_FILES, command="hbfp train", manifest=MANIFEST)
+
+
+def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None, output=None) -> str:
+    """Write curves (PNG), a markdown table and the runs (JSON) under ``outdir`` (through
+    ``output``, a ``report_output`` of it checked earlier; default: checked now); return the
+    table."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    outdir.mkdir(parents=True, exist_ok=True)
+    output = output if output is not None else report_output(Path(outdir))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for r in runs:
         label = f"{r.model} {r.optimizer} {r.precision}" + (f" ({r.device})" if r.device else "")
@@ -343,7 +360,8 @@ def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None) 
         if ax.lines:
             ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(outdir / "curves.png", dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
 
     lines = ["| model | optimizer | products | master weights | device | epochs | final loss | result | seconds |",
@@ -353,6 +371,6 @@ def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None) 
         lines.append(f"| {r.model} | {r.optimizer} | {products} | {r.weight_storage} | {r.device or 'CPU'} | {r.epochs} | "
                      f"{r.losses[-1]:.4f} | {_metric(r)} | {r.seconds:.1f} |")
     table = "\n".join(lines + [""] + (extra or []))
-    (outdir / "results.md").write_text(table + "\n")
-    (outdir / "runs.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    output.write({"curves.png": png.getvalue(), "results.md": table + "\n",
+                  "runs.json": json.dumps([asdict(r) for r in runs], indent=1)})
     return table

@@ -51,6 +51,7 @@ from amaranth.lib import io
 from amaranth.vendor import AlteraPlatform
 
 from hbfp.contract import Option, parse_int, parse_options
+from hbfp.outputs import Output, OutputConflict, check_folder
 
 from .openflow import ABC9_XAIGER1, conflicting_drivers
 from .params import CoreConfig
@@ -461,141 +462,9 @@ class BuildResult:
     seconds: float = 0.0
 
 
-class OutputConflict(FileExistsError):
-    """Something that is not the build's own is in the way of its output: a file or a symbolic
-    link where the board's folder goes, or, in that folder, files the build would overwrite
-    that no earlier build recorded as its own (the user's)."""
-
-
 #: The list of the files a build wrote into its folder (``out_dir/<board>``): the next build
 #: of that folder replaces (and removes) only these, so that everything else in it is kept.
 MANIFEST = ".hbfp-build.json"
-
-
-def _check_folder(directory: Path) -> None:
-    """``directory`` is a folder or can be made one: no file or symbolic link in the way."""
-    if directory.is_symlink():
-        raise OutputConflict(f"{directory} is a symbolic link: hbfp build writes its output only into a real folder "
-                             "(remove the link or choose another output folder, -o)")
-    if directory.exists() and not directory.is_dir():
-        raise OutputConflict(f"{directory} is a file, not a folder: it is in the way of the build's output "
-                             "(move it or choose another output folder, -o)")
-    for parent in directory.parents:
-        if os.path.lexists(parent):
-            if not parent.is_dir():
-                raise OutputConflict(f"{parent} is not a folder: it is in the way of the build's output {directory}")
-            break
-
-
-class _Output:
-    """A build's folder: writes ``files`` (relative path -> text or bytes) into
-    ``directory`` and records them in its ``MANIFEST``; the previous build's recorded files are
-    removed first (none of them, a bitstream of another configuration, outlives it), and
-    nothing else in the folder is touched. Refuses (``OutputConflict``) before writing
-    anything if a file to be written, or one the tools may write (``tool_prefix``.*,
-    ``tool_files``), is there and was not recorded by the previous build, or is a symbolic
-    link or a folder."""
-
-    def __init__(self, directory: Path, files: dict, *, tool_prefix: str | None = None, tool_files=()):
-        self.directory = directory
-        self.planned = dict(files)
-        self.previous = self._read_manifest()
-        self.ours: set[str] = set()
-        self._check(tool_prefix, tuple(tool_files))
-        self._before: set[str] = set()
-
-    def _read_manifest(self) -> set[str]:
-        path = self.directory / MANIFEST
-        if path.is_symlink() or not path.is_file():
-            return set()
-        try:
-            names = json.loads(path.read_text())["files"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return set()
-        ok = set()
-        for name in names if isinstance(names, list) else ():
-            if not isinstance(name, str):
-                continue
-            rel = Path(name)
-            if name and not rel.is_absolute() and ".." not in rel.parts and rel.as_posix() != MANIFEST:
-                ok.add(rel.as_posix())
-        return ok
-
-    def _ours(self, rel: str) -> bool:
-        """``rel`` was written by the previous build and is still a plain file."""
-        path = self.directory / rel
-        return rel in self.previous and path.is_file() and not path.is_symlink()
-
-    def _check(self, tool_prefix: str | None, tool_files: tuple[str, ...]) -> None:
-        d = self.directory
-        if not d.is_dir():
-            return  # made by write()
-        problems = []
-
-        def check(rel: str) -> None:
-            path = d / rel
-            for parent in list(Path(rel).parents)[:-1][::-1]:  # folders inside d on the way
-                p = d / parent
-                if p.is_symlink() or (p.exists() and not p.is_dir()):
-                    problems.append(f"{parent.as_posix()} (not a folder)")
-                    return
-            if not os.path.lexists(path):
-                return
-            if path.is_symlink():
-                problems.append(f"{rel} (a symbolic link)")
-            elif path.is_dir():
-                problems.append(f"{rel} (a folder)")
-            elif rel not in self.previous:
-                problems.append(rel)
-
-        manifest = d / MANIFEST
-        if manifest.is_symlink() or (manifest.exists() and not manifest.is_file()):
-            problems.append(f"{MANIFEST} (not a plain file)")  # a plain one is always the build's own
-        for rel in [*self.planned, *tool_files]:
-            check(rel)
-        if tool_prefix:
-            for entry in sorted(d.iterdir()):
-                if entry.name.startswith(tool_prefix + ".") and entry.name not in self.planned:
-                    check(entry.name)
-        if problems:
-            shown = ", ".join(problems[:6]) + (f" and {len(problems) - 6} more" if len(problems) > 6 else "")
-            hint = "" if (d / MANIFEST).is_file() else f" (no {MANIFEST} records an earlier build's files)"
-            raise OutputConflict(f"{d} holds files that the build would overwrite and did not write{hint}: {shown}; "
-                                 "move them away or choose another output folder (-o)")
-
-    def _save(self) -> None:
-        (self.directory / MANIFEST).write_text(json.dumps(
-            {"written_by": "hbfp build", "files": sorted(self.ours)}, indent=1) + "\n")
-
-    def _all_files(self) -> set[str]:
-        found = set()
-        for root, dirs, names in os.walk(self.directory):
-            for name in names:
-                found.add((Path(root) / name).relative_to(self.directory).as_posix())
-        found.discard(MANIFEST)
-        return found
-
-    def write(self) -> None:
-        d = self.directory
-        d.mkdir(parents=True, exist_ok=True)
-        for rel in sorted(self.previous - set(self.planned)):
-            if self._ours(rel):
-                (d / rel).unlink()
-        self.ours = set(self.planned)
-        self._save()  # claimed before they are written: an interrupted build's files stay its own
-        for rel, content in self.planned.items():
-            path = d / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(content.encode() if isinstance(content, str) else content)
-        self._before = self._all_files()
-
-    def record_new(self) -> None:
-        """Record the files that appeared since ``write`` (the tools' output) as the build's."""
-        self.ours |= self._all_files() - self._before
-        self._save()
-
-    def files(self) -> list[Path]:
-        return sorted(self.directory / rel for rel in self.ours if (self.directory / rel).is_file())
 
 
 def make_top(board: Board, cfg: CoreConfig, top_kw: dict):
@@ -613,7 +482,7 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
     gets its report, and ``report["timing_met"]`` says so). Quartus boards: the project only."""
     board, cfg, top_kw = board_config(name, **overrides)
     directory = Path(out_dir) / board.name
-    _check_folder(directory)  # before the elaboration: a file or a symlink in the way
+    check_folder(directory, "hbfp build")  # before the elaboration: a file or a symlink in the way
     platform = board.platform()
     top = make_top(board, cfg, top_kw)
     project = f"hbfp_{board.name}"
@@ -640,8 +509,9 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
     plan = platform.build(top, name=project, build_dir=str(directory), do_build=False, **kwargs)
     files = {"config.json": config, **plan.files}
     # The tools of an open flow write the project's other files (hbfp_<board>.*) and build.log.
-    output = _Output(directory, files, tool_prefix=project if run else None, tool_files=("build.log",) if run else ())
-    output.write()
+    output = Output(directory, list(files), command="hbfp build", manifest=MANIFEST, tool_prefix=project if run else None,
+                    tool_files=("build.log",) if run else ())
+    output.write(files)
     if not run:
         if board.flow == "quartus":
             log(f"{board.name}: Quartus project in {directory} (compile: cd {directory} && sh build_{project}.sh)")

@@ -86,14 +86,29 @@ def _width(shape) -> int:
     return Shape.cast(shape).width
 
 
-def generate(cfg: CoreConfig, outdir: Path, *, only: list[str] | None = None, log=print, platform=None) -> dict:
+#: ``hbfp verilog``'s record of the files it wrote into its folder (``hbfp.outputs``).
+MANIFEST = ".hbfp-verilog.json"
+
+
+def generated_files(cfg: CoreConfig, only: list[str] | None = None) -> list[str]:
+    """The files ``generate`` writes: ``<name>.v`` of each component made, then ``params.json``."""
+    return [f"{name}.v" for name in components(cfg) if not only or name in only] + ["params.json"]
+
+
+def generate(cfg: CoreConfig, outdir: Path, *, only: list[str] | None = None, log=print, platform=None,
+             write=None) -> dict:
     """Write ``<name>.v`` for the core and every component (or the ``only`` ones) and
-    ``params.json`` into ``outdir``; returns the parameters. ``platform``: what the
-    components are elaborated for (None: portable Verilog, as the simulators run it;
-    ``hbfp.hw.openflow.ECP5``: with ECP5 primitives where they help, e.g. the MAC array's
-    registered DSP blocks)."""
+    ``params.json`` into ``outdir`` (``generated_files``); returns the parameters.
+    ``platform``: what the components are elaborated for (None: portable Verilog, as the
+    simulators run it; ``hbfp.hw.openflow.ECP5``: with ECP5 primitives where they help, e.g.
+    the MAC array's registered DSP blocks). ``write(name, text)``: how a file is written
+    (``hbfp.outputs.Output.put``; default: into ``outdir``, made if need be)."""
     outdir = Path(outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
+    if write is None:
+        outdir.mkdir(parents=True, exist_ok=True)
+
+        def write(name, text):
+            (outdir / name).write_text(text)
     params = parameters(cfg)
     made = {}
     for name, make in components(cfg).items():
@@ -101,11 +116,10 @@ def generate(cfg: CoreConfig, outdir: Path, *, only: list[str] | None = None, lo
             continue
         t0 = time.perf_counter()
         text = verilog.convert(make(), name=name, platform=platform)
-        path = outdir / f"{name}.v"
-        path.write_text(text)
-        made[name] = path.name
-        log(f"  {path} ({len(text) / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s)")
+        write(f"{name}.v", text)
+        made[name] = f"{name}.v"
+        log(f"  {outdir / made[name]} ({len(text) / 1e6:.1f} MB, {time.perf_counter() - t0:.1f} s)")
     params["verilog"] = made
-    (outdir / "params.json").write_text(json.dumps(params, indent=2) + "\n")
+    write("params.json", json.dumps(params, indent=2) + "\n")
     log(f"  {outdir / 'params.json'}")
     return params

@@ -256,3 +256,51 @@ def test_train_without_torch_says_what_to_install():
     code = _NO_TORCH + "sys.exit(main(['train', '--models', 'mlp', '--sim-epochs', '0']))\n"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "pip install 'hbfp[torch]'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_verilog_output_never_clobbers(tmp_path, capsys):
+    """``hbfp verilog -o``: a file of the user's, or a symbolic link out of the folder, where it
+    would write is refused before any work (exit 2, one line); its own files from an earlier run
+    are replaced, and nothing else in the folder is touched."""
+    out = tmp_path / "v"
+    out.mkdir()
+    mine = out / "normalize.v"
+    mine.write_text("// mine\n")
+    outside = tmp_path / "outside.json"
+    outside.write_text("keep\n")
+    assert cli.main(["verilog", "--only", "normalize", "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "normalize.v" in err[0] and "did not write" in err[0], err
+    mine.unlink()
+    (out / "params.json").symlink_to(outside)
+    assert cli.main(["verilog", "--only", "normalize", "-o", str(out)]) == 2
+    assert "params.json (a symbolic link)" in capsys.readouterr().err
+    (out / "params.json").unlink()
+    (out / "notes.txt").write_text("mine\n")
+    for _ in range(2):  # the second run replaces the first one's files
+        assert cli.main(["verilog", "--only", "normalize", "-o", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [".hbfp-verilog.json", "normalize.v", "notes.txt", "params.json"]
+    assert outside.read_text() == "keep\n" and (out / "notes.txt").read_text() == "mine\n"
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    assert cli.main(["verilog", "--only", "normalize", "-o", str(afile)]) == 2
+    assert afile.read_text() == "x"
+
+
+def test_train_output_is_checked_before_training(tmp_path, capsys):
+    """``hbfp train -o FILE`` and a folder holding a runs.json of the user's are refused at once
+    (exit 2, one line), before any training."""
+    import time
+
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    held = tmp_path / "t"
+    held.mkdir()
+    (held / "runs.json").write_text("mine")
+    for out in (afile, held):
+        t0 = time.monotonic()
+        assert cli.main(["train", "--models", "mlp", "--optimizers", "sgd", "--sim-epochs", "0", "-o", str(out)]) == 2
+        assert time.monotonic() - t0 < 10
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("hbfp train: "), err
+    assert afile.read_text() == "x" and (held / "runs.json").read_text() == "mine"
