@@ -1,4 +1,4 @@
-"""Load on ``hbfp sim-server`` (host/transports.py ``Server``): good clients running products
+"""Load on ``hbfp sim-server`` (host/server.py ``Server``): good clients running products
 while bad clients are connected, against the same good clients alone.
 
 For each scenario a fresh server runs as a subprocess (``hbfp sim-server --device DEVICE

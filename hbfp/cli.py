@@ -263,7 +263,8 @@ def _gemm(args) -> int:
 def _sim_server(args) -> int:
     from hbfp.host import HbfpError
     from hbfp.host.registry import open_backend
-    from hbfp.host.transports import PtyServer, Server, Transport, TransportDevice
+    from hbfp.host.server import PtyServer, Server
+    from hbfp.host.transports import Transport, TransportDevice
 
     tcp_only = {"--connections": args.connections, "--client-timeout": args.client_timeout,
                 "--max-queued": args.max_queued, "--max-clients": args.max_clients,
@@ -593,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     import inspect
 
-    from hbfp.host.transports import Server
+    from hbfp.host.server import Server
 
     # The server's defaults, as its constructor defines them.
     served = {name: p.default for name, p in inspect.signature(Server).parameters.items()}

@@ -23,8 +23,12 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch is imported where it runs: the CLI builds its parser without it
+    import torch
 
 __all__ = ["Run", "load_digits_split", "load_text_split", "make_model", "train", "write_report"]
 

@@ -21,7 +21,8 @@ from .errors import (
     Timeout,
 )
 from .registry import BackendInfo, backends, open, register_backend
-from .transports import LoopbackTransport, SerialTransport, Server, TcpTransport, Transport, serve
+from .server import Server, serve
+from .transports import LoopbackTransport, SerialTransport, TcpTransport, Transport
 
 __all__ = [
     "open",

@@ -440,8 +440,13 @@ class _Table:
         self.one("write/empty-bias", Op.WRITE, P.encode_write(Target.BIAS, 0, 0, 1, 0, b""), **ok_size)
         self.one("write/empty-b-values", Op.WRITE, P.encode_write(Target.B_VALUES, 0, 0, th, 0, b""),
                  self.served(self.vq), **ok_size, note="of values: only where the device quantizes them")
+        self.write_length()
+        self.write_address()
+        self.write_descriptor()
 
-        # BAD_LENGTH: the header cut short, the data too short or too long
+    def write_length(self):
+        """BAD_LENGTH: the header cut short, the data too short or too long."""
+        R, C, th, tw, cb = self.R, self.C, self.th, self.tw, self.cb
         self.one("write-length/empty-payload", Op.WRITE, b"", status=Status.BAD_LENGTH)
         self.one("write-length/short-header", Op.WRITE, P.encode_write(Target.A_CODES, 0, 0, 1, R, b"")[:15],
                  status=Status.BAD_LENGTH)
@@ -466,8 +471,10 @@ class _Table:
                      P.encode_write(Target.A_VALUES, 0, 0, 0, tw, bytes(4)),
                      Status.BAD_LENGTH if self.vq else Status.BAD_DESCRIPTOR)
 
-        # BAD_ADDRESS: outside the buffers, unaligned, unknown targets; checked before the
-        # data's length (4 bytes of data do) and before a values write's descriptor
+    def write_address(self):
+        """BAD_ADDRESS: outside the buffers, unaligned, unknown targets; checked before the
+        data's length (4 bytes of data do) and before a values write's descriptor."""
+        D, R, C, th, tw = self.D, self.R, self.C, self.th, self.tw
         bad = [("a-codes-rows-out", Target.A_CODES, D - 1, 0, 2, R),
                ("a-codes-row-at-end", Target.A_CODES, D, 0, 1, R),
                ("a-codes-cols-out", Target.A_CODES, 0, D - R, 1, 2 * R),
@@ -508,7 +515,9 @@ class _Table:
                  P.encode_write(Target.A_VALUES, 0, D, th, tw, bytes(4), encoding=2, rounding=3),
                  status=Status.BAD_ADDRESS, note="the region is checked before the encoding and rounding")
 
-        # BAD_DESCRIPTOR: an unknown encoding or rounding of values (before the length)
+    def write_descriptor(self):
+        """BAD_DESCRIPTOR: an unknown encoding or rounding of values (before the length)."""
+        th, tw = self.th, self.tw
         self.one("write-descriptor/encoding-2", Op.WRITE,
                  P.encode_write(Target.A_VALUES, 0, 0, th, tw, bytes(4), encoding=2), status=Status.BAD_DESCRIPTOR)
         self.one("write-descriptor/encoding-0xFF", Op.WRITE,

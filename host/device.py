@@ -18,7 +18,6 @@ the middle of a K chain restarts the chain (the accumulator's contents are then 
 
 from __future__ import annotations
 
-import math
 import operator
 import random
 import time
@@ -36,6 +35,7 @@ from hbfp.golden.gemm import gemm as golden_gemm
 from hbfp.contract import FUNCTIONS, UNARY_FUNCTIONS
 from hbfp.golden.activations import evaluate
 
+from . import planner
 from . import protocol as P
 from .errors import (
     AbiMismatch,
@@ -46,7 +46,7 @@ from .errors import (
     ShapeMismatch,
     Timeout,
 )
-from .protocol import Op, OutFormat, Status, Target
+from .protocol import Op, OutFormat, Status
 
 __all__ = ["Device", "Stats", "reference_gemm", "INPUTS", "OUTPUTS"]
 
@@ -54,7 +54,6 @@ __all__ = ["Device", "Stats", "reference_gemm", "INPUTS", "OUTPUTS"]
 #: the device quantizes.
 INPUTS = ("codes", "fp32", "bf16")
 OUTPUTS = ("fp32", "bf16", "bfp")
-_OUT_CODES = {"fp32": OutFormat.FP32, "bf16": OutFormat.BF16, "bfp": OutFormat.BFP}
 
 
 @dataclass
@@ -290,14 +289,6 @@ def reference_gemm(fmt: Format, a, b, *, bias=None, activation=None, out="fp32",
                        transpose_a=transpose_a, transpose_b=transpose_b, seed=so)
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _lcm(*xs: int) -> int:
-    return math.lcm(*xs)
-
-
 class _Operand:
     """One operand of a product as the driver sends it: codes and exponents of a host
     quantization (``t``), or values (``v``) that the device quantizes."""
@@ -380,40 +371,9 @@ class Device:
         if check:
             self.info()
 
-    def _blocks(self, M: int, N: int, K: int, transpose_a: bool, transpose_b: bool, bfp_out: bool):
-        """How a product is tiled to the buffers: the block sides ``(bm, bn, bk)`` and their
-        counts ``(nI, nJ, nP)`` along M, N and K (blocks aligned to the tiles that a stored
-        operand, or a BFP output, needs whole)."""
-        ident = self.identity
-        D = ident.size
-        th, tw = ident.tile
-        align_m = _lcm(tw if transpose_a else th, th if bfp_out else 1)
-        align_n = _lcm(th if transpose_b else tw, tw if bfp_out else 1)
-
-        def side(total: int, align: int) -> int:
-            if total <= D:
-                return max(total, 1)
-            if D < align:
-                raise NotSupported(f"{self.name}'s buffers ({D}) are smaller than the alignment {align} tiling needs")
-            return D // align * align
-
-        bm, bn, bk = side(M, align_m), side(N, align_n), side(K, ident.tk)
-        return bm, bn, bk, -(-M // bm), -(-N // bn), max(1, -(-K // bk))
-
-    def _discarded(self, m: int, n: int) -> OutFormat:
-        """The result format of a K chunk before the last, which only leaves its sums in the
-        accumulator and whose reply is discarded: the smallest result the device can send (BFP,
-        unless a block of few elements in padded tiles is smaller in bf16 or the device has no
-        output quantizer)."""
-        ident = self.identity
-        if ident.has("bfp_output") and (P.result_size(m, n, OutFormat.BFP, ident.mantissa_bits, ident.tile)
-                                        <= P.result_size(m, n, OutFormat.BF16, ident.mantissa_bits, ident.tile)):
-            return OutFormat.BFP
-        return OutFormat.BF16
-
     def _count_direct(self, direct, M: int, N: int, K: int, blocks, final: OutFormat) -> None:
         """Counts the cycles and MACs of the GEMM commands a product tiled as ``blocks``
-        (``_blocks``) would send, for a product computed in-process (``direct_device``); the
+        (``planner.blocks``) would send, for a product computed in-process (``direct_device``); the
         cycles of a shape are worked out once (a training step repeats its shapes)."""
         bm, bn, bk, nI, nJ, nP = blocks
         if K == 0:
@@ -434,7 +394,7 @@ class Device:
                     # Every block: nP - 1 chunks of bk whose replies are discarded, then the last.
                     c = direct.product_cycles(mi, nj, last_k, final)
                     if nP > 1:
-                        c += (nP - 1) * direct.product_cycles(mi, nj, bk, self._discarded(mi, nj))
+                        c += (nP - 1) * direct.product_cycles(mi, nj, bk, planner.discarded(self.identity, mi, nj))
                     cycles += ci * cj * c
             if len(self._direct_cycles) > 4096:
                 self._direct_cycles.clear()
@@ -446,7 +406,8 @@ class Device:
                               final: OutFormat = OutFormat.FP32) -> None:
         """Counts the cycles and MACs of an M x K by K x N product that ``gemm_tensors`` (or a
         caller of the registry that stands for it: ``hbfp.torch.compiled``) computed in process."""
-        self._count_direct(self.direct_device, M, N, K, self._blocks(M, N, K, transpose_a, transpose_b, False), final)
+        self._count_direct(self.direct_device, M, N, K,
+                           planner.blocks(self.identity, M, N, K, transpose_a, transpose_b, False, self.name), final)
 
     def gemm_tensors(self, a, b, *, bias=None, activation: str | None = None, out: str = "fp32",
                      transpose_a: bool = False, transpose_b: bool = False, c=None, rounding: str = "nearest_even",
@@ -490,7 +451,7 @@ class Device:
             raise ShapeMismatch(f"the product does not agree along K: op(A) is {M}x{K}, op(B) is {K2}x{N}")
         if not ident.square and K and (transpose_a or not transpose_b):
             raise NotSupported(f"{self.name}'s tile {ident.tile} is not square: A must be stored M x K and B N x K")
-        final = _OUT_CODES[out]
+        final = planner.OUT_CODES[out]
         if activation is not None:
             if activation not in UNARY_FUNCTIONS:
                 raise ValueError(f"unknown activation {activation!r}; known: {', '.join(UNARY_FUNCTIONS)}")
@@ -538,7 +499,8 @@ class Device:
         a3 = a if isinstance(a, tuple) else stack_codes(a, fmt, sa)
         b3 = b if isinstance(b, tuple) else stack_codes(b, fmt, sb)
         before = (self.stats.cycles, self.stats.macs)
-        self._count_direct(direct, m, n, k, self._blocks(m, n, k, False, False, False), OutFormat.FP32)
+        self._count_direct(direct, m, n, k, planner.blocks(ident, m, n, k, False, False, False, self.name),
+                           OutFormat.FP32)
         self.stats.cycles += (nb - 1) * (self.stats.cycles - before[0])
         self.stats.macs += (nb - 1) * (self.stats.macs - before[1])
         return kernels.gemm(a3, b3, fa=fmt, fb=fmt)
@@ -804,65 +766,6 @@ class Device:
                             "got None")
         return self._elementwise(name + "_grad", x, g)
 
-    # ---- writes ---------------------------------------------------------------------------
-
-    def _writes(self, target: int, rows: int, cols: int, unit_bytes: int, row_align: int, col_align: int,
-                data_of: Callable[[int, int, int, int], bytes], **fields) -> list[_Cmd]:
-        """WRITE commands for a region (0, 0, rows, cols) of a buffer, split to fit
-        ``max_payload`` in aligned pieces; ``data_of(r0, r1, c0, c1)`` gives a piece's data."""
-        limit = self.identity.max_payload - P.WRITE_HEADER
-        col_step = cols
-        if cols * row_align * unit_bytes > limit:
-            col_step = (limit // (row_align * unit_bytes)) // col_align * col_align
-            if col_step < 1:
-                raise NotSupported(f"{self.name}: max_payload {self.identity.max_payload} is too small for a write")
-        row_step = max(row_align, (limit // (col_step * unit_bytes)) // row_align * row_align)
-        cmds = []
-        for r0 in range(0, rows, row_step):
-            r1 = min(rows, r0 + row_step)
-            for c0 in range(0, cols, col_step):
-                c1 = min(cols, c0 + col_step)
-                payload = P.encode_write(target, r0, c0, r1 - r0, c1 - c0, data_of(r0, r1, c0, c1), **fields)
-                cmds.append(_Cmd(Op.WRITE, payload))
-        return cmds
-
-    def _operand_writes(self, op: _Operand, buffer: str, r0: int, r1: int, c0: int, c1: int) -> list[_Cmd]:
-        """Write the stored region [r0:r1, c0:c1] of an operand at the buffer's origin."""
-        ident = self.identity
-        th, tw = ident.tile
-        rows, cols = r1 - r0, c1 - c0
-        if op.values:
-            v = op.v[r0:r1, c0:c1]
-            rp, cp = _round_up(rows, th), _round_up(cols, tw)
-            pad = np.zeros((rp, cp), v.dtype)
-            pad[:rows, :cols] = v
-            fp32 = op.input == "fp32"
-            wire = "<f4" if fp32 else "<u2"
-            target = Target.A_VALUES if buffer == "A" else Target.B_VALUES
-            return self._writes(
-                target, rp, cp, 4 if fp32 else 2, th, tw,
-                lambda a, b, c, d: P.to_tile_major(pad[a:b, c:d], (th, tw)).astype(wire).tobytes(),
-                encoding=P.Encoding.FP32 if fp32 else P.Encoding.BF16,
-                rounding=P.ROUNDING_CODES[op.fmt.rounding], seed=op.seed)
-        lanes = ident.rows if buffer == "A" else ident.cols
-        mb = ident.mantissa_bits
-        codes = np.zeros((rows, _round_up(cols, lanes)), op.t.codes.dtype)
-        codes[:, :cols] = op.t.codes[r0:r1, c0:c1]
-        exps = np.ascontiguousarray(op.t.exponents[r0 // th : -(-r1 // th), c0 // tw : -(-c1 // tw)])
-        targets = (Target.A_CODES, Target.A_EXPONENTS) if buffer == "A" else (Target.B_CODES, Target.B_EXPONENTS)
-        cmds = self._writes(targets[0], rows, codes.shape[1], P.code_bytes(mb), 1, lanes,
-                            lambda a, b, c, d: P.encode_codes(codes[a:b, c:d], mb))
-        cmds += self._writes(targets[1], *exps.shape, 1, 1, 1, lambda a, b, c, d: exps[a:b, c:d].tobytes())
-        return cmds
-
-    def _fp32_writes(self, target: int, x: np.ndarray) -> list[_Cmd]:
-        """C (accumulator) or bias values at the buffer's origin, padded to the array's lanes."""
-        lanes = self.identity.cols
-        rows, cols = x.shape
-        pad = np.zeros((rows, _round_up(cols, lanes)), "<f4")
-        pad[:, :cols] = x
-        return self._writes(target, rows, pad.shape[1], 4, 1, lanes, lambda a, b, c, d: pad[a:b, c:d].tobytes())
-
     # ---- the product -------------------------------------------------------------------------
 
     def gemm(self, a, b, *, bias=None, activation: str | None = None, out: str = "fp32", transpose_a: bool = False,
@@ -894,14 +797,10 @@ class Device:
             raise ValueError(f"out must be one of {OUTPUTS}, got {out!r}")
         fmt = ident.fmt(rounding)  # validates the rounding
         act = P.NO_ACTIVATION
-        # The activation is applied on the host when the device has no unit for it.
-        host_act = False
         if activation is not None:
             if activation not in UNARY_FUNCTIONS:
                 raise ValueError(f"unknown activation {activation!r}; known: {', '.join(UNARY_FUNCTIONS)}")
-            code = self._function(activation)
-            host_act = code is None
-            act = P.NO_ACTIVATION if host_act else code
+            act = self._function(activation)  # None: no unit for it, the host applies it
         sa, sb, so = _seeds(seed, rounding)
         A, B, bias, c, M, K, N = _prepare(a, b, bias=bias, c=c, transpose_a=transpose_a, transpose_b=transpose_b,
                                           input=input, fmt=fmt)
@@ -911,64 +810,58 @@ class Device:
                 "stored M x K (transpose_a=False) and B stored N x K (transpose_b=True)")
         if M == 0 or N == 0:
             return _empty_result(M, N, out, fmt)
-
-        th, tw = ident.tile
-        bfp_out = out == "bfp"
-        bm, bn, bk, nI, nJ, nP = self._blocks(M, N, K, transpose_a, transpose_b, bfp_out)
-        split_out = nI > 1 or nJ > 1
-
-        stochastic = rounding == "stochastic"
-
-        def on_device(quantizer: str) -> bool:
-            # A reduced device may lack the quantizer, or its stochastic rounding.
-            return ident.has(quantizer) and (ident.has("stochastic") or not stochastic)
-
         opA = _Operand("a", A, input, fmt, sa, transpose_a)
         opB = _Operand("b", B, input, fmt, sb, transpose_b)
-        for op, whole in ((opA, nI == 1 and nP == 1), (opB, nJ == 1 and nP == 1)):
-            if op.values and K:  # (with K = 0 no operand is sent)
-                # The device's stream positions start at each written region's first tile:
-                # they are the whole matrix's only if the operand goes in one piece.
-                rp, cp = _round_up(op.shape[0], th), _round_up(op.shape[1], tw)
-                one_write = rp * cp * (4 if input == "fp32" else 2) <= ident.max_payload - P.WRITE_HEADER
-                if not on_device("value_quantizer") or (stochastic and not (whole and one_write)):
-                    op.quantize_on_host()
-                    self.stats.host_quantized += 1
-        # A BFP output is quantized here from the fp32 result when the device cannot, or when
-        # it is split and stochastic, for the same reason (the device would start every
-        # block's stream at 0), or after an activation applied here.
-        host_out = bfp_out and (host_act or not on_device("bfp_output") or (stochastic and split_out))
-        if host_act:
-            # The activation reads the sums rounded to bf16 (golden.gemm.epilogue), which is
-            # what the device sends as a bf16 result without one: half the bytes of fp32.
-            final = OutFormat.BF16
-            self.stats.host_activations += 1
-        else:
-            final = OutFormat.FP32 if host_out else _OUT_CODES[out]
-        if host_out:
-            self.stats.host_quantized += 1
-        # The rounding and seed of a BFP result (unused by fp32 and bf16).
-        out_rounding, out_seed = (P.ROUNDING_CODES[rounding], so) if final == OutFormat.BFP else (0, 0)
-        discarded = self._discarded
-
+        plan = planner.plan_gemm(ident, M, N, K, transpose_a=transpose_a, transpose_b=transpose_b, out=out, act=act,
+                                 rounding=rounding, out_seed=so, input=input, a_values=opA.values, b_values=opB.values,
+                                 a_shape=opA.shape, b_shape=opB.shape, name=self.name)
+        for op, on_host in ((opA, plan.host_a), (opB, plan.host_b)):
+            if on_host:
+                op.quantize_on_host()
+                self.stats.host_quantized += 1
+        self.stats.host_activations += plan.host_act
+        self.stats.host_quantized += plan.host_out
+        bfp_out = out == "bfp"
         direct = self.direct_device
         if direct is not None:
-            # The in-process emu: the product whole here, as its commands would return it
-            # (K chunks keep their order on the accumulator; BFP blocks are whole tiles, and a
-            # stochastic stream that a block would restart was quantized whole above), and the
-            # cycles those commands would report (a READ's reply, with K = 0, reports none).
-            self._count_direct(direct, M, N, K, (bm, bn, bk, nI, nJ, nP), final)
-            ops = []
-            for op in (opA, opB):
-                if K == 0:
-                    ops.append(_empty_bfp(*op.shape, fmt))
-                    continue
-                if op.values:
-                    op.quantize_on_host()  # what the device's quantizer makes of them
-                ops.append(op.t)
-            acc = golden_gemm(ops[0], ops[1], c=c, bias=bias, transpose_a=transpose_a, transpose_b=transpose_b)
-            return golden_epilogue(acc, activation, fmt if bfp_out else out, so, leaky_shift=ident.leaky_shift)
+            return self._gemm_in_process(direct, plan, opA, opB, c, bias, activation, fmt if bfp_out else out, so)
+        result = self._gemm_commands(plan, opA, opB, c, bias, fmt)
+        if plan.host_act or plan.host_out:
+            # What the device left out, as golden.gemm.gemm ends on the whole matrix (the
+            # output's stochastic stream included). A bf16 result widens to fp32 exactly, and
+            # the epilogue's rounding to bf16 gives back the same patterns.
+            sums = bf16.to_f32(result) if plan.final == OutFormat.BF16 else result
+            return golden_epilogue(sums, activation if plan.host_act else None, fmt if bfp_out else out, so,
+                                   leaky_shift=ident.leaky_shift)
+        if plan.final == OutFormat.BF16:
+            return bf16.to_dtype(result)
+        return result
 
+    def _gemm_in_process(self, direct, plan: planner.Plan, opA: _Operand, opB: _Operand, c, bias,
+                         activation: str | None, out, seed: int):
+        """The product on the in-process emu: whole here, as its commands would return it (K
+        chunks keep their order on the accumulator; BFP blocks are whole tiles, and a
+        stochastic stream that a block would restart was quantized whole by the plan), and the
+        cycles those commands would report (a READ's reply, with K = 0, reports none)."""
+        self._count_direct(direct, plan.M, plan.N, plan.K, plan.blocks, plan.final)
+        ops = []
+        for op in (opA, opB):
+            if plan.K == 0:
+                ops.append(_empty_bfp(*op.shape, op.fmt))
+                continue
+            if op.values:
+                op.quantize_on_host()  # what the device's quantizer makes of them
+            ops.append(op.t)
+        acc = golden_gemm(ops[0], ops[1], c=c, bias=bias, transpose_a=plan.transpose_a, transpose_b=plan.transpose_b)
+        return golden_epilogue(acc, activation, out, seed, leaky_shift=self.identity.leaky_shift)
+
+    def _gemm_commands(self, plan: planner.Plan, opA: _Operand, opB: _Operand, c, bias, fmt: Format):
+        """The product through the device's commands (``planner.chain`` for each block, in the
+        plan's order, through the session): the result as the device sent it (``plan.final``:
+        fp32, bf16 patterns or a BFPTensor)."""
+        ident = self.identity
+        th, tw = ident.tile
+        M, N, final = plan.M, plan.N, plan.final
         if final == OutFormat.FP32:
             result = np.empty((M, N), np.float32)
         elif final == OutFormat.BF16:
@@ -995,71 +888,19 @@ class Device:
             self.stats.cycles += P.decode_cycles(data)
             self.stats.macs += m * n * k
 
-        # Loop order: with one K chunk an operand block can stay in its buffer across the
-        # other loop; keep the one whose re-sending would cost more.
-        if nP == 1 and N * nI > M * nJ:
-            order = [(i, j) for j in range(nJ) for i in (range(nI) if j % 2 == 0 else range(nI - 1, -1, -1))]
-        else:
-            order = [(i, j) for i in range(nI) for j in (range(nJ) if i % 2 == 0 else range(nJ - 1, -1, -1))]
+        def command(step: planner.Step) -> _Cmd:
+            on_reply = None
+            if step.reply is not None:
+                kind, *where = step.reply
+                on_reply = (lambda d, w=where: store(d, *w)) if kind == "result" else (lambda d, w=where: partial(d, *w))
+            return _Cmd(step.op, step.payload, heavy=step.heavy, accumulate=step.accumulate, on_reply=on_reply)
 
         def chain(i: int, j: int, resident: dict) -> list[_Cmd]:
-            m0, m1 = i * bm, min(M, (i + 1) * bm)
-            n0, n1 = j * bn, min(N, (j + 1) * bn)
-            mi, nj = m1 - m0, n1 - n0
-            cmds: list[_Cmd] = []
-            if K == 0:
-                # The product is C alone: load it (or zeros) and read it through the epilogue.
-                cmds += self._fp32_writes(Target.ACC, c[m0:m1, n0:n1] if c is not None else np.zeros((mi, nj), np.float32))
-                if bias is not None:
-                    cmds += self._fp32_writes(Target.BIAS, bias[None, n0:n1])
-                payload = P.encode_read(mi, nj, out_format=final, activation=act, bias=bias is not None,
-                                        rounding=out_rounding, seed=out_seed)
-                cmds.append(_Cmd(Op.READ, payload, heavy=True, on_reply=lambda d: store(d, m0, m1, n0, n1, 0)))
-                return cmds
-            for p in range(nP):
-                k0, k1 = p * bk, min(K, (p + 1) * bk)
-                last = p == nP - 1
-                key = ("A", i, p)
-                if resident.get("A") != key:
-                    region = (k0, k1, m0, m1) if transpose_a else (m0, m1, k0, k1)
-                    cmds += self._operand_writes(opA, "A", *region)
-                    resident["A"] = key
-                key = ("B", p, j)
-                if resident.get("B") != key:
-                    region = (n0, n1, k0, k1) if transpose_b else (k0, k1, n0, n1)
-                    cmds += self._operand_writes(opB, "B", *region)
-                    resident["B"] = key
-                if p == 0 and c is not None:
-                    cmds += self._fp32_writes(Target.ACC, c[m0:m1, n0:n1])
-                if last and bias is not None and resident.get("bias") != ("bias", j):
-                    cmds += self._fp32_writes(Target.BIAS, bias[None, n0:n1])
-                    resident["bias"] = ("bias", j)
-                payload = P.encode_gemm(
-                    mi, nj, k1 - k0, transpose_a=transpose_a, transpose_b=transpose_b,
-                    accumulate=p > 0 or c is not None, bias=last and bias is not None,
-                    activation=act if last else P.NO_ACTIVATION, out_format=final if last else discarded(mi, nj),
-                    rounding=out_rounding if last else 0, seed=out_seed if last else 0)
-                if last:
-                    done = lambda d, k=k1 - k0: store(d, m0, m1, n0, n1, k)  # noqa: E731
-                else:
-                    done = lambda d, k=k1 - k0: partial(d, mi, nj, k)  # noqa: E731
-                cmds.append(_Cmd(Op.GEMM, payload, heavy=True, accumulate=p > 0 or c is not None, on_reply=done))
-            return cmds
+            return [command(step) for step in planner.chain(plan, ident, i, j, resident, opA, opB, c, bias, self.name)]
 
         self._resident.clear()  # a new product: nothing of the last one is reused
-        self._run([lambda resident, i=i, j=j: chain(i, j, resident) for i, j in order])
-
-        if host_act or host_out:
-            # What the device left out, as golden.gemm.gemm ends on the whole matrix (the
-            # output's stochastic stream included). A bf16 result widens to fp32 exactly, and
-            # the epilogue's rounding to bf16 gives back the same patterns.
-            sums = bf16.to_f32(result) if final == OutFormat.BF16 else result
-            return golden_epilogue(sums, activation if host_act else None, fmt if bfp_out else out, so,
-                                   leaky_shift=ident.leaky_shift)
-        if final == OutFormat.BF16:
-            return bf16.to_dtype(result)
+        self._run([lambda resident, i=i, j=j: chain(i, j, resident) for i, j in plan.order])
         return result
-
 
 _STATUS_HINTS = {
     Status.BAD_ADDRESS: " (a buffer region outside the buffers or not aligned)",

@@ -165,7 +165,7 @@ class Buffers:
     the device accepted; values quantized as the gateware's quantizer does on the way in).
     ``shape``: the device's core (a ``CoreConfig``) or its IDENTIFY (``Identity``): ``size``,
     ``tile``, ``mantissa_bits`` and ``fmt``. ``EmuDevice`` computes on them; the TCP server
-    keeps one per session (``hbfp.host.transports.Server``, "Sessions")."""
+    keeps one per session (``hbfp.host.server.Server``, "Sessions")."""
 
     NAMES = ("a_codes", "a_exponents", "b_codes", "b_exponents", "acc", "bias")
 
@@ -282,8 +282,6 @@ class EmuDevice:
         self.direct = not wire
         self._cycles: dict = {}
         cfg = self.config = spec.config
-        D = cfg.size
-        th, tw = cfg.tile
         self.functions = cfg.built_functions
         self.identity = spec.identity(abi_version)
         self.cycles_per_second = spec.clock_hz or NOMINAL_HZ

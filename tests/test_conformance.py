@@ -282,7 +282,7 @@ class SocketDevice:
 def test_tcp():
     """The whole table through a ``Server`` serving an emu on 127.0.0.1 (the device's clock
     is the server's wall clock: frame_timeout 10 M cycles at the nominal 100 MHz, 0.1 s)."""
-    from hbfp.host.transports import Server
+    from hbfp.host.server import Server
     from hbfp.contract import CoreConfig
 
     emu = EmuDevice(CoreConfig(**SMALL, functions=("relu", "gelu", "relu_grad")), frame_timeout=10_000_000)

@@ -14,7 +14,8 @@ import hbfp.host as host
 from hbfp import cli
 from hbfp.host import protocol as P
 from hbfp.host.emu import EmuDevice
-from hbfp.host.transports import FaultyTransport, Server, TcpTransport, serve_fd
+from hbfp.host.server import Server, serve_fd
+from hbfp.host.transports import FaultyTransport, TcpTransport
 from hbfp.contract import CoreConfig
 
 CFG = CoreConfig(rows=4, cols=4, size=48)

@@ -15,7 +15,7 @@ from hbfp.host import protocol
 from hbfp.host.device import reference_gemm
 from hbfp.host.errors import DeviceError
 from hbfp.host.protocol import Op, OutFormat, Status, Target
-from hbfp.host.transports import PtyServer
+from hbfp.host.server import PtyServer
 from hbfp.hw import boards
 from hbfp.sim import device as sim_device
 from hbfp.sim.harness import build

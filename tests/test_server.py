@@ -1,4 +1,4 @@
-"""The TCP server with several clients at once (``hbfp.host.transports.Server``): products
+"""The TCP server with several clients at once (``hbfp.host.server.Server``): products
 of concurrent clients bit for bit, sessions that keep their own buffers, tags and STATUS,
 silent, dripping, departing and never-reading clients that cannot hold the others up, and
 ``hbfp sim-server``'s options. Every server and client runs on 127.0.0.1 and stops by itself."""
@@ -19,7 +19,7 @@ from hbfp.golden.compare import same_bits
 from hbfp.host import protocol as P
 from hbfp.host.emu import EmuDevice, command_cycles
 from hbfp.host.protocol import Op, Status, Target
-from hbfp.host.transports import Server
+from hbfp.host.server import Server
 
 CFG = CoreConfig(rows=4, cols=4, size=48)
 

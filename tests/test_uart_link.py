@@ -15,7 +15,7 @@ import pytest
 from hbfp import cli, host
 from hbfp.host import protocol
 from hbfp.host.emu import EmuDevice
-from hbfp.host.transports import PtyServer
+from hbfp.host.server import PtyServer
 from hbfp.sim import device as sim_device
 from hbfp.sim.harness import build
 

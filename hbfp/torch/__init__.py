@@ -438,7 +438,7 @@ class _Lean:
     on a training step's small products. One per device (``of``; None: not such a device)."""
 
     __slots__ = ("device", "fmt", "__weakref__")
-    _by_device: "weakref.WeakKeyDictionary" = None
+    _by_device = None  # device -> _Lean or None (weak keys)
 
     @classmethod
     def of(cls, device) -> "_Lean | None":
