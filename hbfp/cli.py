@@ -341,32 +341,92 @@ def _train(args) -> int:
     if args.nproc < 1:
         print("hbfp train: --nproc must be at least 1", file=sys.stderr)
         return 2
+    if not args.timeout > 0:
+        print("hbfp train: --timeout must be a positive number of seconds", file=sys.stderr)
+        return 2
     if _train_output(args) is None:
         return 2
     if hd.launched():  # a rank started by torchrun (or by the launcher below)
         return _train_rank(args)
     if args.nproc == 1:
         return _train_ranks(args, 0, 1)
-    # Launch the ranks here: one process each, a rendezvous on a free local port.
-    import torch.multiprocessing as mp
+    return _launch_ranks(args)
 
+
+def _launch_ranks(args) -> int:
+    """Start the ranks here (one process each, a rendezvous on a free local port) and watch
+    them: when one dies, or fails (a peer that stopped answering times out its collectives
+    after ``--timeout`` seconds), the others are stopped and one line says which rank and why."""
+    import multiprocessing
+    import signal
+    import time
+
+    from hbfp import distributed as hd
+
+    ctx = multiprocessing.get_context("spawn")
     port = hd.free_port()
+    errors = ctx.SimpleQueue()  # (rank, one line) of a rank that failed
+    procs = [ctx.Process(target=_spawned_rank, args=(rank, args, port, errors), daemon=True)
+             for rank in range(args.nproc)]
+    for p in procs:
+        p.start()
     try:
-        mp.spawn(_spawned_rank, args=(args, port), nprocs=args.nproc, join=True)
-    except mp.ProcessRaisedException as e:
-        print(f"hbfp train: a rank failed:\n{e}", file=sys.stderr)
-        return 1
-    except mp.ProcessExitedException as e:
-        return e.exit_code or 1
-    return 0
+        while any(p.exitcode is None for p in procs) and not any(p.exitcode for p in procs if p.exitcode is not None):
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    failed = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode]
+    running = [rank for rank, p in enumerate(procs) if p.exitcode is None]
+    stopped = [rank for rank in running if _stopped(procs[rank].pid)]
+    for p in procs:  # a stopped rank takes no SIGTERM until it runs again: SIGKILL after a grace
+        if p.exitcode is None:
+            p.terminate()
+    deadline = time.monotonic() + 2.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    if not failed:
+        return 0
+    said = {}
+    while not errors.empty():
+        rank, line = errors.get()
+        said.setdefault(rank, line)
+    rank, code = failed[0]
+    if code < 0:
+        why = f"rank {rank} died ({signal.Signals(-code).name})"
+    elif stopped:
+        why = (f"rank {', '.join(map(str, stopped))} stopped answering: rank {rank} gave up waiting for it after "
+               f"--timeout {args.timeout:g} s")
+    elif rank in said:
+        why = f"rank {rank} failed: {said[rank]}"
+    else:
+        why = f"rank {rank} exited with status {code}"
+    print(f"hbfp train: {why}", file=sys.stderr)
+    return 1
 
 
-def _spawned_rank(rank: int, args, port: int) -> None:
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` was stopped (SIGSTOP, a debugger), where /proc says so."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _spawned_rank(rank: int, args, port: int, errors) -> None:
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.nproc),
                       LOCAL_RANK=str(rank))
-    rc = _train_rank(args)
+    try:
+        rc = _train_rank(args)
+    except Exception as e:  # one line for the launcher; the traceback is noise to the user
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        errors.put((rank, f"{type(e).__name__}: {first}"))
+        raise SystemExit(1) from None
     if rc:
         raise SystemExit(rc)
 
@@ -381,7 +441,9 @@ def _train_rank(args) -> int:
     if args.nproc not in (1, world):
         print(f"hbfp train: --nproc {args.nproc} but the launcher started {world} ranks", file=sys.stderr)
         return 2
-    dist.init_process_group("gloo")
+    import datetime
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     try:
         return _train_ranks(args, dist.get_rank(), world)
     finally:
@@ -561,6 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ranks of a data-parallel training (torch.distributed over gloo; default 1). Launched here, "
                     "or by torchrun (then --nproc may be left out). Each rank opens its own device: --device may "
                     "name the rank, e.g. tcp:127.0.0.1:{7000+rank}")
+    tp.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                    help="data-parallel ranks: how long a rank waits for the others in a collective before it gives "
+                    "up; a rank that dies or stops then ends the training with one line (default 300)")
     tp.add_argument("--grad-compression", choices=("none", "hbfp8", "mxint8"), default="none",
                     help="how ranks exchange gradients: fp32 all-reduce (none, default) or BFP codes and exponents "
                     "(docs/scaleout.md)")

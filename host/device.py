@@ -158,6 +158,16 @@ def _check_float(x: np.ndarray, what: str) -> None:
         raise TypeError(f"{what} must hold fp32 or bf16 values (or any float/int), got dtype {x.dtype}")
 
 
+def _fp32(x, what: str) -> np.ndarray:
+    """``bias`` or ``c`` as fp32 (real numbers only: a complex one would lose its imaginary
+    part, a BFPTensor is not values)."""
+    arr = _as_array(x, what)
+    if isinstance(arr, BFPTensor):
+        raise TypeError(f"{what} must be fp32 values, not a BFPTensor")
+    _check_float(arr, what)
+    return np.asarray(arr, dtype=np.float32)
+
+
 def _values(x: np.ndarray, input: str) -> np.ndarray:
     """An operand as it travels for ``input``: the array itself for ``"codes"`` (quantized
     on the host as ``hbfp.golden.bfp.quantize`` reads it), float32 for ``"fp32"`` (bf16
@@ -254,11 +264,11 @@ def _prepare(a, b, *, bias, c, transpose_a, transpose_b, input, fmt: Format, wha
             f"(a is {A.shape[0]}x{A.shape[1]}{' transposed' if transpose_a else ''}, "
             f"b is {B.shape[0]}x{B.shape[1]}{' transposed' if transpose_b else ''})")
     if bias is not None:
-        bias = np.asarray(_as_array(bias, "bias"), dtype=np.float32)
+        bias = _fp32(bias, "bias")
         if bias.shape != (N,):
             raise ShapeMismatch(f"bias must have N = {N} values, got shape {bias.shape}")
     if c is not None:
-        c = np.asarray(_as_array(c, "c"), dtype=np.float32)
+        c = _fp32(c, "c")
         if c.shape != (M, N):
             raise ShapeMismatch(f"c must have the output's shape {(M, N)}, got {c.shape}")
     return A, B, bias, c, M, K, N

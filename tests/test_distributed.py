@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,3 +152,55 @@ def test_hbfp_train_under_torchrun(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     runs = json.loads((out / "runs.json").read_text())
     assert all(x["nproc"] == 2 and x["params_equal_across_ranks"] is True for x in runs)
+
+
+def _ranks_of(launcher: subprocess.Popen, n: int, within: float = 60.0) -> list[int]:
+    """The PIDs of the ranks ``hbfp train --nproc n`` started (its spawned children), once
+    they are all there."""
+    import time
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        ranks = []
+        for pid in children:
+            try:
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    ranks.append(int(pid))
+            except OSError:
+                pass
+        if len(ranks) == n:
+            return sorted(ranks)
+        time.sleep(0.2)
+    raise AssertionError("the ranks did not start")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the ranks' PIDs from /proc")
+@pytest.mark.parametrize("signal_name", ["SIGSTOP", "SIGKILL"])
+def test_a_rank_that_stops_or_dies_ends_the_training_with_one_line(tmp_path, signal_name):
+    """``hbfp train --nproc 2 --timeout S``: a rank stopped (or killed) mid-training ends the
+    run within S and a few seconds, exit 1, one line naming the rank, no traceback."""
+    import signal
+    import time
+
+    launcher = subprocess.Popen([sys.executable, "-m", "hbfp.cli", "train", "--nproc", "2", "--timeout", "5",
+                                 "--models", "mlp", "--optimizers", "sgd", "--epochs", "400", "--sim-epochs", "0",
+                                 "-o", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        victim = _ranks_of(launcher, 2)[1]
+        time.sleep(8)  # torch imported, the training under way
+        assert launcher.poll() is None, launcher.stderr.read()[-2000:]
+        os.kill(victim, getattr(signal, signal_name))
+        t0 = time.monotonic()
+        _, err = launcher.communicate(timeout=60)
+        assert time.monotonic() - t0 < 30
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    lines = [x for x in err.strip().splitlines() if x.startswith("hbfp train:")]
+    assert launcher.returncode == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    want = "stopped answering" if signal_name == "SIGSTOP" else "died (SIGKILL)"
+    assert want in lines[0] and "rank " in lines[0], lines

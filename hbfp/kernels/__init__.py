@@ -245,7 +245,7 @@ def gemm(a, b, *, fa: Format | None = None, fb: Format | None = None, c=None, bi
 
         from . import torch_ops
 
-        t = (lambda x: x if x is None or isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x)))
+        t = (lambda x: x if x is None or isinstance(x, torch.Tensor) else torch.from_numpy(_numpy(x)))
         ca, ea, cb, eb, c, bias = (t(x) for x in (ca, ea, cb, eb, c, bias))
         # torch._int_mm takes int8 codes on a CPU; the fp32 route does the rest
         route = "int8" if name == "torch_int8" and torch_ops._int8_applies(ca, cb) else "fp32"

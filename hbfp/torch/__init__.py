@@ -619,8 +619,10 @@ class HbfpMatmul(torch.autograd.Function):
         return grad_a, grad_b, None, None, None, None, None, None
 
 
-#: The 16-bit float dtypes: their operands reach the device as fp32, their results come back
-#: rounded to nearest even.
+#: The 16-bit float dtypes: their operands reach the device as fp32 (exactly), their results
+#: come back rounded to nearest even. Every product's result has torch's dtype for its operands
+#: (``torch.promote_types``): float64 operands are rounded to fp32 for the device, and the fp32
+#: result widened to float64 (``matmul``; docs/torch.md, "Dtypes").
 _HALF = {torch.bfloat16, torch.float16}
 
 
@@ -631,10 +633,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOper
     device = device or default_device()
     if a.dim() == 0 or b.dim() == 0:
         raise ValueError("hbfp matmul takes vectors, matrices or stacks of matrices, not scalars")
-    half = {a.dtype, b.dtype} & _HALF
-    if half:  # bf16/fp16 operands go as fp32 (exactly); the fp32 result is rounded to their dtype
+    if a.dtype != torch.float32 or b.dtype != torch.float32:
+        # fp32 operands for the device; the result in torch's dtype for these operands
         dtype = torch.promote_types(a.dtype, b.dtype)
-        return matmul(a.float(), b.float(), device, stored=stored).to(dtype)
+        return matmul(a.float(), b.float(), device, stored=stored, patches=patches, grad_a_t=grad_a_t,
+                      out_t=out_t).to(dtype)
     if b.dim() == 1:  # (..., K) @ (K,): a one-column product
         return matmul(a, b[:, None], device, stored=stored)[..., 0]
     if a.dim() == 1:  # (K,) @ (..., K, N): a one-row product
