@@ -7,7 +7,7 @@ docs/host.md and docs/protocol.md.
 """
 
 from . import protocol
-from .device import Device, Stats, reference_gemm
+from .device import Device, Stats, memory_limit, reference_gemm, set_memory_limit
 from .errors import (
     AbiMismatch,
     BackendError,
@@ -19,6 +19,7 @@ from .errors import (
     ProtocolError,
     ShapeMismatch,
     Timeout,
+    TooLarge,
 )
 from .registry import BackendInfo, backends, open, register_backend
 from .server import Server, serve
@@ -49,4 +50,7 @@ __all__ = [
     "LinkError",
     "Timeout",
     "CrcError",
+    "TooLarge",
+    "memory_limit",
+    "set_memory_limit",
 ]

@@ -19,6 +19,7 @@ the middle of a K chain restarts the chain (the accumulator's contents are then 
 from __future__ import annotations
 
 import operator
+import os
 import random
 import time
 from collections import deque
@@ -45,10 +46,12 @@ from .errors import (
     ProtocolError,
     ShapeMismatch,
     Timeout,
+    TooLarge,
 )
 from .protocol import Op, OutFormat, Status
 
-__all__ = ["Device", "Stats", "reference_gemm", "INPUTS", "OUTPUTS"]
+__all__ = ["Device", "Stats", "reference_gemm", "INPUTS", "OUTPUTS", "memory_limit", "set_memory_limit",
+           "check_product_size"]
 
 #: How operands travel: quantized on the host (codes and exponents), or as values that
 #: the device quantizes.
@@ -158,6 +161,51 @@ def _check_float(x: np.ndarray, what: str) -> None:
         raise TypeError(f"{what} must hold fp32 or bf16 values (or any float/int), got dtype {x.dtype}")
 
 
+_memory_limit: int | None = None
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def memory_limit() -> int | None:
+    """The most bytes a product's operands (as codes) and result may take
+    (``check_product_size``): ``set_memory_limit``'s, else ``$HBFP_MEMORY_LIMIT`` (bytes), else a
+    quarter of the machine's physical memory (None: no limit known)."""
+    if _memory_limit is not None:
+        return _memory_limit
+    env = os.environ.get("HBFP_MEMORY_LIMIT")
+    if env:
+        try:
+            return int(env)
+        except ValueError:
+            raise ValueError(f"HBFP_MEMORY_LIMIT must be a number of bytes, got {env!r}") from None
+    total = _physical_memory()
+    return None if total is None else total // 4
+
+
+def set_memory_limit(limit: int | None) -> None:
+    """Set ``memory_limit`` (bytes; None: back to the default)."""
+    global _memory_limit
+    if limit is not None and (not isinstance(limit, int) or limit <= 0):
+        raise ValueError(f"the memory limit must be a positive number of bytes or None, got {limit!r}")
+    _memory_limit = limit
+
+
+def check_product_size(m: int, n: int, k: int, batch: int = 1, code_bytes: int = 1) -> None:
+    """Refuse (``TooLarge``) a product of ``batch`` m x k by k x n matrices whose operands'
+    codes and fp32 result would take more than ``memory_limit`` bytes."""
+    limit = memory_limit()
+    need = batch * (4 * m * n + code_bytes * (m * k + k * n))
+    if limit is not None and need > limit:
+        raise TooLarge(f"a product of {batch} x {m}x{k} @ {k}x{n} needs about {need / 2**30:.1f} GiB for its codes and "
+                       f"result, over the limit of {limit / 2**30:.1f} GiB (hbfp.host.set_memory_limit, "
+                       "$HBFP_MEMORY_LIMIT)")
+
+
 def _fp32(x, what: str) -> np.ndarray:
     """``bias`` or ``c`` as fp32 (real numbers only: a complex one would lose its imaginary
     part, a BFPTensor is not values)."""
@@ -263,6 +311,7 @@ def _prepare(a, b, *, bias, c, transpose_a, transpose_b, input, fmt: Format, wha
             f"the product does not agree along K: op(A) is {M}x{K}, op(B) is {K2}x{N} "
             f"(a is {A.shape[0]}x{A.shape[1]}{' transposed' if transpose_a else ''}, "
             f"b is {B.shape[0]}x{B.shape[1]}{' transposed' if transpose_b else ''})")
+    check_product_size(M, N, K, code_bytes=P.code_bytes(fmt.mantissa_bits))
     if bias is not None:
         bias = _fp32(bias, "bias")
         if bias.shape != (N,):
@@ -441,6 +490,10 @@ class Device:
         ident = self.identity
         fmt = ident.fmt(rounding)
         sa, sb, _ = _seeds(seed, rounding)
+        shapes = [tuple((x[0] if isinstance(x, tuple) else x).shape) for x in (a, b)]
+        if all(len(sh) == 2 for sh in shapes):  # (else refused below)
+            (m, k), (_, n) = (sh[::-1] if t else sh for sh, t in zip(shapes, (transpose_a, transpose_b)))
+            check_product_size(m, n, k, code_bytes=P.code_bytes(ident.mantissa_bits))
         stored = []
         for x, s, name in ((a, sa, "a"), (b, sb, "b")):
             if isinstance(x, tuple):
@@ -498,6 +551,7 @@ class Device:
             raise ShapeMismatch(f"bmm_tensors takes B x M x K and B x K x N stacks, got {tuple(sa_.shape)} and "
                                 f"{tuple(sb_.shape)}")
         (nb, m, k), n = sa_.shape, sb_.shape[2]
+        check_product_size(m, n, k, nb, P.code_bytes(self.identity.mantissa_bits))
         ident = self.identity
         if nb == 0 or not (m and n and k):
             return torch.zeros(nb, m, n, dtype=torch.float32)

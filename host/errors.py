@@ -17,6 +17,7 @@ __all__ = [
     "LinkError",
     "Timeout",
     "CrcError",
+    "TooLarge",
 ]
 
 
@@ -31,6 +32,11 @@ class ShapeMismatch(HbfpError, ValueError):
 class NotSupported(HbfpError, ValueError):
     """Something this device or this driver does not do (an activation unit not built, a
     transpose a non-square tile cannot serve, bf16 over DLPack, ...)."""
+
+
+class TooLarge(HbfpError, MemoryError):
+    """A product whose operands and result would take more memory than the limit
+    (``hbfp.host.memory_limit``), refused before anything is allocated."""
 
 
 class AbiMismatch(HbfpError):

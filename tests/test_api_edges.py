@@ -82,3 +82,36 @@ def test_float64_under_offload_keeps_torchs_dtype_on_every_route():
             y32 = (a.float() @ b.float()) if name == "addmm" else f(a.float(), b.float())
         assert y64.dtype == torch.float64 and x.grad.dtype == torch.float64, name
         assert torch.equal(y64, bias + y32.double() if name == "addmm" else y32.double()), name
+
+
+def test_a_product_over_the_memory_limit_is_refused_before_any_allocation(monkeypatch):
+    """Device.gemm, reference_gemm and the torch routes refuse (TooLarge, a MemoryError) a
+    product whose codes and result would pass the limit, before anything is allocated."""
+    import tracemalloc
+
+    import torch
+
+    import hbfp.torch as ht
+
+    a = np.ones((600, 500), np.float32)
+    dev = host.open("emu")
+    assert host.memory_limit() > 0  # a quarter of the physical memory by default
+    host.set_memory_limit(1 << 20)
+    try:
+        tracemalloc.start()
+        for run in (lambda: dev.gemm(a, a.T), lambda: host.reference_gemm(dev.format(), a, a.T),
+                    lambda: host.open("emu:wire=1").gemm(a, a.T)):
+            before = tracemalloc.get_traced_memory()[0]
+            with pytest.raises(host.TooLarge, match="limit"):
+                run()
+            assert tracemalloc.get_traced_memory()[0] - before < 100_000
+        tracemalloc.stop()
+        with ht.offload(dev), pytest.raises(MemoryError, match="limit"):
+            torch.from_numpy(a) @ torch.from_numpy(a.T.copy())
+        assert dev.gemm(a[:100, :100], a[:100, :100]).shape == (100, 100)  # below it
+    finally:
+        host.set_memory_limit(None)
+    monkeypatch.setenv("HBFP_MEMORY_LIMIT", "12345")
+    assert host.memory_limit() == 12345
+    with pytest.raises(ValueError):
+        host.set_memory_limit(0)

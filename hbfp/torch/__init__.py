@@ -500,7 +500,11 @@ class _Lean:
     def forward(self, lib, a: torch.Tensor, b: torch.Tensor, rounding: Rounding):
         """``a @ b``, the operands' codes and whether ``b`` is a transposed view (what the
         backward products read)."""
+        from hbfp.host.device import check_product_size
+
         cfg = rounding.recipe.forward
+        code_bytes = 1 if self.fmt["nearest_even"].mantissa_bits <= 8 else 2
+        check_product_size(a.shape[0], b.shape[1], a.shape[1], code_bytes=code_bytes)
         with _device_work():
             qa, qb = self._quantize(lib, a, cfg, rounding), self._quantize(lib, b, cfg, rounding)
             b_view = not b.is_contiguous() and b.t().is_contiguous()
