@@ -28,10 +28,15 @@ __all__ = [
     "mul",
     "is_nan",
     "ulp_distance",
+    "canonical_nan_f32",
+    "F32_QNAN",
 ]
 
 #: The quiet NaN that every NaN becomes (the sign bit is kept on top of it).
 QNAN = 0x7FC0
+#: The one fp32 NaN every fp32 result of the device is (``add_f32``, ``mul_f32``, a NaN tile's
+#: product: the accumulator's NaNs): the bf16 one widened, positive.
+F32_QNAN = np.uint32(QNAN << 16)
 
 _F32_SIGN = np.uint32(0x8000_0000)
 _F32_EXP = np.uint32(0x7F80_0000)
@@ -138,14 +143,21 @@ def add_f32(a, b) -> np.ndarray:
     a = flush_f32(a)
     b = flush_f32(b)
     with np.errstate(over="ignore", invalid="ignore"):
-        return flush_f32(np.add(a, b, dtype=np.float32))
+        return canonical_nan_f32(flush_f32(np.add(a, b, dtype=np.float32)))
+
+
+def canonical_nan_f32(x) -> np.ndarray:
+    """fp32 values with every NaN as ``F32_QNAN`` (inf + -inf, for one, gives a NaN whose sign
+    the CPU chooses)."""
+    x = np.asarray(x, dtype=np.float32)
+    return np.where(np.isnan(x), F32_QNAN.view(np.float32), x).astype(np.float32)
 
 
 def mul_f32(a, b) -> np.ndarray:
     """fp32 multiplication with DAZ, RNE and FTZ (the product is exact in fp64, then
     rounded once with ``round_f32``)."""
     with np.errstate(invalid="ignore"):
-        return round_f32(flush_f32(a).astype(np.float64) * flush_f32(b).astype(np.float64))
+        return canonical_nan_f32(round_f32(flush_f32(a).astype(np.float64) * flush_f32(b).astype(np.float64)))
 
 
 def mul(a, b) -> np.ndarray:

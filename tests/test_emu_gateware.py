@@ -314,6 +314,48 @@ def test_replies_accumulator_cycles_and_status_equal_the_gateware(pair):
 
 
 @needs_sim
+def test_one_nan_where_an_addition_makes_one(pair):
+    """inf + (-inf) in the accumulator (C = +inf plus a product that overflows to -inf) and in
+    the bias addition: the gateware, emu and the golden model give the one quiet NaN
+    0x7FC00000 (docs/numerics.md), bit for bit; as bf16, 0x7FC0."""
+    from hbfp.golden import bf16
+    from hbfp.golden.bfp import BFPTensor
+    from hbfp.golden.gemm import gemm
+
+    cfg = pair.cfg
+    C, R, th, tw = cfg.cols, cfg.rows, cfg.tile[0], cfg.tile[1]
+    qmax = (1 << (cfg.mantissa_bits - 1)) - 1
+    ones = np.ones((1, C), "<f4")
+    pair.write(Target.ACC, 0, 0, 1, C, (ones * np.inf).tobytes())
+    pair.write(Target.BIAS, 0, 0, 1, C, (ones * -np.inf).tobytes())
+    reply = pair.exchange(Op.READ, P.encode_read(1, C, bias=True))
+    got = np.frombuffer(reply[P.HEADER.size + 1 : -P.CRC_SIZE], "<u4")
+    assert (got == 0x7FC00000).all(), [hex(x) for x in got]
+    # A product of the largest codes and exponents overflows to -inf onto C = +inf.
+    k = min(cfg.tk, cfg.size)
+    a_codes = np.full((R, k), qmax, np.int8 if cfg.mantissa_bits <= 8 else np.int16)
+    b_codes = np.full((k, C), -qmax, a_codes.dtype)
+    exps = np.full((1, 1), 254, np.uint8)
+    pair.write(Target.A_CODES, 0, 0, R, k, P.encode_codes(a_codes, cfg.mantissa_bits))
+    pair.write(Target.B_CODES, 0, 0, k, C, P.encode_codes(b_codes, cfg.mantissa_bits))
+    pair.write(Target.A_EXPONENTS, 0, 0, 1, 1, exps.tobytes())
+    pair.write(Target.B_EXPONENTS, 0, 0, 1, 1, exps.tobytes())
+    pair.write(Target.ACC, 0, 0, 1, C, (ones * np.inf).tobytes())
+    for out, want in ((P.OutFormat.FP32, 0x7FC00000), (P.OutFormat.BF16, 0x7FC0)):
+        if out == P.OutFormat.BF16:
+            pair.write(Target.ACC, 0, 0, 1, C, (ones * np.inf).tobytes())
+        reply = pair.exchange(Op.GEMM, P.encode_gemm(1, C, k, accumulate=True, out_format=out))
+        data = reply[P.HEADER.size + 5 : -P.CRC_SIZE]
+        got = np.frombuffer(data, "<u4" if out == P.OutFormat.FP32 else "<u2")
+        assert (got == want).all(), [hex(x) for x in got]
+    fmt = cfg.fmt()
+    a = BFPTensor(a_codes[:1].copy(), np.full((1, -(-k // tw)), 254, np.uint8), fmt)
+    b = BFPTensor(b_codes.copy(), np.full((-(-k // th), 1), 254, np.uint8), fmt)
+    golden = gemm(a, b, c=np.full((1, C), np.inf, np.float32), impl="reference")
+    assert (golden.view(np.uint32) == 0x7FC00000).all() and bf16.F32_QNAN == 0x7FC00000
+
+
+@needs_sim
 def test_padding_is_the_product_of_the_stale_operands(sim_device):
     """A product smaller than one array block rewrites the whole block of the accumulator:
     the rows to ceil(M/R)*R and columns to ceil(N/C)*C hold the products of the stale codes

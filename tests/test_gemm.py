@@ -437,3 +437,22 @@ def test_signalling_nan_in_the_accumulator_stays_nan(path):
         warnings.simplefilter("error")
         got = gemm(a, b, c=c)
     assert np.isnan(got).all()
+
+
+@pytest.mark.parametrize("impl", [i for i in kernels.IMPLS if kernels.available(i)])
+def test_one_nan_from_every_implementation(impl):
+    """inf + (-inf), in the accumulation (C = +inf, a product that overflows to -inf) and in
+    the bias addition, is the one quiet NaN 0x7FC00000 on every path, bit for bit (the
+    gateware's: tests/test_emu_gateware.py); as bf16 0x7FC0. A NaN tile gives it too."""
+    fmt = HBFP8
+    a = BFPTensor(np.full((3, 24), 127, np.int8), np.full((1, 1), 254, np.uint8), fmt)
+    b = BFPTensor(np.full((24, 5), -127, np.int8), np.full((1, 1), 254, np.uint8), fmt)
+    c = np.full((3, 5), np.inf, np.float32)
+    got = kernels.gemm(a, b, c=c, impl=impl)
+    assert (got.view(np.uint32) == 0x7FC00000).all(), [hex(x) for x in got.view(np.uint32).ravel()]
+    assert (kernels.gemm(a, b, c=c, out="bf16", impl=impl).view(np.uint16) == 0x7FC0).all()
+    zero = BFPTensor(np.zeros((24, 5), np.int8), np.zeros((1, 1), np.uint8), fmt)
+    bias = np.full(5, -np.inf, np.float32)
+    assert (kernels.gemm(a, zero, c=c, bias=bias, impl=impl).view(np.uint32) == 0x7FC00000).all()
+    nan_tile = BFPTensor(np.zeros((24, 5), np.int8), np.full((1, 1), 255, np.uint8), fmt)
+    assert (kernels.gemm(a, nan_tile, impl=impl).view(np.uint32) == 0x7FC00000).all()

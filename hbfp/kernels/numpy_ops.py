@@ -187,6 +187,7 @@ def gemm_sums(a: BFPTensor, b: BFPTensor, *, c=None, bias=None) -> np.ndarray:
     nan_cols = b.expand(b.nan_tiles).any(axis=0)
     if nan_rows.any() or nan_cols.any():
         acc = np.where(nan_rows[:, None] | nan_cols[None, :], np.float32(np.nan), acc)
+    acc = bf16.canonical_nan_f32(acc)  # every sum went through an addition: its NaN is the one NaN
     if bias is not None:
         acc = bf16.add_f32(acc, np.asarray(bias, np.float32)[None, :])
     return acc

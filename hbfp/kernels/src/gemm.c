@@ -1020,6 +1020,9 @@ static void write_back(const gemm_job *g, long bi, long r0, long rows, long c0, 
             for (long c = 0; c < cols; c++)
                 x[c] = add_ftz(x[c], flush(bias[c]));
         }
+        if (g->kt || o->bias) /* every NaN an addition made: the one quiet NaN (golden F32_QNAN) */
+            for (long c = 0; c < cols; c++)
+                x[c] = (f32_bits(x[c]) & 0x7FFFFFFFu) > 0x7F800000u ? bits_f32(0x7FC00000u) : x[c];
         if (direct)
             continue;
         if (o->table) {
