@@ -370,11 +370,12 @@ def _launch_ranks(args) -> int:
              for rank in range(args.nproc)]
     for p in procs:
         p.start()
+    interrupted = False
     try:
         while any(p.exitcode is None for p in procs) and not any(p.exitcode for p in procs if p.exitcode is not None):
             time.sleep(0.2)
     except KeyboardInterrupt:
-        pass
+        interrupted = True
     failed = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode]
     running = [rank for rank, p in enumerate(procs) if p.exitcode is None]
     stopped = [rank for rank in running if _stopped(procs[rank].pid)]
@@ -387,6 +388,9 @@ def _launch_ranks(args) -> int:
         if p.exitcode is None:
             p.kill()
             p.join()
+    if interrupted:
+        print("hbfp train: interrupted", file=sys.stderr)
+        return 130
     if not failed:
         return 0
     said = {}

@@ -216,29 +216,25 @@ class Buffers:
             codes[row : row + rows, col : col + cols] = t.codes
             exps[row // th : (row + rows) // th, col // tw : (col + cols) // tw] = t.exponents
 
-    def writes(self, name: str, max_payload: int) -> list[bytes]:
-        """WRITE payloads that put buffer ``name`` on a device as it is here, each within
-        ``max_payload``: blocks of whole rows, or of one row's columns in whole lanes."""
+    def writes(self, name: str, ident: P.Identity) -> list[bytes]:
+        """WRITE payloads that put buffer ``name`` on the device of ``ident`` as it is here, each
+        within its ``max_payload`` (``planner.region_writes``' pieces)."""
+        from .planner import region_writes
+
         target, lanes = {"a_codes": (Target.A_CODES, self.shape.rows), "b_codes": (Target.B_CODES, self.shape.cols),
                          "a_exponents": (Target.A_EXPONENTS, 1), "b_exponents": (Target.B_EXPONENTS, 1),
                          "acc": (Target.ACC, self.shape.cols), "bias": (Target.BIAS, self.shape.cols)}[name]
         buf = getattr(self, name)
         if name == "bias":
             buf = buf[None, :]
-        codes = name.endswith("codes")
-        width = P.code_bytes(self.shape.mantissa_bits) if codes else 1 if name.endswith("exponents") else 4
-        rows, cols = buf.shape
-        limit = max_payload - P.WRITE_HEADER
-        col_step = cols if width * cols <= limit else max(lanes, limit // (width * lanes) * lanes)
-        row_step = max(1, limit // (width * col_step))
-        out = []
-        for r0 in range(0, rows, row_step):
-            for c0 in range(0, cols, col_step):
-                block = buf[r0 : r0 + row_step, c0 : c0 + col_step]
-                data = (P.encode_codes(block, self.shape.mantissa_bits) if codes
-                        else np.ascontiguousarray(block, "<f4" if width == 4 else np.uint8).tobytes())
-                out.append(P.encode_write(target, r0, c0, *block.shape, data))
-        return out
+        mb = self.shape.mantissa_bits
+        if name.endswith("codes"):
+            width, data = P.code_bytes(mb), (lambda a, b, c, d: P.encode_codes(buf[a:b, c:d], mb))
+        elif name.endswith("exponents"):
+            width, data = 1, (lambda a, b, c, d: np.ascontiguousarray(buf[a:b, c:d], np.uint8).tobytes())
+        else:
+            width, data = 4, (lambda a, b, c, d: np.ascontiguousarray(buf[a:b, c:d], "<f4").tobytes())
+        return [step.payload for step in region_writes(ident, target, *buf.shape, width, 1, lanes, data)]
 
 
 class _Refused(Exception):

@@ -574,7 +574,7 @@ class Server(_Serving):
             mine = getattr(s.buffers, name)
             if h is not None and np.array_equal(getattr(h.buffers, name), mine):
                 continue
-            for payload in s.buffers.writes(name, self.identity.max_payload):
+            for payload in s.buffers.writes(name, self.identity):
                 if self._internal(Op.WRITE, payload) is None:
                     self._say(f"{s.name}: the device refused to restore a buffer write; its buffers may be wrong")
         self._holder = s

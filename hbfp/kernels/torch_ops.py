@@ -425,8 +425,9 @@ def gemm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tens
         acc = torch.where(rows_nan[:, None] | cols_nan[None, :], torch.full((), float("nan"), device=dev), acc)
     if bias is not None:
         acc = flush_f32(acc + flush_f32(bias.to(torch.float32))[None, :])
-    if kt or bias is not None:  # every NaN an addition made: the one quiet NaN (golden bf16.F32_QNAN)
-        acc = torch.where(torch.isnan(acc), torch.full((), float("nan"), device=dev).abs(), acc)
+    if kt or bias is not None:  # every NaN an addition made: the one quiet NaN
+        qnan = torch.tensor(int(_bf16.F32_QNAN), dtype=torch.int32).view(torch.float32).to(dev)
+        acc = torch.where(torch.isnan(acc), qnan, acc)
     return acc
 
 
