@@ -365,8 +365,10 @@ def _launch_ranks(args) -> int:
 
     ctx = multiprocessing.get_context("spawn")
     port = hd.free_port()
-    errors = ctx.SimpleQueue()  # (rank, one line) of a rank that failed
-    procs = [ctx.Process(target=_spawned_rank, args=(rank, args, port, errors), daemon=True)
+    # One pipe a rank for the line it fails with (pipes hold no semaphore that a killed rank
+    # would leave behind)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(args.nproc)]
+    procs = [ctx.Process(target=_spawned_rank, args=(rank, args, port, pipes[rank][1]), daemon=True)
              for rank in range(args.nproc)]
     for p in procs:
         p.start()
@@ -388,15 +390,20 @@ def _launch_ranks(args) -> int:
         if p.exitcode is None:
             p.kill()
             p.join()
+    said = {}
+    for rank, (receiving, sending) in enumerate(pipes):
+        sending.close()
+        try:
+            if receiving.poll():
+                said[rank] = receiving.recv()
+        except (EOFError, OSError):
+            pass
+        receiving.close()
     if interrupted:
-        print("hbfp train: interrupted", file=sys.stderr)
+        print("\nhbfp train: interrupted", file=sys.stderr)
         return 130
     if not failed:
         return 0
-    said = {}
-    while not errors.empty():
-        rank, line = errors.get()
-        said.setdefault(rank, line)
     rank, code = failed[0]
     if code < 0:
         why = f"rank {rank} died ({signal.Signals(-code).name})"
@@ -407,7 +414,7 @@ def _launch_ranks(args) -> int:
         why = f"rank {rank} failed: {said[rank]}"
     else:
         why = f"rank {rank} exited with status {code}"
-    print(f"hbfp train: {why}", file=sys.stderr)
+    print(f"\nhbfp train: {why}", file=sys.stderr)  # on a line of its own, after any progress bar
     return 1
 
 
@@ -421,6 +428,7 @@ def _stopped(pid: int) -> bool:
 
 
 def _spawned_rank(rank: int, args, port: int, errors) -> None:
+    """A rank started by ``_launch_ranks``; ``errors``: its end of the pipe for the line it fails with."""
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.nproc),
@@ -429,7 +437,7 @@ def _spawned_rank(rank: int, args, port: int, errors) -> None:
         rc = _train_rank(args)
     except Exception as e:  # one line for the launcher; the traceback is noise to the user
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        errors.put((rank, f"{type(e).__name__}: {first}"))
+        errors.send(f"{type(e).__name__}: {first}")
         raise SystemExit(1) from None
     if rc:
         raise SystemExit(rc)
