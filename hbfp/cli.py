@@ -434,20 +434,22 @@ def _spawned_rank(rank: int, args, port: int, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.nproc),
                       LOCAL_RANK=str(rank))
     try:
-        rc = _train_rank(args)
+        rc = _train_rank(args)  # ends the process, once the group was up
     except Exception as e:  # one line for the launcher; the traceback is noise to the user
         first = (str(e).strip().splitlines() or [""])[0][:300]
         errors.send(f"{type(e).__name__}: {first}")
         raise SystemExit(1) from None
-    if rc:
-        raise SystemExit(rc)
+    raise SystemExit(rc)
 
 
 def _train_rank(args) -> int:
-    """One rank of a data-parallel ``hbfp train`` (gloo: the trainings' tensors are on the CPU)."""
+    """One rank of a data-parallel ``hbfp train`` (gloo: the trainings' tensors are on the CPU);
+    ends the process with its status once the group is down (``hbfp.distributed.exit_rank``)."""
     import os
 
     import torch.distributed as dist
+
+    from hbfp import distributed as hd
 
     world = int(os.environ["WORLD_SIZE"])
     if args.nproc not in (1, world):
@@ -457,9 +459,10 @@ def _train_rank(args) -> int:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        return _train_ranks(args, dist.get_rank(), world)
+        rc = _train_ranks(args, dist.get_rank(), world)
     finally:
         dist.destroy_process_group()
+    hd.exit_rank(rc)
 
 
 def _train_ranks(args, rank: int, world: int) -> int:

@@ -20,16 +20,23 @@ bytes sends ``2 (N - 1) / N * P``; an all-gather of a ``P``-byte contribution se
 ``(N - 1) * P``. With 2 ranks the BFP exchange sends a quarter of the fp32 one (plus one byte
 per tile); the gather's cost grows with N where the ring's does not, so its advantage is about
 ``8 / N`` (4x at 2 ranks, 2x at 4, none at 8).
+
+Ending a rank: DDP keeps its process group, and gloo's threads, alive past
+``destroy_process_group`` (torch 2.13), and tearing them down while the interpreter exits now
+and then aborts a process whose work succeeded (SIGABRT, "terminate called without an active
+exception"). ``exit_rank`` ends a rank's process once its group is down and its output
+written, without that teardown.
 """
 
 import os
 import re
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMPRESSIONS", "GradExchange", "attach", "rank_spec", "params_equal", "free_port"]
+__all__ = ["COMPRESSIONS", "GradExchange", "attach", "rank_spec", "params_equal", "free_port", "exit_rank"]
 
 #: Gradient exchanges: fp32, or BFP codes and shared exponents in one of these formats.
 COMPRESSIONS = ("none", "hbfp8", "mxint8")
@@ -128,3 +135,14 @@ def free_port() -> int:
 def launched() -> bool:
     """Whether this process was started as a rank (by torchrun or ``hbfp train --nproc``)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def exit_rank(status: int = 0) -> None:
+    """End this rank's process with ``status``: its process group destroyed (if still up), its
+    output flushed, and no exit-time teardown of the threads DDP leaves behind (see the module's
+    text). Call it last, after every file the rank writes is closed."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -96,6 +96,7 @@ def _train_rank(rank, world, port, precision, compression, out):
              "nproc": run.nproc}))
     finally:
         dist.destroy_process_group()
+    hd.exit_rank(0)  # DDP leaves gloo's threads behind: no exit-time teardown
 
 
 def test_without_compression_two_ranks_follow_one_process_on_the_combined_batch(tmp_path):
