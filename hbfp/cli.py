@@ -241,7 +241,7 @@ def _gemm(args) -> int:
     print(f"{args.device}: {m}x{k} @ {k}x{n} ({args.input} in, {args.out} out), {macs:,} MACs")
     print(f"  golden model: {'bit-exact' if not bad else f'{bad} values differ'}")
     print(f"  host time {seconds * 1e3:.1f} ms: {macs / seconds / 1e6:.1f} M MAC/s through the driver")
-    if dev.direct_device is not None:
+    if dev.in_process:
         print("  link: none (emu computes products in-process; emu:wire=1 sends them through the wire protocol)")
     else:
         print(f"  link: {st.bytes_sent:,} bytes sent, {st.bytes_received:,} received, {st.bytes_per_mac:.4f} bytes/MAC, "

@@ -427,12 +427,21 @@ class Device:
         self._identity: P.Identity | None = None
         self._resident: dict = {}
         self._direct_cycles: dict = {}
+        # The executor, chosen here once: the in-process emu (an ``EmuDevice`` without ``wire``)
+        # computes each product whole; any other device gets the plan's commands through the
+        # session.
+        device = getattr(transport, "device", None)
+        self._direct = device if getattr(device, "direct", False) else None
+        #: Whether products run in this process (``gemm_tensors`` and ``bmm_tensors`` then take
+        #: torch tensors where they are), not through a link.
+        self.in_process = self._direct is not None
+        self._execute = self._gemm_in_process if self.in_process else self._gemm_over_link
         if check:
             self.info()
 
-    def _count_direct(self, direct, M: int, N: int, K: int, blocks, final: OutFormat) -> None:
+    def _count_direct(self, M: int, N: int, K: int, blocks, final: OutFormat) -> None:
         """Counts the cycles and MACs of the GEMM commands a product tiled as ``blocks``
-        (``planner.blocks``) would send, for a product computed in-process (``direct_device``); the
+        (``planner.blocks``) would send, for a product computed in-process (``in_process``); the
         cycles of a shape are worked out once (a training step repeats its shapes)."""
         bm, bn, bk, nI, nJ, nP = blocks
         if K == 0:
@@ -451,9 +460,9 @@ class Device:
             for mi, ci in sides(M, bm, nI):
                 for nj, cj in sides(N, bn, nJ):
                     # Every block: nP - 1 chunks of bk whose replies are discarded, then the last.
-                    c = direct.product_cycles(mi, nj, last_k, final)
+                    c = self._direct.product_cycles(mi, nj, last_k, final)
                     if nP > 1:
-                        c += (nP - 1) * direct.product_cycles(mi, nj, bk, planner.discarded(self.identity, mi, nj))
+                        c += (nP - 1) * self._direct.product_cycles(mi, nj, bk, planner.discarded(self.identity, mi, nj))
                     cycles += ci * cj * c
             if len(self._direct_cycles) > 4096:
                 self._direct_cycles.clear()
@@ -465,13 +474,13 @@ class Device:
                               final: OutFormat = OutFormat.FP32) -> None:
         """Counts the cycles and MACs of an M x K by K x N product that ``gemm_tensors`` (or a
         caller of the registry that stands for it: ``hbfp.torch.compiled``) computed in process."""
-        self._count_direct(self.direct_device, M, N, K,
+        self._count_direct(M, N, K,
                            planner.blocks(self.identity, M, N, K, transpose_a, transpose_b, False, self.name), final)
 
     def gemm_tensors(self, a, b, *, bias=None, activation: str | None = None, out: str = "fp32",
                      transpose_a: bool = False, transpose_b: bool = False, c=None, rounding: str = "nearest_even",
                      seed=None):
-        """``gemm`` of torch tensors on an in-process device (``direct_device``), computed where
+        """``gemm`` of torch tensors on an in-process device (``in_process``), computed where
         the tensors are (CPU or CUDA) by the registry ``hbfp.kernels``, equal bit for bit to
         ``gemm`` with ``input="codes"``: a float32 tensor (``out="fp32"``) or a bfloat16 one
         (``"bf16"``). ``a``, ``b``: float tensors (quantized here in the device's format, with
@@ -482,8 +491,7 @@ class Device:
 
         from hbfp import kernels
 
-        direct = self.direct_device
-        if direct is None:
+        if not self.in_process:
             raise NotSupported(f"{self.name} computes products through its link: use gemm")
         if out not in ("fp32", "bf16"):
             raise ValueError(f"gemm_tensors returns fp32 or bf16, not {out!r}")
@@ -543,8 +551,7 @@ class Device:
 
         from hbfp import kernels
 
-        direct = self.direct_device
-        if direct is None:
+        if not self.in_process:
             raise NotSupported(f"{self.name} computes products through its link: use gemm")
         sa_, sb_ = (x[0] if isinstance(x, tuple) else x for x in (a, b))
         if sa_.dim() != 3 or sb_.dim() != 3 or sa_.shape[0] != sb_.shape[0] or sa_.shape[2] != sb_.shape[1]:
@@ -563,18 +570,11 @@ class Device:
         a3 = a if isinstance(a, tuple) else stack_codes(a, fmt, sa)
         b3 = b if isinstance(b, tuple) else stack_codes(b, fmt, sb)
         before = (self.stats.cycles, self.stats.macs)
-        self._count_direct(direct, m, n, k, planner.blocks(ident, m, n, k, False, False, False, self.name),
+        self._count_direct(m, n, k, planner.blocks(ident, m, n, k, False, False, False, self.name),
                            OutFormat.FP32)
         self.stats.cycles += (nb - 1) * (self.stats.cycles - before[0])
         self.stats.macs += (nb - 1) * (self.stats.macs - before[1])
         return kernels.gemm(a3, b3, fa=fmt, fb=fmt)
-
-    @property
-    def direct_device(self):
-        """The in-process device that computes products directly (``EmuDevice`` without
-        ``wire``), or None: products then go through the transport command by command."""
-        device = getattr(self.transport, "device", None)
-        return device if getattr(device, "direct", False) else None
 
     # ---- plumbing ----------------------------------------------------------------------
 
@@ -885,29 +885,33 @@ class Device:
                 self.stats.host_quantized += 1
         self.stats.host_activations += plan.host_act
         self.stats.host_quantized += plan.host_out
-        bfp_out = out == "bfp"
-        direct = self.direct_device
-        if direct is not None:
-            return self._gemm_in_process(direct, plan, opA, opB, c, bias, activation, fmt if bfp_out else out, so)
+        return self._execute(plan, opA, opB, c, bias, activation, fmt, out, so)
+
+    # ---- the two executors (one chosen at construction: ``in_process``) ---------------------
+
+    def _gemm_over_link(self, plan: planner.Plan, opA: _Operand, opB: _Operand, c, bias,
+                        activation: str | None, fmt: Format, out: str, seed: int):
+        """The product through the device's commands (``_gemm_commands``), finished on the host
+        where the plan says the device cannot."""
         result = self._gemm_commands(plan, opA, opB, c, bias, fmt)
         if plan.host_act or plan.host_out:
             # What the device left out, as golden.gemm.gemm ends on the whole matrix (the
             # output's stochastic stream included). A bf16 result widens to fp32 exactly, and
             # the epilogue's rounding to bf16 gives back the same patterns.
             sums = bf16.to_f32(result) if plan.final == OutFormat.BF16 else result
-            return golden_epilogue(sums, activation if plan.host_act else None, fmt if bfp_out else out, so,
-                                   leaky_shift=ident.leaky_shift)
+            return golden_epilogue(sums, activation if plan.host_act else None, fmt if out == "bfp" else out, seed,
+                                   leaky_shift=self.identity.leaky_shift)
         if plan.final == OutFormat.BF16:
             return bf16.to_dtype(result)
         return result
 
-    def _gemm_in_process(self, direct, plan: planner.Plan, opA: _Operand, opB: _Operand, c, bias,
-                         activation: str | None, out, seed: int):
+    def _gemm_in_process(self, plan: planner.Plan, opA: _Operand, opB: _Operand, c, bias,
+                         activation: str | None, fmt: Format, out: str, seed: int):
         """The product on the in-process emu: whole here, as its commands would return it (K
         chunks keep their order on the accumulator; BFP blocks are whole tiles, and a
         stochastic stream that a block would restart was quantized whole by the plan), and the
         cycles those commands would report (a READ's reply, with K = 0, reports none)."""
-        self._count_direct(direct, plan.M, plan.N, plan.K, plan.blocks, plan.final)
+        self._count_direct(plan.M, plan.N, plan.K, plan.blocks, plan.final)
         ops = []
         for op in (opA, opB):
             if plan.K == 0:
@@ -917,7 +921,7 @@ class Device:
                 op.quantize_on_host()  # what the device's quantizer makes of them
             ops.append(op.t)
         acc = golden_gemm(ops[0], ops[1], c=c, bias=bias, transpose_a=plan.transpose_a, transpose_b=plan.transpose_b)
-        return golden_epilogue(acc, activation, out, seed, leaky_shift=self.identity.leaky_shift)
+        return golden_epilogue(acc, activation, fmt if out == "bfp" else out, seed, leaky_shift=self.identity.leaky_shift)
 
     def _gemm_commands(self, plan: planner.Plan, opA: _Operand, opB: _Operand, c, bias, fmt: Format):
         """The product through the device's commands (``planner.chain`` for each block, in the

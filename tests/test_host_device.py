@@ -302,7 +302,7 @@ def test_direct_products_equal_the_wire_and_count_the_same_cycles(spec):
     and host work that the device's commands report: tiled, K chunks, every output and rounding,
     values and codes, bias, C, activations (on the host for a device without the unit)."""
     direct, wire = host.open(f"emu:{spec}"), host.open(f"emu:{spec},wire=1")
-    assert direct.direct_device is not None and wire.direct_device is None
+    assert direct.in_process and not wire.in_process
     rng = np.random.default_rng(len(spec))
     square = direct.identity.square
     for i, (m, k, n) in enumerate([(50, 130, 70), (24, 24, 24), (97, 5, 49), (30, 0, 20)]):

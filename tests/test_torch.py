@@ -1,6 +1,5 @@
 """hbfp.torch against the golden model: forward and both backward products bit for bit."""
 
-import contextlib
 import copy
 import warnings
 
@@ -135,6 +134,8 @@ def test_precision_knob_is_safe_under_exceptions():
 class ExactDevice:
     """A stand-in device with quantization off: exact fp64 products with the driver's
     ``gemm`` signature, so that gradcheck can test HbfpMatmul's backward formulas."""
+
+    in_process = False  # products go through gemm (NumPy operands)
 
     def gemm(self, a, b, *, transpose_a=False, transpose_b=False, **kw):
         a = np.asarray(a, np.float64)

@@ -189,7 +189,7 @@ def _device_gemm_inner(device, a, b, **kw) -> torch.Tensor:
         a = a.t() if kw.pop("transpose_a", False) else a
         b = b if kw.pop("transpose_b", False) else b.t()
         kw["transpose_b"] = True
-    if getattr(device, "direct_device", None) is not None:
+    if device.in_process:
         return device.gemm_tensors(a.detach() if isinstance(a, torch.Tensor) else a,
                                    b.detach() if isinstance(b, torch.Tensor) else b, **kw)
     from hbfp.kernels.torch_ops import to_bfp_tensor
@@ -213,7 +213,7 @@ def _device_bmm(device, a: torch.Tensor, b: torch.Tensor, rounding: str = "neare
     nb = a.shape[0]
     if nb == 0:
         return a.new_zeros(0, a.shape[1], b.shape[2])
-    if getattr(device, "direct_device", None) is not None:
+    if device.in_process:
         with _device_work():
             out = device.bmm_tensors(a.detach(), b.detach(), rounding=rounding, seed=seed)
         _report.count_device(nb * a.shape[1] * a.shape[2] * b.shape[2])
@@ -244,7 +244,7 @@ class _Product:
 
         self.device, self.rounding = device, rounding
         self.forward = ForwardOperands() if _square(device) else None
-        self.direct = getattr(device, "direct_device", None) is not None
+        self.direct = device.in_process
 
     def _config(self) -> tuple[ProductConfig, bool]:
         recipe = self.rounding.recipe
@@ -352,7 +352,7 @@ def _quantized(device, x: torch.Tensor, rounding: str = "nearest_even", seed: in
 
         with _device_work():
             return kernels.quantize(x.detach(), device.format(rounding), seed=seed)  # any strides
-    if getattr(device, "direct_device", None) is None or not _square(device):
+    if not device.in_process or not _square(device):
         return x  # quantized by the product itself (blocks along K: in the layout it stores)
     from hbfp import kernels
 
@@ -451,7 +451,7 @@ class _Lean:
         except TypeError:  # a device that cannot be a weak key
             return None
         if lean is False:
-            square = getattr(device, "direct_device", None) is not None and _square(device)
+            square = device.in_process and _square(device)
             lean = cls._by_device[device] = cls(device) if square else None
         return lean
 
@@ -835,7 +835,7 @@ class _LazyPatches:
     def applies(device, x) -> bool:
         from hbfp import kernels
 
-        return (getattr(device, "direct_device", None) is not None and _square(device) and x.dtype == torch.float32
+        return (device.in_process and _square(device) and x.dtype == torch.float32
                 and x.device.type == "cpu" and kernels._conv_lib(x) is not None)
 
     @torch.compiler.disable
