@@ -161,10 +161,15 @@ def mul_f32(a, b) -> np.ndarray:
 
 
 def mul(a, b) -> np.ndarray:
-    """Product of two bf16 patterns rounded RNE/FTZ to bf16 (exact in fp64, one rounding)."""
+    """Product of two bf16 patterns rounded RNE/FTZ to bf16 (exact in fp64, one rounding). A NaN
+    operand, or zero times infinity, gives ``QNAN`` with the sign ``sign(a) ^ sign(b)`` (the
+    gateware multiplier's NaN, not the host FPU's)."""
+    a, b = as_bits(a), as_bits(b)
     # Widening a signalling-NaN pattern raises NumPy's "invalid" flag: NaN stays NaN anyway.
     with np.errstate(invalid="ignore"):
-        return from_f64(to_f32(a).astype(np.float64) * to_f32(b).astype(np.float64))
+        out = from_f64(to_f32(a).astype(np.float64) * to_f32(b).astype(np.float64))
+    sign = (a ^ b) & np.uint16(0x8000)
+    return np.where(is_nan(out), sign | np.uint16(QNAN), out).astype(np.uint16)
 
 
 def _ordered(bits: np.ndarray) -> np.ndarray:
@@ -175,8 +180,9 @@ def _ordered(bits: np.ndarray) -> np.ndarray:
 
 def ulp_distance(a, b) -> np.ndarray:
     """Distance in bf16 ULPs between two arrays of patterns: the number of representable
-    values between them (+0 and -0 count as one value). NaN against NaN is 0 (NaNs compare
-    by class); NaN against a number is 2**16, more than any distance between numbers."""
+    values between them (+0 and -0 count as one value). NaN against NaN is 0 (a distance
+    between values: any two NaNs); NaN against a number is 2**16, more than any distance
+    between numbers."""
     a = as_bits(a)
     b = as_bits(b)
     d = np.abs(_ordered(a) - _ordered(b))

@@ -16,8 +16,8 @@ output-stationary array as the BFP MAC array, but each processing element multip
    ``hbfp.golden.bf16.add_f32`` (DAZ, RNE, FTZ, overflow to +-inf): not fused, the product
    is rounded (here: range-checked) before the addition.
 
-NaN results compare by class (docs/numerics.md, section 5); the gateware emits
-``0x7FC00000``.
+A NaN result is the contract's one fp32 NaN, ``0x7FC00000`` (``add_f32`` and ``mul_f32``
+make it; docs/numerics.md, section 1), as the gateware's.
 """
 
 from __future__ import annotations

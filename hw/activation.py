@@ -115,7 +115,7 @@ class MulBF16Datapath(wiring.Component):
     """bf16 x bf16 -> bf16 product, equal to ``hbfp.golden.bf16.mul``: DAZ on both inputs,
     the exact product of the 8-bit significands rounded once (RNE), overflow to +-inf, FTZ
     after rounding; NaN when an input is NaN or for 0 * inf, as ``QNAN`` with the sign
-    ``sign(a) ^ sign(b)`` (the golden model's NaN sign is the host FPU's: compare by class).
+    ``sign(a) ^ sign(b)`` (the golden model's rule too).
 
     Advance/valid pipeline: every register moves when ``advance`` is high; ``o_valid``
     follows ``i_valid`` ``LATENCY`` advances later. Latency 3 cycles, one product per cycle:
@@ -466,8 +466,7 @@ class Activation(wiring.Component):
     ``2**-leaky_shift``, gelu, sigmoid, tanh, exp; ``g`` ignored) and to
     ``<name>(x, g) = bf16.mul(<name>_deriv(x), g)`` for a gradient. Unary outputs match the
     golden patterns exactly, NaN included (``QNAN | sign(x)``); a gradient's NaN is ``QNAN``
-    with the sign ``sign(deriv) ^ sign(g)`` (golden NaN signs follow the host FPU: compare
-    by class).
+    with the sign ``sign(deriv) ^ sign(g)``, as golden's.
 
     ``functions``: the subset of ``FUNCTIONS`` to build (small FPGAs leave out table units:
     see ``rom_bits``); a code of a function not built, or an unassigned code, gives ``0x7FC0``

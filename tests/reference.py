@@ -64,7 +64,8 @@ def round_f32(v: Fraction, *, zero_sign: float = 1.0) -> float:
 def f32_add(x: float, y: float) -> float:
     x, y = daz(x), daz(y)
     if not (math.isfinite(x) and math.isfinite(y)):
-        return x + y  # IEEE: inf + -inf is NaN, NaN propagates
+        s = x + y  # IEEE: inf + -inf is NaN, NaN propagates ...
+        return math.nan if math.isnan(s) else s  # ... as the contract's one NaN, 0x7FC00000
     s = Fraction(x) + Fraction(y)
     if s == 0:
         # RNE: the sum of two zeros of the same sign keeps it; x + (-x) is +0.
@@ -76,7 +77,8 @@ def f32_add(x: float, y: float) -> float:
 def f32_mul(x: float, y: float) -> float:
     x, y = daz(x), daz(y)
     if not (math.isfinite(x) and math.isfinite(y)):
-        return x * y
+        p = x * y  # inf * 0 and a NaN operand: the contract's one NaN, 0x7FC00000
+        return math.nan if math.isnan(p) else p
     p = Fraction(x) * Fraction(y)
     sign = math.copysign(1.0, x) * math.copysign(1.0, y)
     return round_f32(p, zero_sign=sign) if p != 0 else math.copysign(0.0, sign)

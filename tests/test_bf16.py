@@ -180,10 +180,21 @@ def test_bf16_mul_is_correctly_rounded():
             w = 0x8000 if math.copysign(1, x) * math.copysign(1, y) < 0 else 0
         else:
             w = ref.bf16_from_value(x * y)
-        if (w & 0x7FFF) > 0x7F80:
-            assert (g & 0x7FFF) > 0x7F80
+        if (w & 0x7FFF) > 0x7F80:  # a NaN operand or 0 * inf: QNAN with the operands' sign product
+            sign = 0x8000 if (math.copysign(1, x) < 0) != (math.copysign(1, y) < 0) else 0
+            assert g == bf16.QNAN | sign, (x, y, hex(g))
         else:
             assert g == w, (x, y, hex(g), hex(w))
+
+
+def test_bf16_mul_makes_the_gatewares_nan():
+    """NaN out of a product: ``QNAN | sign(a) ^ sign(b)``, whatever the NaN operand's payload
+    (the gateware's multiplier; the host FPU would keep the operand's NaN, or make 0 * inf
+    negative on x86)."""
+    a = np.array([0x7FC0, 0xFFC0, 0x7F81, 0xFFFF, 0x0000, 0x8000, 0x7F80, 0xFF80, 0x3F80], np.uint16)
+    b = np.array([0x3F80, 0x3F80, 0xBF80, 0x4000, 0x7F80, 0x7F80, 0x8000, 0x0000, 0xFFC1], np.uint16)
+    want = [0x7FC0, 0xFFC0, 0xFFC0, 0xFFC0, 0x7FC0, 0xFFC0, 0xFFC0, 0xFFC0, 0xFFC0]
+    assert bf16.mul(a, b).tolist() == want
 
 
 def test_ulp_distance():

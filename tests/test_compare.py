@@ -1,5 +1,5 @@
-"""hbfp.golden.compare: bit equality by the numerics contract (same dtype, shape and bits;
-NaNs by class) for fp32, bf16 (ml_dtypes and uint16 patterns), scalars and BFP tensors."""
+"""hbfp.golden.compare: bit equality by the numerics contract (same dtype, shape and bits,
+NaNs' bits included) for fp32, bf16 (ml_dtypes and uint16 patterns), scalars and BFP tensors."""
 
 import ml_dtypes
 import numpy as np
@@ -17,7 +17,7 @@ def test_equal_arrays_and_scalars():
     x = np.array([[1.0, -0.0, np.inf], [-np.inf, 1e-40, 3.5]], np.float32)
     assert same_bits(x, x.copy())
     assert same_bits(np.float32(2.5), np.float32(2.5))
-    assert same_bits(np.float32(np.nan), np.float32(-np.nan))
+    assert same_bits(np.float32(np.nan), np.float32(np.nan))
     assert same_bits(3, 3) and same_bits(True, True) and same_bits(1.5, 1.5)
     assert same_bits(np.zeros(0, np.float32), np.zeros(0, np.float32))
     assert same_bits(np.arange(6, dtype=np.int16), np.arange(6, dtype=np.int16))
@@ -59,40 +59,25 @@ def test_different_bits_fail():
     assert not same_bits(np.array([1, 2], np.uint16), np.array([1, 3], np.uint16))
 
 
-def test_nans_compare_by_class():
-    # fp32: every NaN encoding (sign, quiet or signalling, payload) equals every other.
+def test_nans_compare_by_their_bits():
+    # fp32: a NaN equals only the same pattern (sign, quiet or signalling, payload)
     a = F32_NANS
-    b = np.roll(F32_NANS, 2)
-    assert not np.array_equal(a.view(np.uint32), b.view(np.uint32))
-    assert same_bits(a, b)
-    assert same_bits(np.float64(np.nan), -np.float64(np.nan))
-    assert same_bits(np.array([np.nan], np.float16), np.array([-np.nan], np.float16))
-    # ml_dtypes bfloat16
+    assert same_bits(a, a.copy())
+    assert same_bits_elementwise(a, np.roll(a, 2)).tolist() == [False] * len(a)
+    assert not same_bits(np.float64(np.nan), -np.float64(np.nan))
+    assert not same_bits(np.array([np.nan], np.float16), np.array([-np.nan], np.float16))
+    assert "1 of 1 elements differ" in describe_difference(np.float32(np.nan), -np.float32(np.nan))
+    # ml_dtypes bfloat16 and uint16 patterns alike
     nan16 = BF16_NANS.view(ml_dtypes.bfloat16)
-    assert same_bits(nan16, np.roll(nan16, 3))
+    assert same_bits(nan16, nan16.copy()) and not same_bits(nan16, np.roll(nan16, 3))
+    assert not same_bits(BF16_NANS, np.roll(BF16_NANS, 1))
     # a NaN is not an infinity, nor the largest finite value
     assert not same_bits(np.array([0x7F80], np.uint16).view(ml_dtypes.bfloat16), nan16[:1])
     assert not same_bits(np.array([0x7F7F], np.uint16).view(ml_dtypes.bfloat16), nan16[:1])
-
-
-def test_bf16_patterns():
-    inf_and_max = np.array([0x7F80, 0xFF80, 0x7F7F, 0xFF7F], np.uint16)
-    # uint16 patterns compare exactly ...
-    assert not same_bits(BF16_NANS, np.roll(BF16_NANS, 1))
-    # ... unless they are declared bf16 patterns: then 0x7F81..0x7FFF, 0xFF81..0xFFFF are NaNs
-    assert same_bits(BF16_NANS, np.roll(BF16_NANS, 1), bf16_patterns=True)
-    assert not same_bits(inf_and_max, BF16_NANS[:4], bf16_patterns=True)
-    assert same_bits(inf_and_max, inf_and_max.copy(), bf16_patterns=True)
-    ok = same_bits_elementwise(np.array([0x7FC0, 0x3F80, 0x7F80], np.uint16),
-                               np.array([0xFFFF, 0x3F81, 0x7F80], np.uint16), bf16_patterns=True)
-    assert ok.tolist() == [True, False, True]
-    # every pattern: NaN by the flag exactly where bf16.is_nan says
+    # every bf16 pattern against the quiet NaN: equal at 0x7FC0 only
     every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    qnan = np.full_like(every, bf16.QNAN)
-    assert np.array_equal(same_bits_elementwise(every, qnan, bf16_patterns=True), bf16.is_nan(every) | (every == qnan))
-    # fp32 patterns in uint32, likewise
-    u = F32_NANS.view(np.uint32)
-    assert not same_bits(u, np.roll(u, 1)) and same_bits(u, np.roll(u, 1), f32_patterns=True)
+    ok = same_bits_elementwise(every.view(ml_dtypes.bfloat16), np.full_like(every, bf16.QNAN).view(ml_dtypes.bfloat16))
+    assert np.flatnonzero(ok).tolist() == [bf16.QNAN]
 
 
 def test_bfp_tensors():

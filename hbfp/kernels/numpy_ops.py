@@ -177,8 +177,8 @@ def gemm_sums(a: BFPTensor, b: BFPTensor, *, c=None, bias=None) -> np.ndarray:
     if not (kt_count and _fast_path_ok(a, b, tk, c)):
         return reference_sums(a, b, c=c, bias=bias)
     acc = np.zeros((m, n), dtype=np.float32) if c is None else bf16.flush_f32(np.asarray(c, np.float32)).copy()
-    # -0 + p and +0 + p agree on every p of the fast route (p = +0 for a zero). A signalling NaN
-    # in C stays a NaN: IEEE arithmetic quiets it, which is the contract's NaN by class.
+    # -0 + p and +0 + p agree on every p of the fast route (p = +0 for a zero). A NaN in C stays
+    # a NaN (IEEE arithmetic quiets it), made the contract's one NaN below.
     with np.errstate(invalid="ignore"):
         acc += np.float32(0)
         acc = _accumulate_fast(a, b, acc, tk, kt_count)
