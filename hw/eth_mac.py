@@ -1,0 +1,295 @@
+"""The Ethernet MAC of the network link: frames in and out on GMII (a byte per cycle, 125 MHz
+at 1 Gb/s), each a stream of bytes from the destination address to the end of the payload.
+
+```
+ rx_dv/rx_er/rxd -> MacRx (preamble, SFD, FCS checked, length) -> FrameFifo (commit or drop) -> o
+ i -> FrameFifo (whole frames) -> MacTx (preamble, SFD, data, padding, FCS, gap) -> tx_en/tx_er/txd
+```
+
+- ``FrameFifo``: a store-and-forward byte FIFO of whole frames. A frame's bytes are written
+  one a cycle and reach the reader only once the frame is committed whole; a dropped frame
+  (a bad check, or one that found the buffer full) leaves no byte behind.
+- ``MacRx``: a frame is the bytes after the start frame delimiter (0xD5, after any number of
+  preamble bytes 0x55) while ``rx_dv`` stays high. It is kept when it is 64 .. ``MAX_FRAME``
+  bytes long (its FCS included), had no ``rx_er`` and its FCS checks (the CRC register ends
+  at ``crc.RESIDUE``); the FCS is stripped. Anything else is dropped and counted by its
+  reason: ``runts``, ``oversize``, ``bad_fcs``, ``errors`` (rx_er), ``overflows`` (no room).
+- ``MacTx``: sends each whole frame of its buffer: seven preamble bytes and the SFD, the
+  frame's bytes, zeros up to ``MIN_FRAME - 4`` bytes, the FCS (``zlib.crc32`` of the frame,
+  little-endian) and then ``IFG_CYCLES`` idle cycles.
+
+The frames are the stream ``frame_layout``: a byte and ``last`` (the frame's final byte).
+Both units run in one clock domain (``sync``; a top renames it to the link's 125 MHz domain).
+"""
+
+from __future__ import annotations
+
+from amaranth import Module, Signal
+from amaranth.lib import data, fifo, stream, wiring
+from amaranth.lib.memory import Memory
+from amaranth.lib.wiring import In, Out
+
+from .block_ram import NO_RW_CHECK
+from .crc import PRESET, RESIDUE, crc32_step
+
+__all__ = ["frame_layout", "FrameFifo", "MacRx", "MacTx", "PREAMBLE", "SFD", "MIN_FRAME", "MAX_FRAME",
+           "IFG_CYCLES", "FCS_BYTES"]
+
+#: A preamble byte and the start frame delimiter, as GMII carries them.
+PREAMBLE, SFD = 0x55, 0xD5
+#: The shortest and longest frames on the wire, destination address to FCS (IEEE 802.3, no VLAN tag).
+MIN_FRAME, MAX_FRAME = 64, 1518
+#: Bytes of the frame check sequence.
+FCS_BYTES = 4
+#: Idle cycles between frames: the interframe gap of 96 bit times.
+IFG_CYCLES = 12
+#: Preamble bytes a transmitter sends before the SFD.
+PREAMBLE_BYTES = 7
+
+
+def frame_layout() -> data.StructLayout:
+    """One byte of a frame: ``data`` and ``last`` (the frame's final byte)."""
+    return data.StructLayout({"data": 8, "last": 1})
+
+
+class FrameFifo(wiring.Component):
+    """Whole frames, first in first out, in a buffer of ``depth`` bytes (a power of two).
+
+    Write side: ``w_data`` with ``w_valid`` writes a byte of the current frame; ``w_end``
+    ends it (in the same cycle as its last byte, or later on its own): with ``w_ok`` the
+    frame is committed, less its final ``trim`` bytes (an FCS to strip), else dropped.
+    ``w_room`` says whether a byte written now finds room; one written while it is low breaks
+    the frame: at its end it is dropped too, and ``overflow`` pulses (also when ``max_frames``
+    committed frames wait already). A frame with no byte left after ``trim`` commits nothing.
+
+    Read side: ``o``, the committed frames' bytes (``frame_layout``), one a cycle while
+    ``o.ready`` is high (a frame's bytes back to back once its first is offered).
+    """
+
+    def __init__(self, depth: int, *, trim: int = 0, max_frames: int = 16):
+        if not isinstance(depth, int) or depth < 64 or depth & (depth - 1):
+            self._MustUse__used = True
+            raise ValueError(f"depth must be a power of two >= 64, got {depth!r}")
+        self.depth, self.trim, self.max_frames = depth, trim, max_frames
+        super().__init__({
+            "w_data": In(8),
+            "w_valid": In(1),
+            "w_end": In(1),
+            "w_ok": In(1),
+            "w_room": Out(1),
+            "overflow": Out(1),
+            "o": Out(stream.Signature(frame_layout())),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        depth = self.depth
+        bits = depth.bit_length() - 1
+        m.submodules.mem = mem = Memory(shape=8, depth=depth, init=[], attrs=NO_RW_CHECK)
+        wr_port, rd_port = mem.write_port(), mem.read_port()
+        m.submodules.lengths = lengths = fifo.SyncFIFO(width=bits + 1, depth=self.max_frames)
+
+        start = Signal(bits + 1)   # where the current frame began (the committed end)
+        wr = Signal(bits + 1)      # the next byte's address, wrap bit on top
+        rd = Signal(bits + 1)
+        broken = Signal()
+        full = Signal()
+        m.d.comb += [full.eq((wr - rd)[:bits + 1] == depth), self.w_room.eq(~full)]
+
+        write = self.w_valid & ~broken & ~full
+        wr_next = Signal(bits + 1)
+        m.d.comb += [wr_port.addr.eq(wr[:bits]), wr_port.data.eq(self.w_data), wr_port.en.eq(write),
+                     wr_next.eq(wr + write)]
+        broken_now = broken | (self.w_valid & full)
+        length = Signal(bits + 2)
+        m.d.comb += length.eq((wr_next - start)[:bits + 1] - self.trim)
+        m.d.sync += self.overflow.eq(0)
+        with m.If(self.w_end):
+            commit = self.w_ok & ~broken_now & lengths.w_rdy & ~length[-1] & (length != 0)
+            m.d.comb += [lengths.w_en.eq(commit), lengths.w_data.eq(length[:bits + 1])]
+            with m.If(commit):
+                m.d.sync += [start.eq(start + length[:bits + 1]), wr.eq(start + length[:bits + 1])]
+            with m.Else():
+                m.d.sync += wr.eq(start)  # the frame's bytes are forgotten
+            m.d.sync += [broken.eq(0), self.overflow.eq(self.w_ok & (broken_now | ~lengths.w_rdy))]
+        with m.Else():
+            m.d.sync += [wr.eq(wr_next), broken.eq(broken_now)]
+
+        # The reader: a frame's length, then its bytes through the read port (a cycle late).
+        remaining = Signal(bits + 1)
+        fetch = (~self.o.valid | self.o.ready) & (remaining != 0)
+        m.d.comb += [rd_port.addr.eq(rd[:bits]), rd_port.en.eq(~self.o.valid | self.o.ready),
+                     self.o.payload.data.eq(rd_port.data), lengths.r_en.eq(remaining == 0)]
+        with m.If((remaining == 0) & lengths.r_rdy):
+            m.d.sync += remaining.eq(lengths.r_data)
+        with m.If(fetch):
+            m.d.sync += [rd.eq(rd + 1), remaining.eq(remaining - 1), self.o.valid.eq(1),
+                         self.o.payload.last.eq(remaining == 1)]
+        with m.Elif(self.o.ready):
+            m.d.sync += self.o.valid.eq(0)
+        return m
+
+
+class MacRx(wiring.Component):
+    """Frames from GMII's receive side to ``o`` (``frame_layout``), FCS checked and stripped,
+    through a ``FrameFifo`` of ``buffer_bytes``.
+
+    Ports: ``rx_dv``, ``rx_er``, ``rxd`` (GMII, sampled each cycle); ``o``; the counters
+    (32 bits, wrapping) ``frames`` (kept), ``runts``, ``oversize``, ``bad_fcs``, ``errors``
+    and ``overflows`` (module docstring). Reset finds the line mid-frame: the receiver waits
+    for ``rx_dv`` low before it hunts for a preamble.
+    """
+
+    COUNTERS = ("frames", "runts", "oversize", "bad_fcs", "errors", "overflows")
+
+    def __init__(self, buffer_bytes: int = 4096):
+        self.buffer_bytes = buffer_bytes
+        super().__init__({
+            "rx_dv": In(1),
+            "rx_er": In(1),
+            "rxd": In(8),
+            "o": Out(stream.Signature(frame_layout())),
+            **{name: Out(32) for name in self.COUNTERS},
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.buffer = buf = FrameFifo(self.buffer_bytes, trim=FCS_BYTES)
+        wiring.connect(m, buf.o, wiring.flipped(self.o))
+
+        crc = Signal(32, init=PRESET)
+        count = Signal(range(MAX_FRAME + 2))  # bytes after the SFD, saturating past MAX_FRAME
+        error = Signal()
+        dv, er, d = self.rx_dv, self.rx_er, self.rxd
+        m.d.comb += buf.w_data.eq(d)
+
+        with m.FSM(init="SKIP"):
+            with m.State("SKIP"):  # inside a frame that is not ours to take: wait for its end
+                with m.If(~dv):
+                    m.next = "IDLE"
+            with m.State("IDLE"):
+                m.d.sync += [crc.eq(PRESET), count.eq(0), error.eq(0)]
+                with m.If(dv):
+                    with m.If(er):
+                        m.next = "SKIP"
+                    with m.Elif(d == SFD):
+                        m.next = "DATA"
+                    with m.Elif(d == PREAMBLE):
+                        m.next = "PREAMBLE"
+                    with m.Else():
+                        m.next = "SKIP"
+            with m.State("PREAMBLE"):
+                with m.If(~dv):
+                    m.next = "IDLE"
+                with m.Elif(er | ((d != PREAMBLE) & (d != SFD))):
+                    m.next = "SKIP"
+                with m.Elif(d == SFD):
+                    m.next = "DATA"
+            with m.State("DATA"):
+                with m.If(dv):
+                    m.d.comb += buf.w_valid.eq(count <= MAX_FRAME)
+                    m.d.sync += [crc.eq(crc32_step(crc, d)), error.eq(error | er)]
+                    with m.If(count <= MAX_FRAME):
+                        m.d.sync += count.eq(count + 1)
+                with m.Else():
+                    runt, long = count < MIN_FRAME, count > MAX_FRAME
+                    bad = crc != RESIDUE
+                    ok = ~error & ~runt & ~long & ~bad
+                    m.d.comb += [buf.w_end.eq(1), buf.w_ok.eq(ok)]
+                    with m.If(error):
+                        m.d.sync += self.errors.eq(self.errors + 1)
+                    with m.Elif(long):
+                        m.d.sync += self.oversize.eq(self.oversize + 1)
+                    with m.Elif(runt):
+                        m.d.sync += self.runts.eq(self.runts + 1)
+                    with m.Elif(bad):
+                        m.d.sync += self.bad_fcs.eq(self.bad_fcs + 1)
+                    m.next = "IDLE"
+        # A frame that passed its checks but found no room is counted a cycle later.
+        kept = Signal()
+        m.d.sync += kept.eq(buf.w_end & buf.w_ok)
+        with m.If(buf.overflow):
+            m.d.sync += self.overflows.eq(self.overflows + 1)
+        with m.Elif(kept):
+            m.d.sync += self.frames.eq(self.frames + 1)
+        return m
+
+
+class MacTx(wiring.Component):
+    """Frames from ``i`` (``frame_layout``: destination address to the end of the payload, at
+    most ``MAX_FRAME - FCS_BYTES`` bytes) onto GMII's transmit side, each once it is whole in a
+    ``FrameFifo`` of ``buffer_bytes``: preamble and SFD, the frame, zero padding up to
+    ``MIN_FRAME - FCS_BYTES`` bytes, the FCS, ``IFG_CYCLES`` idle. ``tx_er`` stays low. A frame
+    longer than ``buffer_bytes`` would never be whole: the sender of ``i`` keeps to the limit.
+    """
+
+    def __init__(self, buffer_bytes: int = 4096):
+        self.buffer_bytes = buffer_bytes
+        super().__init__({
+            "i": In(stream.Signature(frame_layout())),
+            "tx_en": Out(1),
+            "tx_er": Out(1),
+            "txd": Out(8),
+            "frames": Out(32),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.buffer = buf = FrameFifo(self.buffer_bytes)
+        take = self.i.valid & buf.w_room
+        m.d.comb += [self.i.ready.eq(buf.w_room), buf.w_data.eq(self.i.payload.data), buf.w_valid.eq(take),
+                     buf.w_end.eq(take & self.i.payload.last), buf.w_ok.eq(1)]
+
+        crc = Signal(32, init=PRESET)
+        sent = Signal(range(MIN_FRAME + 1))  # frame bytes sent, saturating at the padded length
+        count = Signal(range(max(PREAMBLE_BYTES, IFG_CYCLES) + 1))
+        fcs = Signal(32)
+        txd, src = self.txd, buf.o
+
+        def byte(value):
+            m.d.sync += [self.tx_en.eq(1), txd.eq(value)]
+
+        def frame_byte(value):
+            byte(value)
+            m.d.sync += crc.eq(crc32_step(crc, value))
+            with m.If(sent < MIN_FRAME):
+                m.d.sync += sent.eq(sent + 1)
+
+        m.d.sync += self.tx_en.eq(0)
+        with m.FSM():
+            with m.State("IDLE"):
+                m.d.sync += [crc.eq(PRESET), sent.eq(0), count.eq(0)]
+                with m.If(src.valid):  # a whole frame: its bytes follow back to back
+                    m.next = "PREAMBLE"
+            with m.State("PREAMBLE"):
+                with m.If(count < PREAMBLE_BYTES):
+                    byte(PREAMBLE)
+                    m.d.sync += count.eq(count + 1)
+                with m.Else():
+                    byte(SFD)
+                    m.d.sync += count.eq(0)
+                    m.next = "DATA"
+            with m.State("DATA"):
+                m.d.comb += src.ready.eq(1)
+                frame_byte(src.payload.data)
+                with m.If(src.payload.last):
+                    with m.If(sent + 1 < MIN_FRAME - FCS_BYTES):
+                        m.next = "PAD"
+                    with m.Else():
+                        m.next = "FCS"
+            with m.State("PAD"):
+                frame_byte(0)
+                with m.If(sent + 1 == MIN_FRAME - FCS_BYTES):
+                    m.next = "FCS"
+            with m.State("FCS"):
+                m.d.comb += fcs.eq(~crc)
+                byte(fcs[:8])
+                m.d.sync += [crc.eq(crc >> 8), count.eq(count + 1)]
+                with m.If(count == FCS_BYTES - 1):
+                    m.d.sync += [count.eq(0), self.frames.eq(self.frames + 1)]
+                    m.next = "GAP"
+            with m.State("GAP"):
+                m.d.sync += count.eq(count + 1)
+                with m.If(count == IFG_CYCLES - 1):
+                    m.next = "IDLE"
+        return m
