@@ -263,17 +263,29 @@ def _gemm(args) -> int:
 def _sim_server(args) -> int:
     from hbfp.host import HbfpError
     from hbfp.host.registry import open_backend
-    from hbfp.host.server import PtyServer, Server
+    from hbfp.host.server import PtyServer, Server, UdpServer
     from hbfp.host.transports import Transport, TransportDevice
 
     tcp_only = {"--connections": args.connections, "--client-timeout": args.client_timeout,
                 "--max-queued": args.max_queued, "--max-clients": args.max_clients,
                 "--reply-timeout": args.reply_timeout}
     given = [name for name, value in tcp_only.items() if value is not None]
-    if args.pty and given:
-        print(f"hbfp sim-server: {', '.join(given)} are options of the TCP server; a pseudo-terminal (--pty) "
+    if args.pty and args.udp is not None:
+        print("hbfp sim-server: --pty and --udp are two different links: give one", file=sys.stderr)
+        return 2
+    if (args.pty or args.udp is not None) and given:
+        link = "a pseudo-terminal (--pty)" if args.pty else "a UDP port (--udp)"
+        print(f"hbfp sim-server: {', '.join(given)} are options of the TCP server; {link} "
               "has one peer and no connections (use --idle-timeout)", file=sys.stderr)
         return 2
+    faults = [name for name, value in (("--drop", args.drop), ("--corrupt", args.corrupt)) if value]
+    if faults and args.udp is None:
+        print(f"hbfp sim-server: {', '.join(faults)} are faults of the UDP link (--udp)", file=sys.stderr)
+        return 2
+    for name, value in (("--drop", args.drop), ("--corrupt", args.corrupt)):
+        if not 0.0 <= value <= 1.0:
+            print(f"hbfp sim-server: {name} is a probability (0 .. 1), got {value:g}", file=sys.stderr)
+            return 2
     for name in ("--max-queued", "--max-clients"):
         if tcp_only[name] is not None and tcp_only[name] < 1:
             print(f"hbfp sim-server: {name} must be at least 1", file=sys.stderr)
@@ -288,6 +300,9 @@ def _sim_server(args) -> int:
     try:
         if args.pty:
             server = PtyServer(device, idle_timeout=args.idle_timeout)
+        elif args.udp is not None:
+            server = UdpServer(device, args.host, args.udp, idle_timeout=args.idle_timeout, drop=args.drop,
+                               corrupt=args.corrupt)
         else:
             # The options given; Server's defaults for the others.
             options = {key: getattr(args, key) for key in ("max_queued", "max_clients", "reply_timeout")
@@ -298,7 +313,7 @@ def _sim_server(args) -> int:
                             log=lambda message: print(f"hbfp sim-server: {message}", file=sys.stderr, flush=True),
                             **options)
     except OSError as e:
-        where = "a pseudo-terminal" if args.pty else f"{args.host}:{args.port}"
+        where = "a pseudo-terminal" if args.pty else f"{args.host}:{args.port if args.udp is None else args.udp}"
         print(f"hbfp sim-server: cannot serve on {where}: {e}", file=sys.stderr)
         close = getattr(device, "close", None)
         if close:
@@ -316,7 +331,9 @@ def _sim_server(args) -> int:
         close = getattr(device, "close", None)
         if close:
             close()
-    if not args.pty:
+    if isinstance(server, UdpServer):
+        print("datagrams: " + ", ".join(f"{v} {k}" for k, v in server.counts.items()), flush=True)
+    elif not args.pty:
         print(f"served {server.served} connection(s)", flush=True)
     return 0
 
@@ -679,7 +696,8 @@ def build_parser() -> argparse.ArgumentParser:
     # The server's defaults, as its constructor defines them.
     served = {name: p.default for name, p in inspect.signature(Server).parameters.items()}
     srv = sub.add_parser("sim-server", help="serve a device (default: the simulator) on a local TCP port to several "
-                                            "clients at once or, with --pty, on a pseudo-terminal (a serial port)")
+                                            "clients at once or, with --pty, on a pseudo-terminal (a serial port), "
+                                            "with --udp, on a UDP port")
     srv.add_argument("--device", default="sim", help="device spec to serve (default sim; emu for a quick test)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=7000, help="TCP port (default 7000; 0 picks a free one)")
@@ -699,6 +717,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--pty", action="store_true",
                      help="serve on a pseudo-terminal instead of TCP: prints serial:/dev/pts/N for serial: clients "
                           "(with sim:...,uart=N the bytes also cross the gateware's UART)")
+    srv.add_argument("--udp", type=int, metavar="PORT",
+                     help="serve on this UDP port instead of TCP (0 picks a free one): prints udp:HOST:PORT for udp: "
+                          "clients, one peer at a time, as a board's network link")
+    srv.add_argument("--drop", type=float, default=0.0, metavar="P",
+                     help="with --udp: lose each datagram, either way, with probability P (tests of recovery)")
+    srv.add_argument("--corrupt", type=float, default=0.0, metavar="P",
+                     help="with --udp: flip a bit of each datagram's stream bytes with probability P")
     srv.set_defaults(func=_sim_server)
     return p
 

@@ -2,7 +2,7 @@
 
 ``hbfp.host.open("emu")`` gives a ``Device`` (``info``, ``gemm``, ``activation``,
 ``gradient``, ``status``, ``reset``, ``stats``) over any backend of the entry-point group
-``hbfp.devices`` (``emu``, ``tcp:HOST:PORT``, ``serial:PORT[:BAUD]``, ``sim``); see
+``hbfp.devices`` (``emu``, ``tcp:HOST:PORT``, ``udp:HOST:PORT``, ``serial:PORT[:BAUD]``, ``sim``); see
 docs/host.md and docs/protocol.md.
 """
 
@@ -23,7 +23,7 @@ from .errors import (
 )
 from .registry import BackendInfo, backends, open, register_backend
 from .server import Server, serve
-from .transports import LoopbackTransport, SerialTransport, TcpTransport, Transport
+from .transports import LoopbackTransport, SerialTransport, TcpTransport, Transport, UdpTransport
 
 __all__ = [
     "open",
@@ -37,6 +37,7 @@ __all__ = [
     "Transport",
     "LoopbackTransport",
     "TcpTransport",
+    "UdpTransport",
     "SerialTransport",
     "Server",
     "serve",

@@ -2,11 +2,13 @@
 ``Server`` serves one on a TCP port to several clients at once, each in a session of its own
 (its frames, its buffers, its STATUS; bounded queues, idle clients dropped; docs/host.md,
 "Serving a device"); ``PtyServer`` serves one on a pseudo-terminal (a serial port) to one
-peer; ``serve`` and ``serve_fd`` run them in this thread."""
+peer; ``UdpServer`` on a UDP port to one peer at a time, as a board's network link does
+(``hbfp.host.datagrams``); ``serve`` and ``serve_fd`` run them in this thread."""
 
 from __future__ import annotations
 
 import os
+import random
 import select
 import selectors
 import socket
@@ -16,13 +18,14 @@ from collections import deque
 
 import numpy as np
 
+from . import datagrams as D
 from . import protocol as P
 from .emu import Buffers
 from .errors import LinkError
 from .protocol import Op, Status
 from .transports import is_byte_device
 
-__all__ = ["Server", "PtyServer", "serve", "serve_fd"]
+__all__ = ["Server", "PtyServer", "UdpServer", "serve", "serve_fd"]
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -691,6 +694,104 @@ class PtyServer(_Serving):
                     os.close(fd)
                 except OSError:
                     pass
+
+
+class UdpServer(_Serving):
+    """Serves a byte device on a UDP port (``hbfp.host.open(server.spec)``: ``udp:HOST:PORT``)
+    as a board's network link does: the stream bytes of the datagrams it takes
+    (``hbfp.host.datagrams``: numbered, ``Sequence``'s rule) go to the device, the device's
+    bytes go back in numbered datagrams of at most 1,472 bytes to the sender of the last
+    datagram taken. One peer at a time, as on the board: a second client's requests interleave
+    with the first's (use the TCP ``Server`` for several clients).
+
+    Fault mode, for tests of the host's recovery: each datagram, either way, is lost with
+    probability ``drop``, and one bit of its stream bytes flipped with probability ``corrupt``
+    (the header stays whole: a network's UDP checksum drops a datagram with a damaged header;
+    damage to the bytes, which a board's link does not check, is the protocol CRC's to find).
+    ``counts``: datagrams ``received``, ``taken``, ``sent``, ``dropped`` and ``corrupted``."""
+
+    def __init__(self, device, host: str = "127.0.0.1", port: int = 0, *, idle_timeout: float | None = None,
+                 poll: float = 0.005, drop: float = 0.0, corrupt: float = 0.0, seed: int = 0):
+        if not is_byte_device(device):
+            raise TypeError(f"serve needs a byte device (write/read), got {type(device).__name__}")
+        for name, p in (("drop", drop), ("corrupt", corrupt)):
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"{name} is a probability (0 .. 1), got {p!r}")
+        self.device, self.idle_timeout, self.poll = device, idle_timeout, poll
+        self.drop, self.corrupt, self.rng = drop, corrupt, random.Random(seed)
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        self.sock = socket.socket(family, kind, proto)
+        try:
+            self.sock.bind(address)
+            self.sock.setblocking(False)
+        except OSError:
+            self.sock.close()
+            raise
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.peer = None
+        self.sequence = D.Sequence()
+        self.numbering = D.Numbering()
+        self.counts = dict.fromkeys(("received", "taken", "sent", "dropped", "corrupted"), 0)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def spec(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"udp:{host}:{self.port}"
+
+    def _fault(self, datagram: bytes) -> bytes | None:
+        """The datagram as the faulty network delivers it (None: lost)."""
+        if self.drop and self.rng.random() < self.drop:
+            self.counts["dropped"] += 1
+            return None
+        if self.corrupt and len(datagram) > D.HEADER.size and self.rng.random() < self.corrupt:
+            self.counts["corrupted"] += 1
+            damaged = bytearray(datagram)
+            damaged[self.rng.randrange(D.HEADER.size, len(damaged))] ^= 1 << self.rng.randrange(8)
+            return bytes(damaged)
+        return datagram
+
+    def _recv(self) -> bytes | None:
+        datagram, sender = self.sock.recvfrom(1 << 16)
+        self.counts["received"] += 1
+        datagram = self._fault(datagram)
+        parts = D.unpack(datagram) if datagram is not None else None
+        if parts is None or not self.sequence.take(parts[0], parts[1]):
+            return None
+        self.counts["taken"] += 1
+        self.peer = sender
+        return parts[2] or None  # (b"" would mean a closed peer to the pump)
+
+    def _send(self, data: bytes) -> int:
+        if self.peer is None:
+            return len(data)  # nobody asked: nowhere to answer
+        sent = 0
+        while sent < len(data):
+            chunk = data[sent:sent + D.MAX_STREAM_BYTES]
+            datagram = self._fault(D.pack(self.numbering.seq, chunk))
+            if datagram is not None:
+                try:
+                    self.sock.sendto(datagram, self.peer)
+                except (BlockingIOError, InterruptedError):
+                    return sent
+            self.numbering.next()
+            self.counts["sent"] += 1
+            sent += len(chunk)
+        return sent
+
+    def run(self) -> None:
+        try:
+            _pump(self.device, self.sock.fileno(), self._recv, self._send, self._stop, self.poll, self.idle_timeout)
+        finally:
+            self.sock.close()
+
+    def _thread_name(self) -> str:
+        return f"hbfp-serve-{self.spec}"
+
+    def _stopped_before_start(self) -> None:
+        self.sock.close()
 
 
 def serve(device, host: str = "127.0.0.1", port: int = 0, **options) -> None:

@@ -18,6 +18,7 @@ import select
 import socket
 import time
 
+from . import datagrams as D
 from . import protocol as P
 from .errors import LinkError, Timeout
 
@@ -25,11 +26,13 @@ __all__ = [
     "Transport",
     "LoopbackTransport",
     "TcpTransport",
+    "UdpTransport",
     "SerialTransport",
     "FaultyTransport",
     "TransportDevice",
     "is_byte_device",
     "tcp_backend",
+    "udp_backend",
     "serial_backend",
 ]
 
@@ -146,6 +149,72 @@ class TcpTransport(Transport):
         if not data:
             raise LinkError(f"tcp:{self.address[0]}:{self.address[1]}: the device closed the connection")
         return data
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class UdpTransport(Transport):
+    """UDP datagrams to a device on a network (a board's Ethernet link, ``hbfp sim-server
+    --udp``): ``UdpTransport("192.168.1.50:7000")`` (or ``"udp:..."``). The stream goes in
+    numbered datagrams (``hbfp.host.datagrams``: at most 1,472 bytes each, ``SYNC`` until the
+    first reply); replies out of order or duplicated are dropped, lost ones leave a gap that the
+    protocol's CRC, timeout and retry recover. The device buffers at least two of the driver's
+    largest requests, so the driver pipelines over it as over TCP."""
+
+    def __init__(self, address: str, *, receive_buffer: int = 1 << 22):
+        if address.startswith("udp:"):
+            address = address[4:]
+        self.address = _split_host_port(address)
+        self.name = f"udp:{self.address[0]}:{self.address[1]}"
+        try:
+            family, kind, proto, _, target = socket.getaddrinfo(*self.address, type=socket.SOCK_DGRAM)[0]
+            self.sock = socket.socket(family, kind, proto)
+        except OSError as e:
+            raise LinkError(f"cannot open {self.name}: {e}") from e
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+            self.sock.connect(target)  # datagrams from this address only
+        except OSError as e:
+            self.sock.close()
+            raise LinkError(f"cannot open {self.name}: {e}") from e
+        self.numbering = D.Numbering()
+        self.sequence = D.Sequence()
+
+    def send(self, data: bytes) -> None:
+        flags = D.SYNC if self.sequence.expected is None else 0  # until the device has answered
+        try:
+            for datagram in self.numbering.datagrams(bytes(data), flags):
+                self.sock.send(datagram)
+        except ConnectionRefusedError as e:
+            raise LinkError(f"{self.name}: nothing listens there (the port is closed)") from e
+        except OSError as e:
+            raise LinkError(f"{self.name}: {e}") from e
+
+    def receive(self, timeout: float) -> bytes:
+        deadline = time.monotonic() + max(0.0, timeout)
+        got = bytearray()
+        wait = max(0.0, timeout)
+        while True:
+            r, _, _ = select.select([self.sock], [], [], wait)
+            if not r:
+                return bytes(got)
+            try:
+                datagram = self.sock.recv(1 << 16)
+            except ConnectionRefusedError as e:
+                raise LinkError(f"{self.name}: nothing listens there (the port is closed)") from e
+            except OSError as e:
+                raise LinkError(f"{self.name}: {e}") from e
+            parts = D.unpack(datagram)
+            if parts is not None and self.sequence.take(parts[0], parts[1]):
+                got += parts[2]
+            # whatever else has arrived already, then back to the caller
+            wait = 0.0 if got else max(0.0, deadline - time.monotonic())
+            if not got and wait == 0.0:
+                return b""
 
     def close(self) -> None:
         try:
@@ -296,6 +365,16 @@ class _TcpBackend:
         return TcpTransport(arg, **options)
 
 
+class _UdpBackend:
+    """``udp:HOST:PORT``: a device on a network (a board's Ethernet link, ``hbfp sim-server --udp``)."""
+
+    ABI_VERSION = P.ABI_VERSION
+    description = "a device on a network, UDP datagrams (a board's Ethernet link, hbfp sim-server --udp)"
+
+    def open(self, arg: str, **options) -> UdpTransport:
+        return UdpTransport(arg, **options)
+
+
 class _SerialBackend:
     """``serial:PORT[:BAUD]``: a device on a serial port (pyserial)."""
 
@@ -307,4 +386,5 @@ class _SerialBackend:
 
 
 tcp_backend = _TcpBackend()
+udp_backend = _UdpBackend()
 serial_backend = _SerialBackend()

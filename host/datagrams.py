@@ -1,0 +1,93 @@
+"""The byte stream of the wire protocol in UDP datagrams (``udp:HOST:PORT``; docs/protocol.md,
+"UDP"): the rules both ends follow, the host (``hbfp.host.transports.UdpTransport``), the
+servers (``hbfp.host.server.UdpServer``) and the board's network link alike.
+
+A datagram is a 4-byte header and up to ``MAX_STREAM_BYTES`` bytes of the stream::
+
+    seq (u16, little-endian) | flags (u8) | version (u8, VERSION) | stream bytes
+
+Each sender numbers its datagrams 0, 1, 2, ... (wrapping at 2^16). A receiver takes a
+datagram whose ``seq`` is ahead of the last one it took (by less than 2^15: ``Sequence``),
+and drops the others (late, reordered or duplicated ones); datagrams lost on the way leave a
+gap in the stream, which the protocol's CRC, timeout and retry recover, as on any lossy
+link. ``SYNC`` in ``flags`` makes the receiver take the datagram whatever its number: a
+host sets it until the first reply arrives, so that a device still counting another
+session's datagrams follows the new one. A datagram that is too short, of another version,
+or larger than ``MAX_DATAGRAM`` is dropped.
+"""
+
+from __future__ import annotations
+
+import struct
+
+__all__ = ["HEADER", "VERSION", "SYNC", "MAX_DATAGRAM", "MAX_STREAM_BYTES", "pack", "unpack", "Sequence", "Numbering"]
+
+HEADER = struct.Struct("<HBB")
+#: The version byte of this layout.
+VERSION = 1
+#: ``flags``: take this datagram whatever its number.
+SYNC = 0x01
+#: The largest UDP payload that fits one Ethernet frame (1500 - 20 IPv4 - 8 UDP).
+MAX_DATAGRAM = 1472
+#: Stream bytes a datagram carries at most.
+MAX_STREAM_BYTES = MAX_DATAGRAM - HEADER.size
+#: Half the sequence space: a datagram this far or farther ahead is taken for a late one.
+_WINDOW = 1 << 15
+
+
+def pack(seq: int, data: bytes, flags: int = 0) -> bytes:
+    """One datagram: the header and ``data`` (at most ``MAX_STREAM_BYTES``)."""
+    if len(data) > MAX_STREAM_BYTES:
+        raise ValueError(f"a datagram carries at most {MAX_STREAM_BYTES} stream bytes, got {len(data)}")
+    return HEADER.pack(seq & 0xFFFF, flags, VERSION) + bytes(data)
+
+
+def unpack(datagram: bytes) -> tuple[int, int, bytes] | None:
+    """(seq, flags, stream bytes) of a datagram, or None for one to drop (too short, too long,
+    another version)."""
+    if not HEADER.size <= len(datagram) <= MAX_DATAGRAM:
+        return None
+    seq, flags, version = HEADER.unpack_from(datagram)
+    if version != VERSION:
+        return None
+    return seq, flags, bytes(datagram[HEADER.size:])
+
+
+class Sequence:
+    """A receiver's rule for datagram numbers (module docstring): ``take(seq, flags)`` says
+    whether to take a datagram; ``lost`` counts the numbers skipped, ``dropped`` the
+    datagrams refused."""
+
+    def __init__(self):
+        self.expected: int | None = None
+        self.lost = 0
+        self.dropped = 0
+
+    def take(self, seq: int, flags: int = 0) -> bool:
+        if self.expected is None or flags & SYNC:
+            self.expected = (seq + 1) & 0xFFFF
+            return True
+        ahead = (seq - self.expected) & 0xFFFF
+        if ahead >= _WINDOW:
+            self.dropped += 1
+            return False
+        self.lost += ahead
+        self.expected = (seq + 1) & 0xFFFF
+        return True
+
+
+class Numbering:
+    """A sender's numbering: ``next()`` is the number of its next datagram."""
+
+    def __init__(self, start: int = 0):
+        self.seq = start & 0xFFFF
+
+    def next(self) -> int:
+        seq = self.seq
+        self.seq = (seq + 1) & 0xFFFF
+        return seq
+
+    def datagrams(self, data: bytes, flags: int = 0) -> list[bytes]:
+        """``data`` in numbered datagrams of at most ``MAX_STREAM_BYTES`` stream bytes each."""
+        return [pack(self.next(), data[i:i + MAX_STREAM_BYTES], flags)
+                for i in range(0, len(data), MAX_STREAM_BYTES)]
