@@ -63,7 +63,8 @@ class FrameFifo(wiring.Component):
     committed frames wait already). A frame with no byte left after ``trim`` commits nothing.
 
     Read side: ``o``, the committed frames' bytes (``frame_layout``), one a cycle while
-    ``o.ready`` is high (a frame's bytes back to back once its first is offered).
+    ``o.ready`` is high (a frame's bytes back to back once its first is offered);
+    ``length``, the number of bytes of the frame whose first byte ``o`` offers.
     """
 
     def __init__(self, depth: int, *, trim: int = 0, max_frames: int = 16):
@@ -79,6 +80,7 @@ class FrameFifo(wiring.Component):
             "w_room": Out(1),
             "overflow": Out(1),
             "o": Out(stream.Signature(frame_layout())),
+            "length": Out(depth.bit_length()),
         })
 
     def elaborate(self, platform):
@@ -121,7 +123,7 @@ class FrameFifo(wiring.Component):
         m.d.comb += [rd_port.addr.eq(rd[:bits]), rd_port.en.eq(~self.o.valid | self.o.ready),
                      self.o.payload.data.eq(rd_port.data), lengths.r_en.eq(remaining == 0)]
         with m.If((remaining == 0) & lengths.r_rdy):
-            m.d.sync += remaining.eq(lengths.r_data)
+            m.d.sync += [remaining.eq(lengths.r_data), self.length.eq(lengths.r_data)]
         with m.If(fetch):
             m.d.sync += [rd.eq(rd + 1), remaining.eq(remaining - 1), self.o.valid.eq(1),
                          self.o.payload.last.eq(remaining == 1)]

@@ -1,0 +1,389 @@
+"""ARP, IPv4 and UDP for one address and port: the network link's datagrams (docs/protocol.md,
+"UDP") between the Ethernet MAC (``hw.eth_mac``) and the packet engine's byte stream.
+
+```
+ MacRx -> UdpRx --o--> stream bytes (to the engine)
+            |  \\--arp--> ArpResponder --\\
+            peer                          FrameArbiter -> MacTx
+ stream bytes (from the engine) --i--> UdpTx ---------/
+```
+
+- ``UdpRx`` reads each received frame (FCS already checked) once, a byte a cycle: an ARP
+  request for ``ip`` goes to ``ArpResponder``; an IPv4 datagram to ``mac`` and ``ip`` (no
+  options, not fragmented, header checksum right) for UDP port ``port``, with the datagram
+  header's version and a number ``Sequence`` takes (``hbfp.host.datagrams``), gives its
+  stream bytes on ``o`` and makes its sender the ``peer``. Anything else is ignored.
+- ``UdpTx`` collects the engine's bytes into datagrams of at most ``MAX_STREAM_BYTES`` (sent
+  when full, or once no byte has come for ``flush_cycles``) in a ``FrameFifo``, and sends
+  each to the peer: Ethernet, IPv4 (header checksum, TTL 64, don't fragment) and UDP
+  headers (no checksum), the datagram header with its number, the bytes.
+- ``ArpResponder``: the 42-byte ARP reply to a request (``MacTx`` pads it).
+- ``FrameArbiter``: whole frames from several streams, one at a time, the first stream first.
+- ``UdpLink``: all of it on GMII, with ``MacRx`` and ``MacTx``.
+
+Everything runs in one clock domain (the link's 125 MHz in a board top).
+"""
+
+from __future__ import annotations
+
+from amaranth import Array, Cat, Const, Module, Signal
+from amaranth.lib import data, stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from hbfp.host import datagrams as D
+
+from .eth_mac import FrameFifo, MacRx, MacTx, frame_layout
+
+__all__ = ["UdpRx", "UdpTx", "ArpResponder", "FrameArbiter", "UdpLink", "ETHERTYPE_IPV4", "ETHERTYPE_ARP",
+           "BROADCAST", "TTL", "HEADER_BYTES"]
+
+ETHERTYPE_IPV4, ETHERTYPE_ARP = 0x0800, 0x0806
+BROADCAST = 0xFFFF_FFFF_FFFF
+IP_PROTO_UDP = 17
+#: The time to live of the datagrams sent.
+TTL = 64
+#: Ethernet (14), IPv4 (20), UDP (8) and datagram (4) headers in front of a datagram's stream bytes.
+HEADER_BYTES = 14 + 20 + 8 + D.HEADER.size
+#: Bytes of an ARP request or reply after the Ethernet header.
+ARP_BYTES = 28
+
+
+def _check_address(component, mac, ip, port):
+    """Refuse an address a device cannot have (``component`` is then never elaborated)."""
+    why = None
+    for name, value, bits in (("mac", mac, 48), ("ip", ip, 32), ("port", port, 16)):
+        if why is None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << bits):
+            why = f"{name} must be an integer of {bits} bits, got {value!r}"
+    if why is None and mac & (1 << 40):
+        why = f"mac {mac:012x} is a group address: a device needs an individual one"
+    if why is not None:
+        component._MustUse__used = True
+        raise ValueError(why)
+
+
+def big_endian(value, nbytes: int) -> list:
+    """The bytes of ``value`` (an int or a Value of ``8 * nbytes`` bits), most significant first."""
+    if isinstance(value, int):
+        return [Const((value >> (8 * (nbytes - 1 - i))) & 0xFF, 8) for i in range(nbytes)]
+    return [value[8 * (nbytes - 1 - i):8 * (nbytes - i)] for i in range(nbytes)]
+
+
+def ones_complement_sum(*words):
+    """The 16-bit one's complement sum of 16-bit Values (end-around carries folded twice:
+    enough for up to 2^16 words)."""
+    total = sum(words[1:], words[0])
+    folded = total[:16] + total[16:]
+    return (folded[:16] + folded[16:])[:16]
+
+
+def peer_layout() -> data.StructLayout:
+    """Where replies go: the sender of the last datagram taken."""
+    return data.StructLayout({"mac": 48, "ip": 32, "port": 16})
+
+
+class UdpRx(wiring.Component):
+    """Received frames (``i``, ``frame_layout``, FCS checked and stripped) to stream bytes
+    (``o``), ARP requests (``arp``) and the ``peer`` (module docstring).
+
+    Counters (32 bits): ``datagrams`` (taken), ``late`` (refused by their number), ``lost``
+    (numbers skipped), ``arp_requests`` (for our address)."""
+
+    COUNTERS = ("datagrams", "late", "lost", "arp_requests")
+
+    def __init__(self, mac: int, ip: int, port: int):
+        _check_address(self, mac, ip, port)
+        self.mac, self.ip, self.port = mac, ip, port
+        super().__init__({
+            "i": In(stream.Signature(frame_layout())),
+            "o": Out(stream.Signature(8)),
+            "arp": Out(stream.Signature(data.StructLayout({"mac": 48, "ip": 32}))),
+            "peer": Out(peer_layout()),
+            "peer_valid": Out(1),
+            **{name: Out(32) for name in self.COUNTERS},
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        byte = self.i.payload.data
+        pos = Signal(range(2048))  # the byte's place in its frame (saturating)
+        sh = Signal(64)            # the frame's last eight bytes, the newest in the low bits
+        nxt = Cat(byte, sh[:56])   # ... with this one
+        take = self.i.valid & self.i.ready
+        with m.If(take):
+            m.d.sync += sh.eq(nxt)
+            with m.If(self.i.payload.last):
+                m.d.sync += pos.eq(0)
+            with m.Elif(pos != 2047):
+                m.d.sync += pos.eq(pos + 1)
+
+        unicast, for_us = Signal(), Signal()  # to our MAC; to it or broadcast
+        src_mac, etype = Signal(48), Signal(16)
+        arp_ok, arp_sha, arp_spa = Signal(), Signal(48), Signal(32)
+        csum = Signal(16)                      # the IPv4 header's one's complement sum so far
+        ip_ok, total_len, src_ip = Signal(), Signal(16), Signal(32)
+        udp_src, udp_len, seq = Signal(16), Signal(16), Signal(16)
+        flags = Signal(8)
+        taking = Signal()                      # this frame's stream bytes go to ``o``
+        synced, expected = Signal(), Signal(16)
+
+        # the IPv4 header's checksum, a 16-bit word at each odd position of the header
+        with m.If(take & (pos >= 14) & (pos <= 33)):
+            with m.If(pos == 14):
+                m.d.sync += csum.eq(0)
+            with m.Elif(pos[0]):
+                m.d.sync += csum.eq(ones_complement_sum(csum, nxt[:16]))
+
+        with m.If(take):
+            with m.Switch(pos):
+                with m.Case(0):
+                    m.d.sync += [taking.eq(0), arp_ok.eq(0), ip_ok.eq(0)]
+                with m.Case(5):
+                    m.d.sync += [unicast.eq(nxt[:48] == self.mac), for_us.eq((nxt[:48] == self.mac) |
+                                                                             (nxt[:48] == BROADCAST))]
+                with m.Case(11):
+                    m.d.sync += src_mac.eq(nxt[:48])
+                with m.Case(13):
+                    m.d.sync += etype.eq(nxt[:16])
+                # ARP: hardware Ethernet, protocol IPv4, lengths 6 and 4, a request
+                with m.Case(21):
+                    m.d.sync += arp_ok.eq(for_us & (etype == ETHERTYPE_ARP) & (nxt == 0x0001_0800_0604_0001))
+                with m.Case(27):
+                    m.d.sync += arp_sha.eq(nxt[:48])
+                with m.Case(31):
+                    m.d.sync += arp_spa.eq(nxt[:32])
+                with m.Case(41):
+                    with m.If(arp_ok & (nxt[:32] == self.ip)):
+                        m.d.sync += self.arp_requests.eq(self.arp_requests + 1)
+                        with m.If(~self.arp.valid):  # one at a time: the requester asks again
+                            m.d.sync += [self.arp.valid.eq(1), self.arp.payload.mac.eq(arp_sha),
+                                         self.arp.payload.ip.eq(arp_spa)]
+                # IPv4: version 4, 5 words of header (no options), not a fragment, UDP
+                with m.Case(14):
+                    m.d.sync += ip_ok.eq(unicast & (etype == ETHERTYPE_IPV4) & (byte == 0x45))
+                with m.Case(17):
+                    m.d.sync += total_len.eq(nxt[:16])
+                with m.Case(23):
+                    frag = sh[8:24]  # bytes 20-21: flags and fragment offset; byte 22 TTL
+                    m.d.sync += ip_ok.eq(ip_ok & ((frag & 0x3FFF) == 0) & (byte == IP_PROTO_UDP) &
+                                         (total_len >= 20 + 8 + D.HEADER.size))
+                with m.Case(29):
+                    m.d.sync += src_ip.eq(nxt[:32])
+                with m.Case(33):
+                    m.d.sync += ip_ok.eq(ip_ok & (nxt[:32] == self.ip) &
+                                         (ones_complement_sum(csum, nxt[:16]) == 0xFFFF))
+                with m.Case(35):
+                    m.d.sync += udp_src.eq(nxt[:16])
+                with m.Case(37):
+                    m.d.sync += ip_ok.eq(ip_ok & (nxt[:16] == self.port))
+                with m.Case(39):
+                    m.d.sync += [udp_len.eq(nxt[:16]),
+                                 ip_ok.eq(ip_ok & (nxt[:16] >= 8 + D.HEADER.size) & (nxt[:16] <= total_len - 20))]
+                with m.Case(43):
+                    m.d.sync += seq.eq(Cat(nxt[8:16], nxt[:8]))  # little-endian
+                with m.Case(44):
+                    m.d.sync += flags.eq(byte)
+                with m.Case(45):  # the datagram header is whole: take it or not
+                    ahead = Signal(16)
+                    m.d.comb += ahead.eq(seq - expected)
+                    in_order = ~synced | flags[0] | ~ahead[15]
+                    ok = ip_ok & (byte == D.VERSION)
+                    with m.If(ok & in_order):
+                        m.d.sync += [taking.eq(1), synced.eq(1), expected.eq(seq + 1),
+                                     self.datagrams.eq(self.datagrams + 1),
+                                     self.peer.mac.eq(src_mac), self.peer.ip.eq(src_ip), self.peer.port.eq(udp_src),
+                                     self.peer_valid.eq(1)]
+                        with m.If(synced & ~flags[0]):
+                            m.d.sync += self.lost.eq(self.lost + ahead)
+                    with m.Elif(ok):
+                        m.d.sync += self.late.eq(self.late + 1)
+        with m.If(self.arp.valid & self.arp.ready):
+            m.d.sync += self.arp.valid.eq(0)
+
+        # the stream bytes: positions 46 .. 34 + udp_len - 1 of a datagram taken
+        forward = taking & (pos >= HEADER_BYTES) & (pos < 34 + udp_len)
+        m.d.comb += [self.o.payload.eq(byte), self.o.valid.eq(self.i.valid & forward),
+                     self.i.ready.eq(~forward | self.o.ready)]
+        return m
+
+
+class ArpResponder(wiring.Component):
+    """The ARP reply of ``mac``/``ip`` to each request on ``i`` (the requester's MAC and IP),
+    as a 42-byte frame on ``o`` (``frame_layout``)."""
+
+    def __init__(self, mac: int, ip: int):
+        _check_address(self, mac, ip, 0)
+        self.mac, self.ip = mac, ip
+        super().__init__({
+            "i": In(stream.Signature(data.StructLayout({"mac": 48, "ip": 32}))),
+            "o": Out(stream.Signature(frame_layout())),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        who = Signal(data.StructLayout({"mac": 48, "ip": 32}))
+        k = Signal(range(14 + ARP_BYTES))
+        frame = (big_endian(who.mac, 6) + big_endian(self.mac, 6) + big_endian(ETHERTYPE_ARP, 2) +
+                 big_endian(0x0001_0800_0604_0002, 8) + big_endian(self.mac, 6) + big_endian(self.ip, 4) +
+                 big_endian(who.mac, 6) + big_endian(who.ip, 4))
+        busy = Signal()
+        m.d.comb += [self.i.ready.eq(~busy), self.o.valid.eq(busy), self.o.payload.data.eq(Array(frame)[k]),
+                     self.o.payload.last.eq(k == len(frame) - 1)]
+        with m.If(self.i.valid & ~busy):
+            m.d.sync += [who.eq(self.i.payload), busy.eq(1), k.eq(0)]
+        with m.If(self.o.valid & self.o.ready):
+            m.d.sync += k.eq(k + 1)
+            with m.If(self.o.payload.last):
+                m.d.sync += busy.eq(0)
+        return m
+
+
+class UdpTx(wiring.Component):
+    """Stream bytes (``i``) to the ``peer`` in datagrams (module docstring), as frames on
+    ``o`` (``frame_layout``) for ``MacTx``. ``buffer_bytes``: the ``FrameFifo`` of datagrams
+    waiting; ``flush_cycles``: the quiet time after which a partial datagram goes."""
+
+    def __init__(self, mac: int, ip: int, port: int, *, buffer_bytes: int = 4096, flush_cycles: int = 16):
+        _check_address(self, mac, ip, port)
+        if buffer_bytes < 2 * D.MAX_STREAM_BYTES:
+            self._MustUse__used = True
+            raise ValueError(f"buffer_bytes must hold two datagrams ({2 * D.MAX_STREAM_BYTES}), got {buffer_bytes}")
+        self.mac, self.ip, self.port = mac, ip, port
+        self.buffer_bytes, self.flush_cycles = buffer_bytes, flush_cycles
+        super().__init__({
+            "i": In(stream.Signature(8)),
+            "peer": In(peer_layout()),
+            "peer_valid": In(1),
+            "o": Out(stream.Signature(frame_layout())),
+            "datagrams": Out(32),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.buffer = buf = FrameFifo(self.buffer_bytes)
+
+        # the collector: bytes into the current datagram; ended full or after a quiet time
+        count = Signal(range(D.MAX_STREAM_BYTES + 1))
+        quiet = Signal(range(self.flush_cycles + 1))
+        byte_in = self.i.valid & buf.w_room
+        full = byte_in & (count == D.MAX_STREAM_BYTES - 1)
+        flush = (count != 0) & ~self.i.valid & (quiet == self.flush_cycles)
+        m.d.comb += [self.i.ready.eq(buf.w_room), buf.w_data.eq(self.i.payload), buf.w_valid.eq(byte_in),
+                     buf.w_end.eq(full | flush), buf.w_ok.eq(1)]
+        with m.If(full | flush):
+            m.d.sync += [count.eq(0), quiet.eq(0)]
+        with m.Elif(byte_in):
+            m.d.sync += [count.eq(count + 1), quiet.eq(0)]
+        with m.Elif(quiet != self.flush_cycles):
+            m.d.sync += quiet.eq(quiet + 1)
+
+        # the sender: the headers, then the datagram's bytes
+        n = Signal(range(D.MAX_STREAM_BYTES + 1))
+        to = Signal(peer_layout())
+        seq, ident = Signal(16), Signal(16)
+        ip_len, udp_len, csum = Signal(16), Signal(16), Signal(16)
+        ip_hi, ip_lo = self.ip >> 16, self.ip & 0xFFFF
+        fixed = 0x4500 + 0x4000 + (TTL << 8 | 17) + ip_hi + ip_lo  # the header words that never change
+        header = (big_endian(to.mac, 6) + big_endian(self.mac, 6) + big_endian(ETHERTYPE_IPV4, 2) +
+                  big_endian(0x4500, 2) + big_endian(ip_len, 2) + big_endian(ident, 2) + big_endian(0x4000, 2) +
+                  big_endian(TTL << 8 | 17, 2) + big_endian(csum, 2) + big_endian(self.ip, 4) + big_endian(to.ip, 4) +
+                  big_endian(self.port, 2) + big_endian(to.port, 2) + big_endian(udp_len, 2) + big_endian(0, 2) +
+                  [seq[:8], seq[8:], Const(0, 8), Const(D.VERSION, 8)])
+        assert len(header) == HEADER_BYTES
+        k = Signal(range(HEADER_BYTES))
+        with m.FSM():
+            with m.State("IDLE"):
+                with m.If(buf.o.valid & self.peer_valid):
+                    m.d.sync += [n.eq(buf.length), to.eq(self.peer)]
+                    m.next = "LENGTHS"
+            with m.State("LENGTHS"):
+                m.d.sync += [ip_len.eq(n + 20 + 8 + D.HEADER.size), udp_len.eq(n + 8 + D.HEADER.size)]
+                m.next = "CHECKSUM"
+            with m.State("CHECKSUM"):
+                m.d.sync += [csum.eq(~ones_complement_sum(Const(fixed, 20), ip_len, ident, to.ip[16:], to.ip[:16])),
+                             k.eq(0)]
+                m.next = "HEADER"
+            with m.State("HEADER"):
+                m.d.comb += [self.o.valid.eq(1), self.o.payload.data.eq(Array(header)[k])]
+                with m.If(self.o.ready):
+                    m.d.sync += k.eq(k + 1)
+                    with m.If(k == HEADER_BYTES - 1):
+                        m.next = "DATA"
+            with m.State("DATA"):
+                wiring.connect(m, buf.o, wiring.flipped(self.o))
+                with m.If(buf.o.valid & self.o.ready & buf.o.payload.last):
+                    m.d.sync += [seq.eq(seq + 1), ident.eq(ident + 1), self.datagrams.eq(self.datagrams + 1)]
+                    m.next = "IDLE"
+        return m
+
+
+class FrameArbiter(wiring.Component):
+    """Whole frames from ``count`` streams (``i0``, ``i1``, ...: ``frame_layout``) onto one
+    (``o``): the first stream with a frame waiting goes first; a frame, once begun, is passed
+    to its last byte."""
+
+    def __init__(self, count: int):
+        self.count = count
+        super().__init__({
+            **{f"i{j}": In(stream.Signature(frame_layout())) for j in range(count)},
+            "o": Out(stream.Signature(frame_layout())),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        inputs = [getattr(self, f"i{j}") for j in range(self.count)]
+        current = Signal(range(self.count))
+        busy = Signal()
+        with m.If(~busy):
+            for j in reversed(range(self.count)):
+                with m.If(inputs[j].valid):
+                    m.d.sync += [current.eq(j), busy.eq(1)]
+        with m.Else():
+            with m.Switch(current):
+                for j, src in enumerate(inputs):
+                    with m.Case(j):
+                        m.d.comb += [self.o.valid.eq(src.valid), self.o.payload.eq(src.payload),
+                                     src.ready.eq(self.o.ready)]
+                        with m.If(src.valid & self.o.ready & src.payload.last):
+                            m.d.sync += busy.eq(0)
+        return m
+
+
+class UdpLink(wiring.Component):
+    """The network link on GMII: ``MacRx`` -> ``UdpRx`` -> ``o`` (stream bytes to the engine),
+    ``i`` (from it) -> ``UdpTx``, ARP replies, ``FrameArbiter`` -> ``MacTx``. Counters: the
+    MAC's and ``UdpRx``'s, and ``sent`` (datagrams)."""
+
+    def __init__(self, mac: int, ip: int, port: int, *, buffer_bytes: int = 4096, flush_cycles: int = 16):
+        _check_address(self, mac, ip, port)
+        self.mac, self.ip, self.port = mac, ip, port
+        self.buffer_bytes, self.flush_cycles = buffer_bytes, flush_cycles
+        super().__init__({
+            "rx_dv": In(1), "rx_er": In(1), "rxd": In(8),
+            "tx_en": Out(1), "tx_er": Out(1), "txd": Out(8),
+            "o": Out(stream.Signature(8)),
+            "i": In(stream.Signature(8)),
+            **{name: Out(32) for name in MacRx.COUNTERS + UdpRx.COUNTERS + ("sent",)},
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.mac_rx = mac_rx = MacRx(self.buffer_bytes)
+        m.submodules.udp_rx = udp_rx = UdpRx(self.mac, self.ip, self.port)
+        m.submodules.arp = arp = ArpResponder(self.mac, self.ip)
+        m.submodules.udp_tx = udp_tx = UdpTx(self.mac, self.ip, self.port, buffer_bytes=self.buffer_bytes,
+                                             flush_cycles=self.flush_cycles)
+        m.submodules.arbiter = arbiter = FrameArbiter(2)
+        m.submodules.mac_tx = mac_tx = MacTx(self.buffer_bytes)
+        m.d.comb += [mac_rx.rx_dv.eq(self.rx_dv), mac_rx.rx_er.eq(self.rx_er), mac_rx.rxd.eq(self.rxd),
+                     self.tx_en.eq(mac_tx.tx_en), self.tx_er.eq(mac_tx.tx_er), self.txd.eq(mac_tx.txd),
+                     udp_tx.peer.eq(udp_rx.peer), udp_tx.peer_valid.eq(udp_rx.peer_valid), self.sent.eq(udp_tx.datagrams)]
+        m.d.comb += [getattr(self, c).eq(getattr(mac_rx, c)) for c in MacRx.COUNTERS]
+        m.d.comb += [getattr(self, c).eq(getattr(udp_rx, c)) for c in UdpRx.COUNTERS]
+        wiring.connect(m, mac_rx.o, udp_rx.i)
+        wiring.connect(m, udp_rx.o, wiring.flipped(self.o))
+        wiring.connect(m, udp_rx.arp, arp.i)
+        wiring.connect(m, wiring.flipped(self.i), udp_tx.i)
+        wiring.connect(m, arp.o, arbiter.i0)
+        wiring.connect(m, udp_tx.o, arbiter.i1)
+        wiring.connect(m, arbiter.o, mac_tx.i)
+        return m

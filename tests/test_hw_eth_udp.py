@@ -1,0 +1,165 @@
+"""The network link's ARP, IPv4 and UDP layers (``hbfp.hw.eth_udp.UdpLink``, with its MAC)
+against the RFC model of ``sim/tb_eth_udp.py`` and the datagram rules of
+``hbfp.host.datagrams``, in the Amaranth simulator: frames on GMII in, frames on GMII out."""
+
+import random
+
+import pytest
+from amaranth.sim import Simulator
+
+from hbfp.host import datagrams as D
+from hbfp.hw.eth_udp import UdpLink, UdpTx
+from hbfp.sim import tb_eth_mac as mac
+from hbfp.sim import tb_eth_udp as net
+
+MAC, IP, PORT = 0x02_48_42_46_50_01, 0xC0A8_0132, 7000       # the device: 192.168.1.50:7000
+HOST_MAC, HOST_IP, HOST_PORT = 0x02_00_00_00_00_99, 0xC0A8_0101, 50123
+
+
+def run_link(frames, *, engine=b"", engine_at: int = 0, cycles: int = 0, ready_p: float = 1.0, seed: int = 0):
+    """Send ``frames`` (Ethernet frames without FCS) to a ``UdpLink`` on GMII, offer the
+    engine's bytes ``engine`` on ``i`` from cycle ``engine_at``; the stream bytes taken from
+    ``o``, the frames it sent (FCS checked, stripped) and its counters."""
+    dut = UdpLink(MAC, IP, PORT, flush_cycles=16)
+    rng = random.Random(seed)
+    line_in = [(0, 0, 0)] * 2 + mac.gmii_cycles([mac.Burst(mac.wire(f)) for f in frames])
+    total = max(len(line_in), engine_at) + cycles + 40 * len(engine) // 30 + 4000
+    got, line = bytearray(), []
+    counts = {}
+
+    async def bench(ctx):
+        k = 0
+        for t in range(total):
+            dv, er, d = line_in[t] if t < len(line_in) else (0, 0, 0)
+            ctx.set(dut.rx_dv, dv)
+            ctx.set(dut.rx_er, er)
+            ctx.set(dut.rxd, d)
+            ready = rng.random() < ready_p
+            ctx.set(dut.o.ready, ready)
+            if ready and ctx.get(dut.o.valid):
+                got.append(ctx.get(dut.o.payload))
+            offer = t >= engine_at and k < len(engine)
+            ctx.set(dut.i.valid, offer)
+            if offer:
+                ctx.set(dut.i.payload, engine[k])
+                k += ctx.get(dut.i.ready)
+            line.append((ctx.get(dut.tx_en), ctx.get(dut.txd)))
+            await ctx.tick()
+        counts.update({n: ctx.get(getattr(dut, n)) for n in ("frames", "datagrams", "late", "lost", "arp_requests",
+                                                              "sent")})
+
+    sim = Simulator(dut)
+    sim.add_clock(8e-9)
+    sim.add_testbench(bench)
+    sim.run()
+    sent = []
+    for w in mac.decode_gmii(line)[0]:
+        assert mac.fcs(w[:-4]) == w[-4:]
+        sent.append(w[:-4])
+    return bytes(got), sent, counts
+
+
+def datagram(seq, data, flags=0, **kw):
+    d = {"dst_mac": MAC, "dst_ip": IP, "dport": PORT, "src_ip": HOST_IP, "sport": HOST_PORT}
+    d.update(kw)
+    payload = kw.pop("raw", None) or D.pack(seq, data, flags)
+    ip = {k: d[k] for k in ("ident", "ttl", "flags_frag", "options", "checksum") if k in d}
+    return net.udp_frame(d["dst_mac"], HOST_MAC, d["src_ip"], d["dst_ip"], d["sport"], d["dport"], payload, **ip)
+
+
+def test_arp_requests_for_our_address_are_answered():
+    frames = [net.arp_request(HOST_MAC, HOST_IP, 0xC0A8_0133),  # someone else's address
+              net.arp_request(HOST_MAC, HOST_IP, IP),
+              net.arp_request(HOST_MAC, HOST_IP, IP, dst_mac=MAC)]  # unicast, as a cache refresh asks
+    got, sent, counts = run_link(frames)
+    assert got == b"" and counts["arp_requests"] == 2 and len(sent) == 2
+    for frame in sent:
+        assert len(frame) == 60  # 42 bytes, padded
+        reply = net.parse_arp_reply(frame)
+        assert reply == {"dst": HOST_MAC, "src": MAC, "sha": MAC, "spa": IP, "tha": HOST_MAC, "tpa": HOST_IP}
+
+
+def test_datagrams_in_by_the_rules():
+    rng = random.Random(1)
+    blobs = [bytes(rng.getrandbits(8) for _ in range(n)) for n in (1, 10, 300, D.MAX_STREAM_BYTES, 5, 7, 9, 11)]
+    cases = [  # (frame, what it is)
+        (datagram(40, blobs[0], D.SYNC), "first, SYNC"),
+        (datagram(41, blobs[1]), "next"),
+        (datagram(41, b"dup"), "duplicate"),
+        (datagram(40, b"late"), "late"),
+        (datagram(45, blobs[2]), "a gap of three"),
+        (datagram(46, b"port", dport=PORT + 1), "another port"),
+        (datagram(46, b"ip", dst_ip=IP + 1), "another address"),
+        (datagram(46, b"mac", dst_mac=MAC + 1), "another MAC"),
+        (datagram(46, b"bcast", dst_mac=0xFFFF_FFFF_FFFF), "broadcast"),
+        (datagram(46, b"csum", checksum=0x1234), "a bad header checksum"),
+        (datagram(46, b"frag", flags_frag=0x2000), "a fragment"),
+        (datagram(46, b"opts", options=b"\x01\x01\x01\x01"), "IP options"),
+        (datagram(46, b"ver", raw=bytes([46, 0, 0, 9]) + b"ver"), "another version"),
+        (datagram(46, b"", raw=b"\x2e\x00\x00"), "too short"),
+        (datagram(46, blobs[3]), "the largest"),
+        (datagram(47, blobs[4], ttl=1), "TTL 1"),
+        (datagram(3, blobs[5], D.SYNC), "SYNC: a new session"),
+        (datagram(4, blobs[6]), "next"),
+        (datagram(5 + 0x8000, b"far"), "half the space ahead"),
+        (datagram(5, blobs[7]), "next"),
+    ]
+    rule, want = D.Sequence(), bytearray()
+    taken = 0
+    for frame, what in cases:
+        ok = what not in ("another port", "another address", "another MAC", "broadcast", "a bad header checksum",
+                          "a fragment", "IP options", "another version", "too short")
+        parts = D.unpack(frame[42:])
+        if ok and rule.take(parts[0], parts[1]):
+            want += parts[2]
+            taken += 1
+    got, sent, counts = run_link([f for f, _ in cases], ready_p=0.6, seed=2)
+    assert got == bytes(want)
+    assert (counts["datagrams"], counts["late"], counts["lost"]) == (taken, rule.dropped, rule.lost)
+    assert (taken, rule.dropped, rule.lost) == (8, 3, 3) and sent == []
+
+
+def test_datagrams_out_to_the_peer():
+    rng = random.Random(3)
+    stream = bytes(rng.getrandbits(8) for _ in range(2 * D.MAX_STREAM_BYTES + 100))
+    tail = b"tail"
+    # a datagram makes the host the peer; then the engine's bytes: full datagrams, the rest after a pause
+    frames = [datagram(0, b"hello", D.SYNC)]
+    got, sent, counts = run_link(frames, engine=stream, engine_at=300)
+    assert got == b"hello"
+    assert counts["sent"] == len(sent) == 3  # two full datagrams, the rest once the engine is quiet
+    seqs, data = [], b""
+    for i, frame in enumerate(sent):
+        f = net.parse_udp(frame)
+        assert (f["dst_mac"], f["src_mac"], f["src_ip"], f["dst_ip"]) == (HOST_MAC, MAC, IP, HOST_IP)
+        assert (f["sport"], f["dport"], f["ttl"], f["frag"], f["udp_checksum"], f["ident"]) == \
+            (PORT, HOST_PORT, 64, 0x4000, 0, i)
+        seq, flags, part = D.unpack(f["payload"])
+        assert flags == 0 and len(part) <= D.MAX_STREAM_BYTES
+        seqs.append(seq)
+        data += part
+    assert seqs == [0, 1, 2] and data == stream
+    _, sent, _ = run_link(frames, engine=tail, engine_at=300)
+    assert [D.unpack(net.parse_udp(f)["payload"]) for f in sent] == [(0, 0, tail)]  # padded frame, 4 bytes
+
+
+def test_no_peer_no_datagram():
+    """Bytes from the engine before any datagram came: nowhere to send them yet."""
+    _, sent, counts = run_link([], engine=b"abc", engine_at=10)
+    assert sent == [] and counts["sent"] == 0
+
+
+def test_parameters_are_checked():
+    with pytest.raises(ValueError, match="group address"):
+        UdpLink(0x01_00_5E_00_00_01, IP, PORT)
+    with pytest.raises(ValueError, match="ip must be"):
+        UdpLink(MAC, 1 << 32, PORT)
+    with pytest.raises(ValueError, match="two datagrams"):
+        UdpTx(MAC, IP, PORT, buffer_bytes=2048)
+
+
+def test_reference_checksum():
+    """RFC 1071's example words, and a header whose checksum is known (RFC 791 sample)."""
+    assert net.internet_checksum(bytes.fromhex("0001f203f4f5f6f7")) == ~0xDDF2 & 0xFFFF
+    head = bytes.fromhex("450000730000400040110000c0a80001c0a800c7")
+    assert net.internet_checksum(head) == 0xB861
