@@ -295,7 +295,9 @@ def _sim_server(args) -> int:
     except HbfpError as e:
         print(f"hbfp sim-server: {e}", file=sys.stderr)
         return 1
-    if isinstance(device, Transport):
+    if args.udp is not None and getattr(device, "datagrams", None) is not None:
+        device = device.datagrams  # a board on its network link (sim:link=eth): its datagrams bridged whole
+    elif isinstance(device, Transport):
         device = TransportDevice(device)  # relay a remote device
     try:
         if args.pty:

@@ -23,7 +23,7 @@ from . import protocol as P
 from .emu import Buffers
 from .errors import LinkError
 from .protocol import Op, Status
-from .transports import is_byte_device
+from .transports import is_byte_device, is_datagram_device
 
 __all__ = ["Server", "PtyServer", "UdpServer", "serve", "serve_fd"]
 
@@ -704,6 +704,10 @@ class UdpServer(_Serving):
     datagram taken. One peer at a time, as on the board: a second client's requests interleave
     with the first's (use the TCP ``Server`` for several clients).
 
+    A *datagram device* (``hbfp.host.transports.is_datagram_device``: the simulated board on
+    its network link, ``sim:link=eth``) is bridged instead: each datagram goes to it whole and
+    each of its datagrams back whole, the numbering being the device's own (its gateware's).
+
     Fault mode, for tests of the host's recovery: each datagram, either way, is lost with
     probability ``drop``, and one bit of its stream bytes flipped with probability ``corrupt``
     (the header stays whole: a network's UDP checksum drops a datagram with a damaged header;
@@ -712,8 +716,8 @@ class UdpServer(_Serving):
 
     def __init__(self, device, host: str = "127.0.0.1", port: int = 0, *, idle_timeout: float | None = None,
                  poll: float = 0.005, drop: float = 0.0, corrupt: float = 0.0, seed: int = 0):
-        if not is_byte_device(device):
-            raise TypeError(f"serve needs a byte device (write/read), got {type(device).__name__}")
+        if not (is_byte_device(device) or is_datagram_device(device)):
+            raise TypeError(f"serve needs a byte or datagram device, got {type(device).__name__}")
         for name, p in (("drop", drop), ("corrupt", corrupt)):
             if not 0.0 <= p <= 1.0:
                 raise ValueError(f"{name} is a probability (0 .. 1), got {p!r}")
@@ -783,9 +787,45 @@ class UdpServer(_Serving):
 
     def run(self) -> None:
         try:
-            _pump(self.device, self.sock.fileno(), self._recv, self._send, self._stop, self.poll, self.idle_timeout)
+            if is_datagram_device(self.device):
+                self._bridge()
+            else:
+                _pump(self.device, self.sock.fileno(), self._recv, self._send, self._stop, self.poll,
+                      self.idle_timeout)
         finally:
             self.sock.close()
+
+    def _bridge(self) -> None:
+        """Datagrams to and from a datagram device, whole, until ``stop`` or ``idle_timeout``."""
+        cps = getattr(self.device, "cycles_per_second", 1_000_000)
+        last = time.monotonic()
+        waiting = False  # datagrams went in since the device last answered
+        while not self._stop.is_set():
+            r, _, _ = select.select([self.sock], [], [], 0.0 if waiting else self.poll)
+            now = time.monotonic()
+            if r:
+                try:
+                    datagram, sender = self.sock.recvfrom(1 << 16)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    return
+                self.counts["received"] += 1
+                datagram = self._fault(datagram)
+                if datagram is not None:
+                    self.counts["taken"] += 1
+                    self.peer, last, waiting = sender, now, True
+                    self.device.send_datagram(datagram)
+                continue  # take every datagram waiting before the device runs
+            # the device's clock: until its replies come (a poll's worth of cycles at a time)
+            for reply in self.device.receive_datagrams(int(self.poll * cps)):
+                waiting = False
+                reply = self._fault(reply)
+                if reply is not None and self.peer is not None:
+                    self.sock.sendto(reply, self.peer)
+                    self.counts["sent"] += 1
+            if self.idle_timeout is not None and now - last > self.idle_timeout:
+                return
 
     def _thread_name(self) -> str:
         return f"hbfp-serve-{self.spec}"

@@ -29,8 +29,10 @@ __all__ = [
     "UdpTransport",
     "SerialTransport",
     "FaultyTransport",
+    "DatagramTransport",
     "TransportDevice",
     "is_byte_device",
+    "is_datagram_device",
     "tcp_backend",
     "udp_backend",
     "serial_backend",
@@ -39,6 +41,13 @@ __all__ = [
 
 def is_byte_device(obj) -> bool:
     return all(callable(getattr(obj, name, None)) for name in ("write", "read"))
+
+
+def is_datagram_device(obj) -> bool:
+    """An in-process device on a network link: ``send_datagram(payload)``,
+    ``receive_datagrams(budget_cycles)`` (the UDP payloads it sent, running its clock at most
+    that long for them), ``advance(cycles)``, ``cycles_per_second`` (``hbfp.sim.network``)."""
+    return all(callable(getattr(obj, name, None)) for name in ("send_datagram", "receive_datagrams"))
 
 
 class Transport:
@@ -221,6 +230,41 @@ class UdpTransport(Transport):
             self.sock.close()
         except OSError:
             pass
+
+
+class DatagramTransport(Transport):
+    """A datagram device (``is_datagram_device``: the simulated board on its network link,
+    ``sim:link=eth``) as a transport: the stream in numbered datagrams as ``UdpTransport`` sends
+    them, the device's datagrams taken by the same rule; the time the host waits passes on the
+    device's clock. ``datagrams``: the device (what ``hbfp sim-server --udp`` bridges)."""
+
+    streaming = False
+
+    def __init__(self, device):
+        if not is_datagram_device(device):
+            raise TypeError(f"DatagramTransport needs a datagram device, got {type(device).__name__}")
+        self.datagrams = device
+        self.numbering = D.Numbering()
+        self.sequence = D.Sequence()
+
+    def send(self, data: bytes) -> None:
+        flags = D.SYNC if self.sequence.expected is None else 0
+        for datagram in self.numbering.datagrams(bytes(data), flags):
+            self.datagrams.send_datagram(datagram)
+
+    def receive(self, timeout: float) -> bytes:
+        budget = int(max(0.0, timeout) * getattr(self.datagrams, "cycles_per_second", 1_000_000))
+        got = bytearray()
+        for datagram in self.datagrams.receive_datagrams(budget):
+            parts = D.unpack(datagram)
+            if parts is not None and self.sequence.take(parts[0], parts[1]):
+                got += parts[2]
+        return bytes(got)
+
+    def close(self) -> None:
+        close = getattr(self.datagrams, "close", None)
+        if close:
+            close()
 
 
 class SerialTransport(Transport):

@@ -136,7 +136,8 @@ class MacRx(wiring.Component):
     """Frames from GMII's receive side to ``o`` (``frame_layout``), FCS checked and stripped,
     through a ``FrameFifo`` of ``buffer_bytes``.
 
-    Ports: ``rx_dv``, ``rx_er``, ``rxd`` (GMII, sampled each cycle); ``o``; the counters
+    Ports: ``rx_dv``, ``rx_er``, ``rxd`` (GMII, sampled each cycle); ``o``; ``length`` (of the
+    frame whose first byte ``o`` offers: ``FrameFifo``'s); the counters
     (32 bits, wrapping) ``frames`` (kept), ``runts``, ``oversize``, ``bad_fcs``, ``errors``
     and ``overflows`` (module docstring). Reset finds the line mid-frame: the receiver waits
     for ``rx_dv`` low before it hunts for a preamble.
@@ -151,6 +152,7 @@ class MacRx(wiring.Component):
             "rx_er": In(1),
             "rxd": In(8),
             "o": Out(stream.Signature(frame_layout())),
+            "length": Out(buffer_bytes.bit_length() if isinstance(buffer_bytes, int) else 1),
             **{name: Out(32) for name in self.COUNTERS},
         })
 
@@ -158,6 +160,7 @@ class MacRx(wiring.Component):
         m = Module()
         m.submodules.buffer = buf = FrameFifo(self.buffer_bytes, trim=FCS_BYTES)
         wiring.connect(m, buf.o, wiring.flipped(self.o))
+        m.d.comb += self.length.eq(buf.length)
 
         crc = Signal(32, init=PRESET)
         count = Signal(range(MAX_FRAME + 2))  # bytes after the SFD, saturating past MAX_FRAME

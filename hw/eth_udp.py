@@ -351,12 +351,15 @@ class FrameArbiter(wiring.Component):
 class UdpLink(wiring.Component):
     """The network link on GMII: ``MacRx`` -> ``UdpRx`` -> ``o`` (stream bytes to the engine),
     ``i`` (from it) -> ``UdpTx``, ARP replies, ``FrameArbiter`` -> ``MacTx``. Counters: the
-    MAC's and ``UdpRx``'s, and ``sent`` (datagrams)."""
+    MAC's and ``UdpRx``'s, and ``sent`` (datagrams). ``rx_buffer_bytes``: frames received and
+    not yet read (what a pipelining host sends while the engine computes: two of the largest
+    requests); ``buffer_bytes``: each transmit buffer."""
 
-    def __init__(self, mac: int, ip: int, port: int, *, buffer_bytes: int = 4096, flush_cycles: int = 16):
+    def __init__(self, mac: int, ip: int, port: int, *, buffer_bytes: int = 4096, rx_buffer_bytes: int = 8192,
+                 flush_cycles: int = 16):
         _check_address(self, mac, ip, port)
         self.mac, self.ip, self.port = mac, ip, port
-        self.buffer_bytes, self.flush_cycles = buffer_bytes, flush_cycles
+        self.buffer_bytes, self.rx_buffer_bytes, self.flush_cycles = buffer_bytes, rx_buffer_bytes, flush_cycles
         super().__init__({
             "rx_dv": In(1), "rx_er": In(1), "rxd": In(8),
             "tx_en": Out(1), "tx_er": Out(1), "txd": Out(8),
@@ -367,7 +370,7 @@ class UdpLink(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        m.submodules.mac_rx = mac_rx = MacRx(self.buffer_bytes)
+        m.submodules.mac_rx = mac_rx = MacRx(self.rx_buffer_bytes)
         m.submodules.udp_rx = udp_rx = UdpRx(self.mac, self.ip, self.port)
         m.submodules.arp = arp = ArpResponder(self.mac, self.ip)
         m.submodules.udp_tx = udp_tx = UdpTx(self.mac, self.ip, self.port, buffer_bytes=self.buffer_bytes,

@@ -390,6 +390,16 @@ class SimDevice:
 
 # ---- the accelerator top ------------------------------------------------------------
 
+#: The links ``link=`` names.
+LINKS = ("stream", "eth")
+
+
+def _parse_link(value: str) -> str:
+    if value not in LINKS:
+        raise ValueError(f"link must be one of {', '.join(LINKS)}, got {value!r}")
+    return value
+
+
 #: The simulator's own options beside the contract's device options (``hbfp.contract.OPTIONS``).
 SIM_OPTIONS: dict[str, contract.Option] = {
     "threads": contract.Option(contract.parse_int, "sim", "Verilator threads of the build"),
@@ -397,6 +407,8 @@ SIM_OPTIONS: dict[str, contract.Option] = {
     "timeout_cycles": contract.Option(contract.parse_int, "sim", "cycles read() runs the clock waiting for a reply"),
     "uart": contract.Option(contract.parse_int, "sim", "the top behind its UART: clock cycles per bit (0: none)"),
     "fifo_depth": contract.Option(contract.parse_int, "sim", "bytes of the UART's receive FIFO"),
+    "link": contract.Option(_parse_link, "sim",
+                            "the host link: stream (the top's ports) or eth (Ethernet, IPv4 and UDP: hw.eth_top.EthLoop)"),
 }
 _CORE_FIELDS = tuple(f.name for f in dataclasses.fields(contract.CoreConfig))
 _TOP_FIELDS = contract.DEVICE_FIELDS
@@ -423,6 +435,24 @@ def top_library(options: dict | None = None, *, progress: Callable[[str], None] 
     threads = options.get("threads", build.DEFAULT_THREADS)
     buffered = bool(options.get("buffered", True))
     uart = options.get("uart", 0)
+    link = options.get("link", "stream")
+    if link == "eth":
+        if uart:
+            raise ValueError("sim: link=eth and uart=N are two different links: give one")
+        if top_kw["stream_bytes"] != 1:
+            raise ValueError(f"sim: link=eth carries the engine's bytes one at a time: it needs stream_bytes=1, "
+                             f"got {top_kw['stream_bytes']}")
+        eth_kw = {k: v for k, v in top_kw.items() if k != "stream_bytes"}
+
+        def make_eth():
+            from hbfp.hw.eth_top import EthLoop
+
+            return EthLoop(core, **eth_kw)
+
+        config = {"top": "hw.eth_top.EthLoop", "core": core.to_dict(), **top_kw, "link": "eth"}
+        lib = build.build_library(make_eth, config, stream_bytes=1, threads=threads, buffered=buffered,
+                                  progress=progress, force=force)
+        return lib, config
     if "fifo_depth" in options and not uart:
         raise ValueError("sim: fifo_depth (bytes of the UART's receive FIFO) needs uart=N (clock cycles per bit)")
 
@@ -479,6 +509,8 @@ class SimBackend:
         instead of through a 2-entry FIFO on each stream (one cycle of latency each way).
         ``uart=N`` (clock cycles per bit, >= 4; 0: none) puts the top behind its UART
         (``hw.uart.UartLoop``, module docstring), ``fifo_depth`` sets its receive FIFO's bytes.
+        ``link=eth`` puts it behind its network link (``hw.eth_top.EthLoop``: Ethernet, IPv4,
+        UDP) and returns a ``DatagramTransport`` over ``hbfp.sim.network.NetworkSim``.
         Keyword ``options`` add to or override them; they may
         also be ``config`` (a ``CoreConfig``), ``progress`` (a callable for build messages) and
         ``rebuild`` (bool: build even if cached)."""
@@ -494,7 +526,15 @@ class SimBackend:
             opts[key] = value
         timeout = opts.pop("timeout_cycles", DEFAULT_TIMEOUT_CYCLES)
         lib, config = top_library(opts, progress=progress, force=rebuild)
-        return SimDevice(lib, timeout_cycles=timeout, info={"config": config, "library": str(lib)})
+        device = SimDevice(lib, timeout_cycles=timeout, info={"config": config, "library": str(lib)})
+        if opts.get("link") == "eth":  # the board on its network: datagrams, numbered as udp: numbers them
+            from hbfp.host.transports import DatagramTransport
+            from hbfp.hw.eth_top import DEFAULT_IP, DEFAULT_MAC, DEFAULT_PORT
+
+            from .network import NetworkSim
+
+            return DatagramTransport(NetworkSim(device, mac=DEFAULT_MAC, ip=DEFAULT_IP, port=DEFAULT_PORT))
+        return device
 
 
 backend = SimBackend()

@@ -1,0 +1,152 @@
+"""The device on a network: the accelerator top behind the Ethernet link (``hw.eth_udp``).
+
+```
+ GMII rx -> UdpLink (link domain) -> FIFO -> AcceleratorTop(stream_bytes=1) (sync) -> FIFO -> UdpLink -> GMII tx
+```
+
+- ``EthTop``: what a board top instantiates, its GMII pins in the link's clock domain (125 MHz
+  at 1 Gb/s), the core in ``sync``; two asynchronous FIFOs cross between them (one clock
+  domain, ``link_domain="sync"``: synchronous FIFOs).
+- ``EthLoop``: a simulation harness with ``AcceleratorTop``'s ports (streams ``i`` and ``o`` of
+  ``beat_layout(1)``), so that the ``sim`` backend (``sim:link=eth``) drives the network path:
+  a host-side ``MacTx`` and ``MacRx`` on the ``EthTop``'s GMII, each frame on ``i`` and ``o`` as
+  its length (2 bytes, little-endian) and its bytes (no FCS).
+"""
+
+from __future__ import annotations
+
+from amaranth import DomainRenamer, Module, Signal
+from amaranth.lib import fifo, stream, wiring
+from amaranth.lib.wiring import In, Out
+
+from .eth_mac import MacRx, MacTx
+from .eth_udp import UdpLink, UdpRx
+from .link import beat_layout
+from .params import CoreConfig
+from .top import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_PAYLOAD, AcceleratorTop
+
+__all__ = ["EthTop", "EthLoop", "DEFAULT_MAC", "DEFAULT_IP", "DEFAULT_PORT", "CROSSING_DEPTH"]
+
+#: The address a device has unless its build says otherwise: a locally administered MAC
+#: ("HBFP" in it), 192.168.1.50, port 7000.
+DEFAULT_MAC, DEFAULT_IP, DEFAULT_PORT = 0x02_48_42_46_50_01, 0xC0A8_0132, 7000
+#: Bytes of each FIFO between the link's domain and the core's.
+CROSSING_DEPTH = 64
+
+
+class EthTop(wiring.Component):
+    """The accelerator (``AcceleratorTop(cfg, stream_bytes=1)``) behind a ``UdpLink`` for
+    ``mac``, ``ip`` and ``port``. Ports: GMII ``rx_dv``, ``rx_er``, ``rxd``, ``tx_en``,
+    ``tx_er``, ``txd`` (in ``link_domain``) and the link's counters."""
+
+    def __init__(self, cfg: CoreConfig = CoreConfig(), *, mac: int = DEFAULT_MAC, ip: int = DEFAULT_IP,
+                 port: int = DEFAULT_PORT, link_domain: str = "eth", clock_hz: int = 0,
+                 frame_timeout: int = DEFAULT_FRAME_TIMEOUT, max_payload: int = DEFAULT_MAX_PAYLOAD):
+        try:
+            AcceleratorTop._check(cfg, 1, clock_hz, frame_timeout, max_payload)
+            self.link = UdpLink(mac, ip, port)  # checks the address
+        except (ValueError, TypeError):
+            self._MustUse__used = True
+            raise
+        self.cfg, self.link_domain = cfg, link_domain
+        self.top_kw = dict(clock_hz=clock_hz, frame_timeout=frame_timeout, max_payload=max_payload)
+        super().__init__({
+            "rx_dv": In(1), "rx_er": In(1), "rxd": In(8),
+            "tx_en": Out(1), "tx_er": Out(1), "txd": Out(8),
+            **{name: Out(32) for name in MacRx.COUNTERS + UdpRx.COUNTERS + ("sent",)},
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        link_domain = self.link_domain
+        m.submodules.link = link = DomainRenamer(link_domain)(self.link)
+        m.submodules.top = top = AcceleratorTop(self.cfg, stream_bytes=1, **self.top_kw)
+        if link_domain == "sync":
+            to_core = fifo.SyncFIFOBuffered(width=8, depth=CROSSING_DEPTH)
+            to_link = fifo.SyncFIFOBuffered(width=8, depth=CROSSING_DEPTH)
+        else:
+            to_core = fifo.AsyncFIFOBuffered(width=8, depth=CROSSING_DEPTH, w_domain=link_domain, r_domain="sync")
+            to_link = fifo.AsyncFIFOBuffered(width=8, depth=CROSSING_DEPTH, w_domain="sync", r_domain=link_domain)
+        m.submodules.to_core, m.submodules.to_link = to_core, to_link
+        m.d.comb += [link.rx_dv.eq(self.rx_dv), link.rx_er.eq(self.rx_er), link.rxd.eq(self.rxd),
+                     self.tx_en.eq(link.tx_en), self.tx_er.eq(link.tx_er), self.txd.eq(link.txd)]
+        m.d.comb += [getattr(self, c).eq(getattr(link, c)) for c in MacRx.COUNTERS + UdpRx.COUNTERS + ("sent",)]
+        wiring.connect(m, link.o, to_core.w_stream)
+        m.d.comb += [top.i.valid.eq(to_core.r_stream.valid), top.i.payload.data[0].eq(to_core.r_stream.payload),
+                     top.i.payload.keep.eq(1), to_core.r_stream.ready.eq(top.i.ready)]
+        m.d.comb += [to_link.w_stream.valid.eq(top.o.valid & top.o.payload.keep[0]),
+                     to_link.w_stream.payload.eq(top.o.payload.data[0]),
+                     top.o.ready.eq(to_link.w_stream.ready | ~top.o.payload.keep[0])]
+        wiring.connect(m, to_link.r_stream, link.i)
+        return m
+
+
+class EthLoop(wiring.Component):
+    """Simulation only: an ``EthTop`` (one clock domain) between a host-side ``MacTx`` and
+    ``MacRx``, with the ports of ``AcceleratorTop(cfg, stream_bytes=1)``: each Ethernet frame
+    (no FCS) travels on ``i`` and ``o`` as its length (2 bytes, little-endian) and its bytes.
+    Parameters: ``EthTop``'s."""
+
+    def __init__(self, cfg: CoreConfig = CoreConfig(), **device_kw):
+        self.device = EthTop(cfg, link_domain="sync", **device_kw)
+        super().__init__({
+            "i": In(stream.Signature(beat_layout(1))),
+            "o": Out(stream.Signature(beat_layout(1))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.device = device = self.device
+        m.submodules.host_tx = host_tx = MacTx(16384)
+        m.submodules.host_rx = host_rx = MacRx(16384)
+        m.d.comb += [device.rx_dv.eq(host_tx.tx_en), device.rx_er.eq(host_tx.tx_er), device.rxd.eq(host_tx.txd),
+                     host_rx.rx_dv.eq(device.tx_en), host_rx.rx_er.eq(device.tx_er), host_rx.rxd.eq(device.txd)]
+
+        # i: a frame's length, then its bytes, into the host's transmitter
+        left = Signal(16)
+        low = Signal(8)
+        byte, keep = self.i.payload.data[0], self.i.payload.keep[0]
+        with m.FSM():
+            with m.State("LOW"):
+                m.d.comb += self.i.ready.eq(1)
+                with m.If(self.i.valid & keep):
+                    m.d.sync += low.eq(byte)
+                    m.next = "HIGH"
+            with m.State("HIGH"):
+                m.d.comb += self.i.ready.eq(1)
+                with m.If(self.i.valid & keep):
+                    m.d.sync += left.eq(byte << 8 | low)
+                    m.next = "DATA"
+            with m.State("DATA"):
+                with m.If(left == 0):
+                    m.next = "LOW"
+                with m.Else():
+                    m.d.comb += [host_tx.i.valid.eq(self.i.valid & keep), host_tx.i.payload.data.eq(byte),
+                                 host_tx.i.payload.last.eq(left == 1), self.i.ready.eq(host_tx.i.ready | ~keep)]
+                    with m.If(self.i.valid & keep & host_tx.i.ready):
+                        m.d.sync += left.eq(left - 1)
+
+        # o: each frame the host receives, its length first
+        length = Signal(16)
+        # (keep as valid rather than a constant: a port bit no signal drives is never set by an
+        # event-driven always block in Verilator)
+        m.d.comb += self.o.payload.keep.eq(self.o.valid)
+        with m.FSM():
+            with m.State("IDLE"):
+                with m.If(host_rx.o.valid):
+                    m.d.sync += length.eq(host_rx.length)
+                    m.next = "LOW"
+            with m.State("LOW"):
+                m.d.comb += [self.o.valid.eq(1), self.o.payload.data[0].eq(length[:8])]
+                with m.If(self.o.ready):
+                    m.next = "HIGH"
+            with m.State("HIGH"):
+                m.d.comb += [self.o.valid.eq(1), self.o.payload.data[0].eq(length[8:])]
+                with m.If(self.o.ready):
+                    m.next = "DATA"
+            with m.State("DATA"):
+                m.d.comb += [self.o.valid.eq(host_rx.o.valid), self.o.payload.data[0].eq(host_rx.o.payload.data),
+                             host_rx.o.ready.eq(self.o.ready)]
+                with m.If(host_rx.o.valid & self.o.ready & host_rx.o.payload.last):
+                    m.next = "IDLE"
+        return m
