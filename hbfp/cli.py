@@ -257,7 +257,25 @@ def _gemm(args) -> int:
     if wire_cycles is not None:
         ratio = f" ({wire_cycles / st.cycles:.2f}x the device's)" if st.cycles else ""
         print(f"  wire: {wire_cycles:,} cycles on the wire{ratio}, {ident.stream_bytes} byte(s) a beat")
+    _print_link_bound(dev, st, ident)
     return 0 if not bad else 1
+
+
+def _print_link_bound(dev, st, ident) -> None:
+    """On a network link (udp:, sim:link=eth): how long the exchange's bytes take on Gigabit
+    Ethernet (datagrams, headers and gaps included, the busier direction) against the device's
+    cycles, at its clock (IDENTIFY's; unknown: the link's 125 MHz, as the simulated board runs)."""
+    from hbfp.host import datagrams as D
+    from hbfp.host.transports import DatagramTransport, UdpTransport
+
+    if not isinstance(dev.transport, (UdpTransport, DatagramTransport)) or not st.cycles:
+        return
+    wire = max(D.wire_bytes(st.bytes_sent), D.wire_bytes(st.bytes_received)) / D.GIGABIT
+    clock = ident.clock_hz or D.GIGABIT
+    device = st.cycles / clock
+    where = f"{clock / 1e6:g} MHz" + ("" if ident.clock_hz else " (the link's clock: the device reports none)")
+    print(f"  link-bound factor {wire / device:.2f}: {wire * 1e6:,.1f} us on Gigabit Ethernet, "
+          f"{device * 1e6:,.1f} us of the device at {where}")
 
 
 def _sim_server(args) -> int:

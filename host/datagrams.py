@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["HEADER", "VERSION", "SYNC", "MAX_DATAGRAM", "MAX_STREAM_BYTES", "pack", "unpack", "Sequence", "Numbering"]
+__all__ = ["HEADER", "VERSION", "SYNC", "MAX_DATAGRAM", "MAX_STREAM_BYTES", "GIGABIT", "pack", "unpack", "Sequence",
+           "Numbering", "wire_bytes"]
 
 HEADER = struct.Struct("<HBB")
 #: The version byte of this layout.
@@ -31,6 +32,13 @@ SYNC = 0x01
 MAX_DATAGRAM = 1472
 #: Stream bytes a datagram carries at most.
 MAX_STREAM_BYTES = MAX_DATAGRAM - HEADER.size
+#: Bytes a second on a Gigabit Ethernet link (125 MHz, a byte a cycle each way).
+GIGABIT = 125_000_000
+#: What one datagram costs on Ethernet beyond its stream bytes: preamble and SFD (8), the
+#: Ethernet (14), IPv4 (20), UDP (8) and datagram (4) headers, the FCS (4), the gap (12).
+_FRAMING = 8 + 14 + 20 + 8 + HEADER.size + 4 + 12
+#: The shortest frame (FCS included): a shorter one is padded.
+_MIN_FRAME = 64
 #: Half the sequence space: a datagram this far or farther ahead is taken for a late one.
 _WINDOW = 1 << 15
 
@@ -51,6 +59,15 @@ def unpack(datagram: bytes) -> tuple[int, int, bytes] | None:
     if version != VERSION:
         return None
     return seq, flags, bytes(datagram[HEADER.size:])
+
+
+def wire_bytes(stream_bytes: int) -> int:
+    """Byte times on Ethernet that ``stream_bytes`` take at least, in full datagrams."""
+    full, rest = divmod(stream_bytes, MAX_STREAM_BYTES)
+    cost = full * (MAX_STREAM_BYTES + _FRAMING)
+    if rest:
+        cost += max(rest + _FRAMING, _MIN_FRAME + 8 + 12)
+    return cost
 
 
 class Sequence:

@@ -16,10 +16,12 @@ MAC, IP, PORT = 0x02_48_42_46_50_01, 0xC0A8_0132, 7000       # the device: 192.1
 HOST_MAC, HOST_IP, HOST_PORT = 0x02_00_00_00_00_99, 0xC0A8_0101, 50123
 
 
-def run_link(frames, *, engine=b"", engine_at: int = 0, cycles: int = 0, ready_p: float = 1.0, seed: int = 0):
+def run_link(frames, *, engine=b"", engine_at: int = 0, cycles: int = 0, ready_p: float = 1.0, seed: int = 0,
+             timing: dict | None = None):
     """Send ``frames`` (Ethernet frames without FCS) to a ``UdpLink`` on GMII, offer the
     engine's bytes ``engine`` on ``i`` from cycle ``engine_at``; the stream bytes taken from
-    ``o``, the frames it sent (FCS checked, stripped) and its counters."""
+    ``o``, the frames it sent (FCS checked, stripped) and its counters. ``timing`` (a dict)
+    receives the cycles of the first and last byte taken from ``o`` and the line's cycles."""
     dut = UdpLink(MAC, IP, PORT, flush_cycles=16)
     rng = random.Random(seed)
     line_in = [(0, 0, 0)] * 2 + mac.gmii_cycles([mac.Burst(mac.wire(f)) for f in frames])
@@ -38,6 +40,9 @@ def run_link(frames, *, engine=b"", engine_at: int = 0, cycles: int = 0, ready_p
             ctx.set(dut.o.ready, ready)
             if ready and ctx.get(dut.o.valid):
                 got.append(ctx.get(dut.o.payload))
+                if timing is not None:
+                    timing.setdefault("o_first", t)
+                    timing["o_last"] = t
             offer = t >= engine_at and k < len(engine)
             ctx.set(dut.i.valid, offer)
             if offer:
@@ -52,6 +57,8 @@ def run_link(frames, *, engine=b"", engine_at: int = 0, cycles: int = 0, ready_p
     sim.add_clock(8e-9)
     sim.add_testbench(bench)
     sim.run()
+    if timing is not None:
+        timing["line"] = line
     sent = []
     for w in mac.decode_gmii(line)[0]:
         assert mac.fcs(w[:-4]) == w[-4:]
@@ -141,6 +148,29 @@ def test_datagrams_out_to_the_peer():
     assert seqs == [0, 1, 2] and data == stream
     _, sent, _ = run_link(frames, engine=tail, engine_at=300)
     assert [D.unpack(net.parse_udp(f)["payload"]) for f in sent] == [(0, 0, tail)]  # padded frame, 4 bytes
+
+
+def test_throughput_at_the_gigabit_clock():
+    """Full datagrams at the shortest gap, each way: the stream bytes a cycle of the 125 MHz
+    link clock, sustained (from the first stream byte to the last on the engine's side coming
+    in, from the first frame's first byte to the last one's on the line going out), at least
+    100 MB/s (simulated cycles; the rest of the line's time is headers, FCS and gaps)."""
+    rng = random.Random(4)
+    n = 6
+    blobs = [bytes(rng.getrandbits(8) for _ in range(D.MAX_STREAM_BYTES)) for _ in range(n)]
+    frames = [datagram(i, b, D.SYNC if i == 0 else 0) for i, b in enumerate(blobs)]
+    timing = {}
+    got, _, _ = run_link(frames, timing=timing)
+    assert got == b"".join(blobs)
+    rx = len(got) / (timing["o_last"] - timing["o_first"] + 1) * 125  # MB/s
+    engine = b"".join(blobs)
+    timing = {}
+    _, sent, _ = run_link(frames[:1], engine=engine, engine_at=2000, timing=timing)
+    assert b"".join(D.unpack(net.parse_udp(f)["payload"])[2] for f in sent) == engine
+    busy = [t for t, (en, _) in enumerate(timing["line"]) if en]
+    tx = len(engine) / (busy[-1] - busy[0] + 1) * 125
+    print(f"payload each way at 125 MHz: in {rx:.1f} MB/s, out {tx:.1f} MB/s")
+    assert rx >= 100 and tx >= 100, (rx, tx)
 
 
 def test_no_peer_no_datagram():
