@@ -17,6 +17,7 @@ docs/reports/summary.json, the headline figures for a machine:
 - ``core_8x8_fmax_mhz``, ``core_8x8_lut4``, ``core_8x8_array_lut4``, ``core_8x8_lanes_lut4``,
   ``core_8x8_share_outside_array_and_lanes`` (a fraction of Yosys' LUT4s);
 - ``board_<name>_macs``, ``board_<name>_fmax_mhz``, ``board_<name>_lut4`` per open-flow board
+  (``<name>``: the board's ``summary_name``, e.g. ``colorlight`` for ``colorlight_5a75b``)
   built;
 - ``density_mac_s_per_lut4_vs_fp16_core``: MAC/s per LUT4 of the BFP8 core over the fp16 core,
   both whole cores LUT-only (the BFP8 core with its Booth LUT multipliers), from the density
@@ -87,6 +88,8 @@ def mac_array_logic(flow: str, cfg, work: Path) -> dict:
 SUMMARY_KEYS = (
     "core_8x8_fmax_mhz", "core_8x8_lut4", "core_8x8_array_lut4", "core_8x8_lanes_lut4",
     "core_8x8_share_outside_array_and_lanes", "board_ulx3s_macs", "board_ulx3s_fmax_mhz", "board_ulx3s_lut4",
+    "board_ecpix5_macs", "board_ecpix5_fmax_mhz", "board_ecpix5_lut4",
+    "board_colorlight_macs", "board_colorlight_fmax_mhz", "board_colorlight_lut4",
     # The whole-core density comparison (benchmarks/density.py): BFP8 core over the float cores.
     *density.SUMMARY, "density_rows", "density_cols",
 )
@@ -228,8 +231,8 @@ def main(argv=None) -> int:
         mac = mac_array_logic(board.flow, cfg, Path(args.out) / f"{name}-mac-array")
         outside = 1 - mac["logic"] / used("logic")
         fmax = report["fmax_mhz"]
-        summary.update({f"board_{name}_macs": macs, f"board_{name}_fmax_mhz": fmax,
-                        f"board_{name}_lut4": used("logic")})
+        key = board.summary_name
+        summary.update({f"board_{key}_macs": macs, f"board_{key}_fmax_mhz": fmax, f"board_{key}_lut4": used("logic")})
         rows.append(
             f"| {name} | {board.title} | {conf} | {cell('logic')} | {cell('ff')} | {cell('dsp')} | {cell('bram')} | "
             f"{fmax:.1f} | {'met' if report['timing_met'] else '**not met**'} | {clock_mhz:.0f} | "

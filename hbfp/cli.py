@@ -127,7 +127,13 @@ def _build(args) -> int:
                   + (f", without {', '.join(omitted)}" if omitted else ""))
         return 0 if args.list else 2
     overrides = {"rows": args.rows, "cols": args.cols, "size": args.size, "baud": args.baud,
-                 "fifo_depth": args.fifo_depth, "max_payload": args.max_payload}
+                 "fifo_depth": args.fifo_depth, "max_payload": args.max_payload, "port": args.port}
+    if args.ip is not None:
+        try:
+            overrides["ip"] = boards.parse_ip(args.ip)
+        except ValueError as e:
+            print(f"hbfp build: --ip: {e}", file=sys.stderr)
+            return 2
     if args.format:
         overrides["mantissa_bits"], overrides["tile"] = FORMATS[args.format]
     if args.mantissa_bits:
@@ -644,6 +650,8 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--baud", type=int, help="UART boards: line rate (default: the board's, hbfp.hw.boards.DEFAULT_BAUD)")
     bp.add_argument("--fifo-depth", type=int, help="UART boards: bytes of the receive FIFO")
     bp.add_argument("--max-payload", type=int, help="bytes of the request buffer")
+    bp.add_argument("--ip", help="Ethernet boards: the device's IPv4 address (default 192.168.1.50)")
+    bp.add_argument("--port", type=int, help="Ethernet boards: the device's UDP port (default 7000)")
     bp.add_argument("--seed", type=int, default=1, help="nextpnr placement seed")
     bp.add_argument("--no-run", action="store_true", help="open flows: write the project, do not run the tools")
     bp.add_argument("-o", "--output", default="build/boards", help="output folder (default build/boards; "

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["HEADER", "VERSION", "SYNC", "MAX_DATAGRAM", "MAX_STREAM_BYTES", "GIGABIT", "pack", "unpack", "Sequence",
-           "Numbering", "wire_bytes"]
+__all__ = ["HEADER", "VERSION", "SYNC", "MAX_DATAGRAM", "MAX_STREAM_BYTES", "GIGABIT", "WINDOW", "RECEIVE_BUFFER",
+           "pack", "unpack", "Sequence", "Numbering", "wire_bytes"]
 
 HEADER = struct.Struct("<HBB")
 #: The version byte of this layout.
@@ -32,6 +32,12 @@ SYNC = 0x01
 MAX_DATAGRAM = 1472
 #: Stream bytes a datagram carries at most.
 MAX_STREAM_BYTES = MAX_DATAGRAM - HEADER.size
+#: Request bytes a device on a network link holds unanswered (its receive buffer): the host
+#: sends no more ahead of the replies (``Transport.window``), as a network has no flow control.
+WINDOW = 12 * 1024
+#: Bytes of Ethernet frames a device buffers to hold ``WINDOW`` stream bytes in full datagrams
+#: and one more frame (``hw.eth_udp.UdpLink``'s receive buffer, a power of two).
+RECEIVE_BUFFER = 16 * 1024
 #: Bytes a second on a Gigabit Ethernet link (125 MHz, a byte a cycle each way).
 GIGABIT = 125_000_000
 #: What one datagram costs on Ethernet beyond its stream bytes: preamble and SFD (8), the
@@ -108,3 +114,8 @@ class Numbering:
         """``data`` in numbered datagrams of at most ``MAX_STREAM_BYTES`` stream bytes each."""
         return [pack(self.next(), data[i:i + MAX_STREAM_BYTES], flags)
                 for i in range(0, len(data), MAX_STREAM_BYTES)]
+
+
+# The receive buffer holds the window's datagrams as frames (stream bytes, 46 bytes of headers
+# and the FCS each) and one frame more: checked where both are defined.
+assert RECEIVE_BUFFER >= -(-WINDOW // MAX_STREAM_BYTES) * (MAX_DATAGRAM + 14 + 4) + 1518

@@ -33,7 +33,7 @@ from hbfp.golden import bf16
 from hbfp.golden.bfp import BFPTensor, Format, quantize
 from hbfp.golden.gemm import epilogue as golden_epilogue
 from hbfp.golden.gemm import gemm as golden_gemm
-from hbfp.contract import FUNCTIONS, UNARY_FUNCTIONS
+from hbfp.contract import FUNCTIONS, UNARY_FUNCTIONS, frame_size
 from hbfp.golden.activations import evaluate
 
 from . import planner
@@ -640,9 +640,12 @@ class Device:
 
     def _run(self, chains: list[Callable[[dict], list[_Cmd]]]) -> None:
         """Send the commands of every chain, in order, keeping up to two heavy commands in
-        flight; a retryable failure restarts the chain it happened in (from a blank slate:
+        flight (and, over a link with a ``window``, no more request bytes unanswered than it
+        says); a retryable failure restarts the chain it happened in (from a blank slate:
         every operand is written again)."""
         depth = 2 if self.pipeline else 1
+        window = getattr(self.transport, "window", None)
+        outstanding = 0  # request bytes sent and not yet answered
         resident = self._resident
         built: dict[int, list[_Cmd]] = {}
         attempts: dict[int, int] = {}
@@ -660,11 +663,16 @@ class Device:
                         send_c, send_k = send_c + 1, 0
                         continue
                     cmd = cmds[send_k]
+                    size = frame_size(len(cmd.payload))
+                    if window is not None and inflight and outstanding + size > window:
+                        break  # the device's buffer is full until a reply comes
                     inflight.append((self._send(cmd), send_c, send_k, cmd))
                     heavy += cmd.heavy
+                    outstanding += size
                     send_k += 1
                 tag, c, k, cmd = inflight.popleft()
                 heavy -= cmd.heavy
+                outstanding -= frame_size(len(cmd.payload))
                 try:
                     data = self._await(tag, cmd, accumulated)
                     if cmd.on_reply is not None:
@@ -675,7 +683,7 @@ class Device:
                         raise e.error from None
                     self.stats.retries += 1
                     inflight.clear()
-                    heavy = 0
+                    heavy = outstanding = 0
                     resident.clear()
                     accumulated.clear()
                     built = {cc: v for cc, v in built.items() if cc < c}

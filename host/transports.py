@@ -60,6 +60,10 @@ class Transport:
     #: the simulator). A UART has no flow control: what the board's receive FIFO cannot hold
     #: is lost, so the driver does not pipeline requests over it by default.
     flow_control = True
+    #: Request bytes the device holds unanswered, where the link does not hold the sender back
+    #: but the device says how much it buffers (a network link: ``datagrams.WINDOW``): the
+    #: driver keeps no more in flight. None: no limit.
+    window: int | None = None
 
     def send(self, data: bytes) -> None:
         raise NotImplementedError
@@ -171,8 +175,10 @@ class UdpTransport(Transport):
     --udp``): ``UdpTransport("192.168.1.50:7000")`` (or ``"udp:..."``). The stream goes in
     numbered datagrams (``hbfp.host.datagrams``: at most 1,472 bytes each, ``SYNC`` until the
     first reply); replies out of order or duplicated are dropped, lost ones leave a gap that the
-    protocol's CRC, timeout and retry recover. The device buffers at least two of the driver's
-    largest requests, so the driver pipelines over it as over TCP."""
+    protocol's CRC, timeout and retry recover. The driver pipelines over it as over TCP, with
+    at most ``window`` (``datagrams.WINDOW``) request bytes unanswered: what the device buffers."""
+
+    window = D.WINDOW
 
     def __init__(self, address: str, *, receive_buffer: int = 1 << 22):
         if address.startswith("udp:"):
@@ -236,9 +242,11 @@ class DatagramTransport(Transport):
     """A datagram device (``is_datagram_device``: the simulated board on its network link,
     ``sim:link=eth``) as a transport: the stream in numbered datagrams as ``UdpTransport`` sends
     them, the device's datagrams taken by the same rule; the time the host waits passes on the
-    device's clock. ``datagrams``: the device (what ``hbfp sim-server --udp`` bridges)."""
+    device's clock. ``datagrams``: the device (what ``hbfp sim-server --udp`` bridges). At most
+    ``window`` request bytes unanswered, as over ``udp:``."""
 
     streaming = False
+    window = D.WINDOW
 
     def __init__(self, device):
         if not is_datagram_device(device):

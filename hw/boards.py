@@ -5,6 +5,8 @@
 |---|---|---|---|---|---|
 | ``ulx3s`` | ECP5 LFE5U-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | UART (FTDI) | 75 MHz (PLL from 25 MHz) | 16x16 (144 PEs on DSP blocks, 112 on LUT multipliers), 1 output lane, HBFP8, 96x96 buffers, relu + gelu |
 | ``icebreaker`` | iCE40 UP5K | yosys + nextpnr-ice40 (YoWASP) to a bitstream | UART (FTDI) | 12 MHz | 1x1, HBFP8, 24x24 buffers, a reduced device (below) |
+| ``ecpix5`` | ECP5 LFE5UM5G-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | Gigabit Ethernet (RGMII), UDP | core 75 MHz, link 125 MHz (PLL from 100 MHz) | 16x16 as the ULX3S's, ``ip=192.168.1.50,port=7000`` |
+| ``colorlight_5a75b`` | ECP5 LFE5U-25F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | Gigabit Ethernet (RGMII, the first PHY), UDP | core 62.5 MHz, link 125 MHz (PLL from 25 MHz) | 4x4, HBFP8, 48x48 buffers, relu |
 | ``de10_nano`` | Cyclone V 5CSEBA6U23I7 | Quartus project | UART (GPIO header pins) | 50 MHz | 8x8, HBFP8, 96x96, all functions |
 | ``stratix5`` | Stratix V GX 5SGXEA7K2F40C2 | Quartus project | Avalon-ST, 16 bytes wide (PCIe) | 100 MHz | 32x32, 8-bit mantissas, 32x32 tiles, 256x256 buffers |
 
@@ -14,6 +16,12 @@ clock that the FPGA's PLL makes of it (ECP5: an EHXPLLL, ``ecp5_pll``; the desig
 reset until the PLL locks); LED 0 blinks at about 1 Hz (the clock runs), LED 1
 shows the receive line's activity, LED 2 a framing error, LED 3 an overrun. The host opens
 them with ``serial:PORT:BAUD`` (e.g. ``serial:/dev/ttyUSB0:1000000``).
+
+The Ethernet boards run ``hw.eth_top.EthTop`` (the accelerator behind the gateware's MAC, ARP,
+IPv4 and UDP for one address and port, ``hbfp build --ip A.B.C.D --port N``) on the board's
+RGMII PHY (``hw.rgmii``), the link at 125 MHz and the core at ``pll_hz``, both from one PLL
+(``ecp5_link_pll``); LED 0 blinks, LED 1 and 2 toggle with each datagram taken and sent. The
+host opens them with ``udp:IP:PORT``; the device answers ARP and ``ping`` for its address.
 
 The iCEBreaker's UP5K (5,280 logic cells) holds the smallest device only: a 1x1 array
 built without the optional units (``CoreConfig.value_quantizer``, ``bfp_output``,
@@ -166,11 +174,33 @@ def _de10_nano():
     return DE10NanoPlatform()
 
 
+def _ecpix5():
+    from amaranth_boards.ecpix5 import ECPIX585Platform
+
+    return ECPIX585Platform()
+
+
+def _colorlight():
+    from amaranth_boards.colorlight_5a75b_r7_0 import Colorlight_5A75B_R70Platform
+
+    return Colorlight_5A75B_R70Platform()
+
+
+def parse_ip(value: str) -> int:
+    """A dotted-quad IPv4 address as an int: "192.168.1.50" -> 0xC0A80132."""
+    parts = value.split(".")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) < 256 for p in parts):
+        raise ValueError(f"expected an IPv4 address a.b.c.d, got {value!r}")
+    return int.from_bytes(bytes(int(p) for p in parts), "big")
+
+
 #: A board's own options beside the contract's device options: the UART's line rate and its
 #: receive FIFO's bytes.
 BOARD_OPTIONS = {
     "baud": Option(parse_int, "board", "UART boards: line rate"),
     "fifo_depth": Option(parse_int, "board", "UART boards: bytes of the receive FIFO"),
+    "ip": Option(parse_ip, "board", "Ethernet boards: the device's IPv4 address"),
+    "port": Option(parse_int, "board", "Ethernet boards: the device's UDP port"),
 }
 
 
@@ -196,6 +226,13 @@ class Board:
     #: The design's clock made by the FPGA's PLL from the board's oscillator (ECP5 only); None:
     #: the oscillator itself.
     pll_hz: int | None = None
+    #: The board's name in docs/reports/summary.json's keys (``board_<summary_name>_fmax_mhz``);
+    #: None: ``name``.
+    short: str | None = None
+
+    @property
+    def summary_name(self) -> str:
+        return self.short or self.name
 
     def clock_hz(self, platform=None) -> int:
         """The design's clock: ``pll_hz``, else the oscillator of ``platform`` (default: a
@@ -217,7 +254,9 @@ class Board:
 
 
 #: The link parameters a board top takes.
-_TOP_OPTIONS = ("baud", "fifo_depth", "max_payload")
+_TOP_OPTIONS = ("baud", "fifo_depth", "max_payload", "ip", "port")
+#: The Ethernet boards' default address (``hbfp build --ip --port``).
+DEFAULT_ETH = "ip=192.168.1.50,port=7000"
 
 BOARDS: dict[str, Board] = {b.name: b for b in (
     Board("ulx3s", "Radiona ULX3S 85F (ECP5 LFE5U-85F)", _ulx3s, "ecp5", "uart",
@@ -237,6 +276,16 @@ BOARDS: dict[str, Board] = {b.name: b for b in (
     Board("de10_nano", "Terasic DE10-Nano (Cyclone V 5CSEBA6U23I7)", _de10_nano, "quartus", "uart",
           f"rows=8,cols=8,size=96,baud={DEFAULT_BAUD},fifo_depth={DEFAULT_FIFO_DEPTH}",
           "UART on GPIO header pins AG13 (rx) / AF13 (tx), 3.3 V: connect a USB-UART adapter."),
+    Board("ecpix5", "LambdaConcept ECPIX-5 85F (ECP5 LFE5UM5G-85F)", _ecpix5, "ecp5", "eth",
+          # the ULX3S's array: the same LUTs and MULT18X18Ds
+          f"rows=16,cols=16,size=96,dsp_macs=144,out_lanes=1,functions=relu+gelu,{DEFAULT_ETH}",
+          "Gigabit Ethernet (RGMII to the board's PHY, UDP: udp:IP:PORT); the core at 75 MHz and the link "
+          "at 125 MHz from the ECP5's PLL (the board's oscillator: 100 MHz).", pll_hz=75_000_000),
+    Board("colorlight_5a75b", "Colorlight 5A-75B v7.0 (ECP5 LFE5U-25F)", _colorlight, "ecp5", "eth",
+          f"rows=4,cols=4,size=48,functions=relu,{DEFAULT_ETH}",
+          "Gigabit Ethernet on the first of its two PHYs (RGMII, UDP: udp:IP:PORT); the core at 62.5 MHz and "
+          "the link at 125 MHz from the ECP5's PLL (the board's oscillator: 25 MHz).", pll_hz=62_500_000,
+          short="colorlight"),
     Board("stratix5", "Intel Stratix V GX FPGA Development Kit (5SGXEA7K2F40C2)", StratixVGXPlatform, "quartus",
           "avalon-st", f"rows=32,cols=32,tile=32x32,size=256,max_payload={1 << 20}",
           "128-bit Avalon-ST stream (virtual pins) for a PCIe hard IP; 32x32 tiles (a 32-wide array needs them)."),
@@ -258,6 +307,8 @@ def board_config(name: str, **overrides) -> tuple[Board, CoreConfig, dict]:
         raise ValueError(f"unknown build option(s) {', '.join(sorted(unknown))}")
     if board.link != "uart" and {"baud", "fifo_depth"} & set(top_fields):
         raise ValueError(f"{name} has no UART: baud and fifo_depth do not apply")
+    if board.link != "eth" and {"ip", "port"} & set(top_fields):
+        raise ValueError(f"{name} has no network link: ip and port do not apply")
     # From the board's options again (not ``replace``), so that the fields the contract derives
     # (``out_lanes``) follow the overrides unless given.
     board_core = {k: v for k, v in board.options.items() if k in CoreConfig.__dataclass_fields__}
@@ -359,6 +410,81 @@ class UartBoardTop(Elaboratable):
         m.submodules.tx_pin = tx_pin = io.Buffer("o", uart.tx)
         m.d.comb += [device.rx.eq(rx_pin.i), tx_pin.o.eq(device.tx)]
         _status_leds(m, platform, clock_hz, [~device.rx, device.framing_error, device.overrun])
+        return m
+
+
+#: The Ethernet link's clock: a byte a cycle at 1 Gb/s.
+LINK_HZ = 125_000_000
+
+
+def ecp5_link_pll(m: Module, platform, f_core: int) -> None:
+    """An EHXPLLL fed by ``platform``'s oscillator: ``LINK_HZ`` on CLKOP for the ``eth`` domain
+    (the Ethernet link; its feedback) and ``f_core`` on CLKOS for ``sync`` (the core), with a
+    VCO both divide exactly; both domains in reset until the PLL locks (``ecp5_pll``'s reset
+    scheme, each domain its own synchronizer)."""
+    f_in = int(platform.default_clk_frequency)
+    clki, clkfb, _ = ecp5_pll_dividers(f_in, LINK_HZ)
+    for clkop in range(1, 129):
+        vco = LINK_HZ * clkop
+        if ECP5_PLL_VCO_HZ[0] <= vco <= ECP5_PLL_VCO_HZ[1] and vco % f_core == 0:
+            break
+    else:
+        raise ValueError(f"no ECP5 VCO makes both {LINK_HZ / 1e6:g} MHz and {f_core / 1e6:g} MHz")
+    clkos = vco // f_core
+    clk_in = platform.request(platform.default_clk, dir="-")
+    m.submodules.clk_in = clk_buf = io.Buffer("i", clk_in)
+    m.domains.eth = eth = ClockDomain("eth")
+    m.domains.sync = sync = ClockDomain("sync")
+    locked = Signal()
+    m.submodules.pll = Instance(
+        "EHXPLLL",
+        a_FREQUENCY_PIN_CLKI=str(f_in / 1e6), a_FREQUENCY_PIN_CLKOP=str(LINK_HZ / 1e6),
+        a_FREQUENCY_PIN_CLKOS=str(f_core / 1e6),
+        p_PLLRST_ENA="DISABLED", p_INTFB_WAKE="DISABLED", p_STDBY_ENABLE="DISABLED", p_DPHASE_SOURCE="DISABLED",
+        p_OUTDIVIDER_MUXA="DIVA", p_OUTDIVIDER_MUXB="DIVB", p_CLKOP_ENABLE="ENABLED", p_CLKOS_ENABLE="ENABLED",
+        p_FEEDBK_PATH="CLKOP", p_CLKI_DIV=clki, p_CLKFB_DIV=clkfb, p_CLKOP_DIV=clkop, p_CLKOP_CPHASE=clkop // 2,
+        p_CLKOP_FPHASE=0, p_CLKOS_DIV=clkos, p_CLKOS_CPHASE=clkos // 2, p_CLKOS_FPHASE=0,
+        i_RST=0, i_STDBY=0, i_CLKI=clk_buf.i, i_CLKFB=eth.clk, o_CLKOP=eth.clk, o_CLKOS=sync.clk, o_LOCK=locked,
+        i_PHASESEL0=0, i_PHASESEL1=0, i_PHASEDIR=1, i_PHASESTEP=1, i_PHASELOADREG=1, i_PLLWAKESYNC=0,
+        i_ENCLKOP=0, i_ENCLKOS=0,
+    )
+    for name, domain in (("sync", sync), ("eth", eth)):
+        reset = ClockDomain(f"{name}_reset")
+        m.domains += reset
+        m.d.comb += reset.clk.eq(domain.clk)
+        m.submodules[f"{name}_reset"] = ResetSynchronizer(~locked, domain=f"{name}_reset")
+        m.submodules[f"{name}_reset_buffer"] = Instance("DCCA", i_CLKI=reset.rst, i_CE=1, o_CLKO=domain.rst)
+
+
+class EthBoardTop(Elaboratable):
+    """An Ethernet board's top: ``EthTop`` (the core at ``pll_hz``, the link at ``LINK_HZ``,
+    both from ``ecp5_link_pll``) on the board's first RGMII PHY (``hw.rgmii``; the receive side
+    in the PHY's clock domain ``eth_rx``), the PHY out of reset, status LEDs (blink, a
+    datagram taken, a datagram sent)."""
+
+    def __init__(self, cfg: CoreConfig, *, ip: int, port: int, max_payload: int | None = None, pll_hz: int):
+        self.cfg, self.ip, self.port, self.max_payload, self.pll_hz = cfg, ip, port, max_payload, pll_hz
+
+    def elaborate(self, platform):
+        from .eth_top import DEFAULT_MAC, EthTop
+        from .rgmii import RgmiiRx, RgmiiTx
+
+        m = Module()
+        ecp5_link_pll(m, platform, self.pll_hz)
+        pins = platform.request("eth_rgmii", 0, dir="-")
+        ctl = ("rx_ctl", "tx_ctl") if hasattr(pins, "rx_ctl") else ("rx_ctrl", "tx_ctrl")
+        m.submodules.rgmii_rx = rx = RgmiiRx(pins, domain="eth_rx", ctl=ctl[0])
+        m.submodules.rgmii_tx = tx = RgmiiTx(pins, domain="eth", ctl=ctl[1])
+        m.domains.eth_rx = eth_rx = ClockDomain("eth_rx", reset_less=True)
+        m.d.comb += eth_rx.clk.eq(rx.clock)
+        m.submodules.phy_reset = phy_reset = io.Buffer("o", pins.rst)
+        m.d.comb += phy_reset.o.eq(0)
+        kw = {"max_payload": self.max_payload} if self.max_payload else {}
+        m.submodules.device = device = EthTop(self.cfg, mac=DEFAULT_MAC, ip=self.ip, port=self.port, link_domain="eth",
+                                              rx_domain="eth_rx", clock_hz=self.pll_hz, **kw)
+        m.d.comb += [device.rx_dv.eq(rx.rx_dv), device.rx_er.eq(rx.rx_er), device.rxd.eq(rx.rxd),
+                     tx.tx_en.eq(device.tx_en), tx.tx_er.eq(device.tx_er), tx.txd.eq(device.txd)]
+        _status_leds(m, platform, self.pll_hz, [device.datagrams[0], device.sent[0]])
         return m
 
 
@@ -468,6 +594,9 @@ MANIFEST = ".hbfp-build.json"
 
 
 def make_top(board: Board, cfg: CoreConfig, top_kw: dict):
+    if board.link == "eth":
+        return EthBoardTop(cfg, ip=top_kw["ip"], port=top_kw["port"], max_payload=top_kw.get("max_payload"),
+                           pll_hz=board.pll_hz)
     if board.link == "uart":
         return UartBoardTop(cfg, baud=top_kw["baud"], fifo_depth=top_kw["fifo_depth"],
                             max_payload=top_kw.get("max_payload"), pll_hz=board.pll_hz)

@@ -24,7 +24,7 @@ Both units run in one clock domain (``sync``; a top renames it to the link's 125
 
 from __future__ import annotations
 
-from amaranth import Module, Signal
+from amaranth import Module, Mux, Signal
 from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
@@ -58,6 +58,8 @@ class FrameFifo(wiring.Component):
     Write side: ``w_data`` with ``w_valid`` writes a byte of the current frame; ``w_end``
     ends it (in the same cycle as its last byte, or later on its own): with ``w_ok`` the
     frame is committed, less its final ``trim`` bytes (an FCS to strip), else dropped.
+    ``p_en`` patches the current frame: ``p_data`` replaces its byte ``p_addr`` (one written
+    already), in a cycle without ``w_valid`` (a checksum known only once its bytes are in).
     ``w_room`` says whether a byte written now finds room; one written while it is low breaks
     the frame: at its end it is dropped too, and ``overflow`` pulses (also when ``max_frames``
     committed frames wait already). A frame with no byte left after ``trim`` commits nothing.
@@ -77,6 +79,9 @@ class FrameFifo(wiring.Component):
             "w_valid": In(1),
             "w_end": In(1),
             "w_ok": In(1),
+            "p_en": In(1),
+            "p_addr": In(range(depth)) if isinstance(depth, int) and depth >= 64 else In(1),
+            "p_data": In(8),
             "w_room": Out(1),
             "overflow": Out(1),
             "o": Out(stream.Signature(frame_layout())),
@@ -100,7 +105,8 @@ class FrameFifo(wiring.Component):
 
         write = self.w_valid & ~broken & ~full
         wr_next = Signal(bits + 1)
-        m.d.comb += [wr_port.addr.eq(wr[:bits]), wr_port.data.eq(self.w_data), wr_port.en.eq(write),
+        m.d.comb += [wr_port.addr.eq(Mux(self.p_en, (start + self.p_addr)[:bits], wr[:bits])),
+                     wr_port.data.eq(Mux(self.p_en, self.p_data, self.w_data)), wr_port.en.eq(write | self.p_en),
                      wr_next.eq(wr + write)]
         broken_now = broken | (self.w_valid & full)
         length = Signal(bits + 2)

@@ -20,7 +20,7 @@ from amaranth.lib import fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from .eth_mac import MacRx, MacTx
-from .eth_udp import UdpLink, UdpRx
+from .eth_udp import LINK_COUNTERS, UdpLink
 from .link import beat_layout
 from .params import CoreConfig
 from .top import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_PAYLOAD, AcceleratorTop
@@ -36,15 +36,16 @@ CROSSING_DEPTH = 64
 
 class EthTop(wiring.Component):
     """The accelerator (``AcceleratorTop(cfg, stream_bytes=1)``) behind a ``UdpLink`` for
-    ``mac``, ``ip`` and ``port``. Ports: GMII ``rx_dv``, ``rx_er``, ``rxd``, ``tx_en``,
-    ``tx_er``, ``txd`` (in ``link_domain``) and the link's counters."""
+    ``mac``, ``ip`` and ``port``. Ports: GMII ``rx_dv``, ``rx_er``, ``rxd`` (in ``rx_domain``,
+    RGMII's receive clock, if given, else ``link_domain``), ``tx_en``, ``tx_er``, ``txd`` (in
+    ``link_domain``) and the link's counters."""
 
     def __init__(self, cfg: CoreConfig = CoreConfig(), *, mac: int = DEFAULT_MAC, ip: int = DEFAULT_IP,
-                 port: int = DEFAULT_PORT, link_domain: str = "eth", clock_hz: int = 0,
+                 port: int = DEFAULT_PORT, link_domain: str = "eth", rx_domain: str | None = None, clock_hz: int = 0,
                  frame_timeout: int = DEFAULT_FRAME_TIMEOUT, max_payload: int = DEFAULT_MAX_PAYLOAD):
         try:
             AcceleratorTop._check(cfg, 1, clock_hz, frame_timeout, max_payload)
-            self.link = UdpLink(mac, ip, port)  # checks the address
+            self.link = UdpLink(mac, ip, port, rx_domain=rx_domain)  # checks the address
         except (ValueError, TypeError):
             self._MustUse__used = True
             raise
@@ -53,7 +54,7 @@ class EthTop(wiring.Component):
         super().__init__({
             "rx_dv": In(1), "rx_er": In(1), "rxd": In(8),
             "tx_en": Out(1), "tx_er": Out(1), "txd": Out(8),
-            **{name: Out(32) for name in MacRx.COUNTERS + UdpRx.COUNTERS + ("sent",)},
+            **{name: Out(32) for name in LINK_COUNTERS},
         })
 
     def elaborate(self, platform):
@@ -70,7 +71,7 @@ class EthTop(wiring.Component):
         m.submodules.to_core, m.submodules.to_link = to_core, to_link
         m.d.comb += [link.rx_dv.eq(self.rx_dv), link.rx_er.eq(self.rx_er), link.rxd.eq(self.rxd),
                      self.tx_en.eq(link.tx_en), self.tx_er.eq(link.tx_er), self.txd.eq(link.txd)]
-        m.d.comb += [getattr(self, c).eq(getattr(link, c)) for c in MacRx.COUNTERS + UdpRx.COUNTERS + ("sent",)]
+        m.d.comb += [getattr(self, c).eq(getattr(link, c)) for c in LINK_COUNTERS]
         wiring.connect(m, link.o, to_core.w_stream)
         m.d.comb += [top.i.valid.eq(to_core.r_stream.valid), top.i.payload.data[0].eq(to_core.r_stream.payload),
                      top.i.payload.keep.eq(1), to_core.r_stream.ready.eq(top.i.ready)]

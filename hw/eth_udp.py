@@ -4,20 +4,23 @@
 ```
  MacRx -> UdpRx --o--> stream bytes (to the engine)
             |  \\--arp--> ArpResponder --\\
-            peer                          FrameArbiter -> MacTx
- stream bytes (from the engine) --i--> UdpTx ---------/
+            |  \\--icmp--> IcmpEcho -------FrameArbiter -> MacTx
+            peer                           /
+ stream bytes (from the engine) --i--> UdpTx ---/
 ```
 
 - ``UdpRx`` reads each received frame (FCS already checked) once, a byte a cycle: an ARP
   request for ``ip`` goes to ``ArpResponder``; an IPv4 datagram to ``mac`` and ``ip`` (no
   options, not fragmented, header checksum right) for UDP port ``port``, with the datagram
   header's version and a number ``Sequence`` takes (``hbfp.host.datagrams``), gives its
-  stream bytes on ``o`` and makes its sender the ``peer``. Anything else is ignored.
+  stream bytes on ``o`` and makes its sender the ``peer``; an ICMP message for ``ip`` goes to
+  ``IcmpEcho``. Anything else is ignored.
 - ``UdpTx`` collects the engine's bytes into datagrams of at most ``MAX_STREAM_BYTES`` (sent
   when full, or once no byte has come for ``flush_cycles``) in a ``FrameFifo``, and sends
   each to the peer: Ethernet, IPv4 (header checksum, TTL 64, don't fragment) and UDP
   headers (no checksum), the datagram header with its number, the bytes.
 - ``ArpResponder``: the 42-byte ARP reply to a request (``MacTx`` pads it).
+- ``IcmpEcho``: the echo reply to an ICMP echo request for ``ip`` (``ping``).
 - ``FrameArbiter``: whole frames from several streams, one at a time, the first stream first.
 - ``UdpLink``: all of it on GMII, with ``MacRx`` and ``MacTx``.
 
@@ -26,20 +29,21 @@ Everything runs in one clock domain (the link's 125 MHz in a board top).
 
 from __future__ import annotations
 
-from amaranth import Array, Cat, Const, Module, Signal
-from amaranth.lib import data, stream, wiring
+from amaranth import Array, Cat, Const, DomainRenamer, Module, Mux, Signal
+from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from hbfp.host import datagrams as D
 
 from .eth_mac import FrameFifo, MacRx, MacTx, frame_layout
 
-__all__ = ["UdpRx", "UdpTx", "ArpResponder", "FrameArbiter", "UdpLink", "ETHERTYPE_IPV4", "ETHERTYPE_ARP",
+__all__ = ["UdpRx", "UdpTx", "ArpResponder", "IcmpEcho", "FrameArbiter", "UdpLink", "LINK_COUNTERS", "ETHERTYPE_IPV4", "ETHERTYPE_ARP",
            "BROADCAST", "TTL", "HEADER_BYTES"]
 
 ETHERTYPE_IPV4, ETHERTYPE_ARP = 0x0800, 0x0806
 BROADCAST = 0xFFFF_FFFF_FFFF
-IP_PROTO_UDP = 17
+IP_PROTO_UDP, IP_PROTO_ICMP = 17, 1
+ICMP_ECHO_REQUEST, ICMP_ECHO_REPLY = 8, 0
 #: The time to live of the datagrams sent.
 TTL = 64
 #: Ethernet (14), IPv4 (20), UDP (8) and datagram (4) headers in front of a datagram's stream bytes.
@@ -76,6 +80,12 @@ def ones_complement_sum(*words):
     return (folded[:16] + folded[16:])[:16]
 
 
+def icmp_layout() -> data.StructLayout:
+    """Where an ICMP message came from (its sender's MAC and IP), its IPv4 identification and
+    its length (the IPv4 total length less the header)."""
+    return data.StructLayout({"mac": 48, "ip": 32, "ident": 16, "length": 16})
+
+
 def peer_layout() -> data.StructLayout:
     """Where replies go: the sender of the last datagram taken."""
     return data.StructLayout({"mac": 48, "ip": 32, "port": 16})
@@ -99,6 +109,8 @@ class UdpRx(wiring.Component):
             "arp": Out(stream.Signature(data.StructLayout({"mac": 48, "ip": 32}))),
             "peer": Out(peer_layout()),
             "peer_valid": Out(1),
+            "icmp": Out(stream.Signature(frame_layout())),
+            "icmp_from": Out(icmp_layout()),
             **{name: Out(32) for name in self.COUNTERS},
         })
 
@@ -120,7 +132,9 @@ class UdpRx(wiring.Component):
         src_mac, etype = Signal(48), Signal(16)
         arp_ok, arp_sha, arp_spa = Signal(), Signal(48), Signal(32)
         csum = Signal(16)                      # the IPv4 header's one's complement sum so far
-        ip_ok, total_len, src_ip = Signal(), Signal(16), Signal(32)
+        ip_hdr, ip_ok, total_len, src_ip = Signal(), Signal(), Signal(16), Signal(32)
+        proto, ident = Signal(8), Signal(16)
+        icmp = Signal()                        # this frame's ICMP message goes to ``icmp``
         udp_src, udp_len, seq = Signal(16), Signal(16), Signal(16)
         flags = Signal(8)
         taking = Signal()                      # this frame's stream bytes go to ``o``
@@ -136,7 +150,7 @@ class UdpRx(wiring.Component):
         with m.If(take):
             with m.Switch(pos):
                 with m.Case(0):
-                    m.d.sync += [taking.eq(0), arp_ok.eq(0), ip_ok.eq(0)]
+                    m.d.sync += [taking.eq(0), arp_ok.eq(0), ip_hdr.eq(0), icmp.eq(0)]
                 with m.Case(5):
                     m.d.sync += [unicast.eq(nxt[:48] == self.mac), for_us.eq((nxt[:48] == self.mac) |
                                                                              (nxt[:48] == BROADCAST))]
@@ -157,20 +171,24 @@ class UdpRx(wiring.Component):
                         with m.If(~self.arp.valid):  # one at a time: the requester asks again
                             m.d.sync += [self.arp.valid.eq(1), self.arp.payload.mac.eq(arp_sha),
                                          self.arp.payload.ip.eq(arp_spa)]
-                # IPv4: version 4, 5 words of header (no options), not a fragment, UDP
+                # IPv4: version 4, 5 words of header (no options), not a fragment, to our address
                 with m.Case(14):
-                    m.d.sync += ip_ok.eq(unicast & (etype == ETHERTYPE_IPV4) & (byte == 0x45))
+                    m.d.sync += ip_hdr.eq(unicast & (etype == ETHERTYPE_IPV4) & (byte == 0x45))
                 with m.Case(17):
                     m.d.sync += total_len.eq(nxt[:16])
+                with m.Case(19):
+                    m.d.sync += ident.eq(nxt[:16])
                 with m.Case(23):
                     frag = sh[8:24]  # bytes 20-21: flags and fragment offset; byte 22 TTL
-                    m.d.sync += ip_ok.eq(ip_ok & ((frag & 0x3FFF) == 0) & (byte == IP_PROTO_UDP) &
-                                         (total_len >= 20 + 8 + D.HEADER.size))
+                    m.d.sync += [ip_hdr.eq(ip_hdr & ((frag & 0x3FFF) == 0) & (total_len >= 20 + 8)), proto.eq(byte)]
                 with m.Case(29):
                     m.d.sync += src_ip.eq(nxt[:32])
                 with m.Case(33):
-                    m.d.sync += ip_ok.eq(ip_ok & (nxt[:32] == self.ip) &
-                                         (ones_complement_sum(csum, nxt[:16]) == 0xFFFF))
+                    hdr_ok = ip_hdr & (nxt[:32] == self.ip) & (ones_complement_sum(csum, nxt[:16]) == 0xFFFF)
+                    m.d.sync += [ip_ok.eq(hdr_ok & (proto == IP_PROTO_UDP) & (total_len >= 20 + 8 + D.HEADER.size)),
+                                 icmp.eq(hdr_ok & (proto == IP_PROTO_ICMP)),
+                                 self.icmp_from.mac.eq(src_mac), self.icmp_from.ip.eq(src_ip),
+                                 self.icmp_from.ident.eq(ident), self.icmp_from.length.eq(total_len - 20)]
                 with m.Case(35):
                     m.d.sync += udp_src.eq(nxt[:16])
                 with m.Case(37):
@@ -201,8 +219,12 @@ class UdpRx(wiring.Component):
 
         # the stream bytes: positions 46 .. 34 + udp_len - 1 of a datagram taken
         forward = taking & (pos >= HEADER_BYTES) & (pos < 34 + udp_len)
+        # an ICMP message: positions 34 .. 14 + total_len - 1 (its last: the frame's, if shorter)
+        echo = icmp & (pos >= 34) & (pos < 14 + total_len)
         m.d.comb += [self.o.payload.eq(byte), self.o.valid.eq(self.i.valid & forward),
-                     self.i.ready.eq(~forward | self.o.ready)]
+                     self.icmp.payload.data.eq(byte), self.icmp.valid.eq(self.i.valid & echo),
+                     self.icmp.payload.last.eq(self.i.payload.last | (pos == 14 + total_len - 1)),
+                     self.i.ready.eq(Mux(forward, self.o.ready, Mux(echo, self.icmp.ready, 1)))]
         return m
 
 
@@ -234,6 +256,96 @@ class ArpResponder(wiring.Component):
             m.d.sync += k.eq(k + 1)
             with m.If(self.o.payload.last):
                 m.d.sync += busy.eq(0)
+        return m
+
+
+class IcmpEcho(wiring.Component):
+    """Echo replies (RFC 792) to the echo requests among the ICMP messages on ``i``
+    (``UdpRx.icmp``, from ``from_``: ``icmp_layout``), so that ``ping`` answers: each reply a
+    frame on ``o`` (``frame_layout``) once whole in a ``FrameFifo`` of ``buffer_bytes``, to its
+    sender: the request's identification, TTL 64, type 0, the rest of the message as it came,
+    the ICMP checksum summed over the reply as it passes and patched in at its end. Anything
+    but a whole echo request (type 8, code 0, the length the IPv4 header says) leaves no reply."""
+
+    def __init__(self, mac: int, ip: int, *, buffer_bytes: int = 2048):
+        _check_address(self, mac, ip, 0)
+        self.mac, self.ip, self.buffer_bytes = mac, ip, buffer_bytes
+        super().__init__({
+            "i": In(stream.Signature(frame_layout())),
+            "from_": In(icmp_layout()),
+            "o": Out(stream.Signature(frame_layout())),
+            "replies": Out(32),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.buffer = buf = FrameFifo(self.buffer_bytes)
+        wiring.connect(m, buf.o, wiring.flipped(self.o))
+        to = Signal(icmp_layout())
+        ip_len, csum = Signal(16), Signal(16)
+        k = Signal(range(1 << 16))  # bytes of the header, then of the message, written
+        ok = Signal()
+        total, high = Signal(16), Signal(8)  # the reply's one's complement sum; a word's first byte
+        ip_hi, ip_lo = self.ip >> 16, self.ip & 0xFFFF
+        fixed = 0x4500 + (TTL << 8 | IP_PROTO_ICMP) + ip_hi + ip_lo
+        header = (big_endian(to.mac, 6) + big_endian(self.mac, 6) + big_endian(ETHERTYPE_IPV4, 2) +
+                  big_endian(0x4500, 2) + big_endian(ip_len, 2) + big_endian(to.ident, 2) + big_endian(0, 2) +
+                  big_endian(TTL << 8 | IP_PROTO_ICMP, 2) + big_endian(csum, 2) + big_endian(self.ip, 4) +
+                  big_endian(to.ip, 4))
+        byte, last = self.i.payload.data, self.i.payload.last
+        whole = Signal()
+        m.d.comb += whole.eq(ok & (k + 1 == to.length))
+        reply_sum = ~total
+        with m.FSM():
+            with m.State("IDLE"):
+                with m.If(self.i.valid):
+                    m.d.sync += [to.eq(self.from_), ip_len.eq(self.from_.length + 20), k.eq(0), total.eq(0)]
+                    m.next = "CHECKSUM"
+            with m.State("CHECKSUM"):
+                m.d.sync += [csum.eq(~ones_complement_sum(Const(fixed, 20), ip_len, to.ident, to.ip[16:], to.ip[:16])),
+                             ok.eq(to.length >= 8)]
+                m.next = "HEADER"
+            with m.State("HEADER"):
+                m.d.comb += [buf.w_valid.eq(buf.w_room), buf.w_data.eq(Array(header)[k])]
+                with m.If(buf.w_room):
+                    m.d.sync += k.eq(k + 1)
+                    with m.If(k == len(header) - 1):
+                        m.d.sync += k.eq(0)
+                        m.next = "MESSAGE"
+            with m.State("MESSAGE"):
+                # the type 8 -> 0, the checksum zero for now, the rest as it comes
+                out = Signal(8)
+                m.d.comb += out.eq(Mux((k == 0) | (k == 2) | (k == 3), 0, byte))
+                m.d.comb += [buf.w_data.eq(out), buf.w_valid.eq(self.i.valid & buf.w_room),
+                             self.i.ready.eq(buf.w_room)]
+                with m.If(self.i.valid & buf.w_room):
+                    m.d.sync += k.eq(k + 1)
+                    with m.If(k[0]):
+                        m.d.sync += total.eq(ones_complement_sum(total, Cat(out, high)))
+                    with m.Elif(last):  # an odd length: the last word's low byte is zero
+                        m.d.sync += total.eq(ones_complement_sum(total, Cat(Const(0, 8), out)))
+                    with m.Else():
+                        m.d.sync += high.eq(out)
+                    with m.If(k == 0):
+                        m.d.sync += ok.eq(ok & (byte == ICMP_ECHO_REQUEST))
+                    with m.If(k == 1):
+                        m.d.sync += ok.eq(ok & (byte == 0))
+                    with m.If(last):
+                        with m.If(whole):
+                            m.next = "PATCH_HIGH"
+                        with m.Else():
+                            m.d.comb += [buf.w_end.eq(1), buf.w_ok.eq(0)]
+                            m.next = "IDLE"
+            with m.State("PATCH_HIGH"):  # the checksum: bytes 2 and 3 of the message
+                m.d.comb += [buf.p_en.eq(1), buf.p_addr.eq(len(header) + 2), buf.p_data.eq(reply_sum[8:])]
+                m.next = "PATCH_LOW"
+            with m.State("PATCH_LOW"):
+                m.d.comb += [buf.p_en.eq(1), buf.p_addr.eq(len(header) + 3), buf.p_data.eq(reply_sum[:8])]
+                m.next = "END"
+            with m.State("END"):
+                m.d.comb += [buf.w_end.eq(1), buf.w_ok.eq(1)]
+                m.d.sync += self.replies.eq(self.replies + 1)
+                m.next = "IDLE"
         return m
 
 
@@ -348,45 +460,66 @@ class FrameArbiter(wiring.Component):
         return m
 
 
+#: ``UdpLink``'s counters: the MAC's, ``UdpRx``'s, ``sent`` (datagrams) and ``pings`` (echo replies).
+LINK_COUNTERS = MacRx.COUNTERS + UdpRx.COUNTERS + ("sent", "pings")
+
+
 class UdpLink(wiring.Component):
     """The network link on GMII: ``MacRx`` -> ``UdpRx`` -> ``o`` (stream bytes to the engine),
-    ``i`` (from it) -> ``UdpTx``, ARP replies, ``FrameArbiter`` -> ``MacTx``. Counters: the
-    MAC's and ``UdpRx``'s, and ``sent`` (datagrams). ``rx_buffer_bytes``: frames received and
-    not yet read (what a pipelining host sends while the engine computes: two of the largest
-    requests); ``buffer_bytes``: each transmit buffer."""
+    ``i`` (from it) -> ``UdpTx``, ARP and echo replies, ``FrameArbiter`` -> ``MacTx``
+    (``LINK_COUNTERS``). ``rx_buffer_bytes``: frames received and not yet read
+    (``datagrams.RECEIVE_BUFFER``: the host's ``datagrams.WINDOW`` of request bytes in
+    flight); ``buffer_bytes``: each transmit buffer. ``rx_domain``: the receive side's own
+    clock domain (RGMII's ``rx_clk``): ``MacRx`` runs there (its counters too) and its frames
+    cross to this one through an asynchronous FIFO."""
 
-    def __init__(self, mac: int, ip: int, port: int, *, buffer_bytes: int = 4096, rx_buffer_bytes: int = 8192,
-                 flush_cycles: int = 16):
+    def __init__(self, mac: int, ip: int, port: int, *, buffer_bytes: int = 4096,
+                 rx_buffer_bytes: int = D.RECEIVE_BUFFER,
+                 flush_cycles: int = 16, rx_domain: str | None = None):
         _check_address(self, mac, ip, port)
         self.mac, self.ip, self.port = mac, ip, port
         self.buffer_bytes, self.rx_buffer_bytes, self.flush_cycles = buffer_bytes, rx_buffer_bytes, flush_cycles
+        self.rx_domain = rx_domain
         super().__init__({
             "rx_dv": In(1), "rx_er": In(1), "rxd": In(8),
             "tx_en": Out(1), "tx_er": Out(1), "txd": Out(8),
             "o": Out(stream.Signature(8)),
             "i": In(stream.Signature(8)),
-            **{name: Out(32) for name in MacRx.COUNTERS + UdpRx.COUNTERS + ("sent",)},
+            **{name: Out(32) for name in LINK_COUNTERS},
         })
 
     def elaborate(self, platform):
         m = Module()
-        m.submodules.mac_rx = mac_rx = MacRx(self.rx_buffer_bytes)
+        mac_rx = MacRx(self.rx_buffer_bytes)
         m.submodules.udp_rx = udp_rx = UdpRx(self.mac, self.ip, self.port)
+        if self.rx_domain is None:
+            m.submodules.mac_rx = mac_rx
+            wiring.connect(m, mac_rx.o, udp_rx.i)
+        else:
+            m.submodules.mac_rx = mac_rx = DomainRenamer(self.rx_domain)(mac_rx)
+            m.submodules.rx_crossing = crossing = fifo.AsyncFIFOBuffered(
+                width=frame_layout().size, depth=16, w_domain=self.rx_domain, r_domain="sync")
+            wiring.connect(m, mac_rx.o, crossing.w_stream)
+            m.d.comb += [udp_rx.i.valid.eq(crossing.r_stream.valid), udp_rx.i.payload.eq(crossing.r_stream.payload),
+                         crossing.r_stream.ready.eq(udp_rx.i.ready)]
         m.submodules.arp = arp = ArpResponder(self.mac, self.ip)
         m.submodules.udp_tx = udp_tx = UdpTx(self.mac, self.ip, self.port, buffer_bytes=self.buffer_bytes,
                                              flush_cycles=self.flush_cycles)
-        m.submodules.arbiter = arbiter = FrameArbiter(2)
+        m.submodules.echo = echo = IcmpEcho(self.mac, self.ip)
+        m.submodules.arbiter = arbiter = FrameArbiter(3)
         m.submodules.mac_tx = mac_tx = MacTx(self.buffer_bytes)
         m.d.comb += [mac_rx.rx_dv.eq(self.rx_dv), mac_rx.rx_er.eq(self.rx_er), mac_rx.rxd.eq(self.rxd),
                      self.tx_en.eq(mac_tx.tx_en), self.tx_er.eq(mac_tx.tx_er), self.txd.eq(mac_tx.txd),
                      udp_tx.peer.eq(udp_rx.peer), udp_tx.peer_valid.eq(udp_rx.peer_valid), self.sent.eq(udp_tx.datagrams)]
         m.d.comb += [getattr(self, c).eq(getattr(mac_rx, c)) for c in MacRx.COUNTERS]
         m.d.comb += [getattr(self, c).eq(getattr(udp_rx, c)) for c in UdpRx.COUNTERS]
-        wiring.connect(m, mac_rx.o, udp_rx.i)
         wiring.connect(m, udp_rx.o, wiring.flipped(self.o))
         wiring.connect(m, udp_rx.arp, arp.i)
         wiring.connect(m, wiring.flipped(self.i), udp_tx.i)
+        wiring.connect(m, udp_rx.icmp, echo.i)
+        m.d.comb += [echo.from_.eq(udp_rx.icmp_from), self.pings.eq(echo.replies)]
         wiring.connect(m, arp.o, arbiter.i0)
-        wiring.connect(m, udp_tx.o, arbiter.i1)
+        wiring.connect(m, echo.o, arbiter.i1)
+        wiring.connect(m, udp_tx.o, arbiter.i2)
         wiring.connect(m, arbiter.o, mac_tx.i)
         return m

@@ -79,3 +79,30 @@ def parse_udp(frame: bytes) -> dict:
     return {"dst_mac": int.from_bytes(frame[0:6], "big"), "src_mac": int.from_bytes(frame[6:12], "big"),
             "src_ip": src_ip, "dst_ip": dst_ip, "ttl": ttl, "frag": frag, "ident": ident, "sport": sport,
             "dport": dport, "udp_checksum": csum, "payload": payload}
+
+
+def icmp_echo_request(dst_mac: int, src_mac: int, src_ip: int, dst_ip: int, ident: int, seq: int, data: bytes,
+                      *, icmp_type: int = 8, code: int = 0, checksum: int | None = None, **ip) -> bytes:
+    """An Ethernet frame (no FCS) carrying an ICMP echo request (RFC 792), as ``ping`` sends it."""
+    body = struct.pack("!HH", ident, seq) + data
+    c = internet_checksum(struct.pack("!BBH", icmp_type, code, 0) + body) if checksum is None else checksum
+    message = struct.pack("!BBH", icmp_type, code, c) + body
+    return mac_bytes(dst_mac) + mac_bytes(src_mac) + struct.pack("!H", ETH_IPV4) + \
+        ipv4_header(src_ip, dst_ip, 1, len(message), **ip) + message
+
+
+def parse_icmp_echo_reply(frame: bytes) -> dict:
+    """The fields of an ICMP echo reply, after checking the IPv4 header (checksum, lengths)
+    and the ICMP checksum over the message."""
+    assert int.from_bytes(frame[12:14], "big") == ETH_IPV4
+    ip = frame[14:34]
+    vihl, _, total, ident, frag, ttl, proto, _, src_ip, dst_ip = struct.unpack("!BBHHHBBHII", ip)
+    assert vihl == 0x45 and proto == 1 and 28 <= total <= len(frame) - 14
+    assert internet_checksum(ip) == 0, "IPv4 header checksum"
+    message = frame[34:14 + total]
+    assert internet_checksum(message) == 0, "ICMP checksum"
+    icmp_type, code, _, echo_id, seq = struct.unpack("!BBHHH", message[:8])
+    assert (icmp_type, code) == (0, 0)
+    return {"dst_mac": int.from_bytes(frame[0:6], "big"), "src_mac": int.from_bytes(frame[6:12], "big"),
+            "src_ip": src_ip, "dst_ip": dst_ip, "ttl": ttl, "ident": ident, "id": echo_id, "seq": seq,
+            "data": message[8:]}

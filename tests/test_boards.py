@@ -180,3 +180,46 @@ def test_cli_build_units(tmp_path, capsys):
     assert "stochastic rounding needs a quantizer" in capsys.readouterr().err
     assert cli.main(["build", "--list"]) == 0
     assert "without value_quantizer, bfp_output, stochastic" in capsys.readouterr().out
+
+
+# ---- the Ethernet boards ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, pins, osc", [("ecpix5", ("E11", "A12", "C9", "A11"), 100_000_000),
+                                             ("colorlight_5a75b", ("M1", "M2", "M3", "N6"), 25_000_000)])
+def test_ethernet_board_project(tmp_path, name, pins, osc):
+    """The RGMII pins (rx_clk, tx_clk, tx and rx control), the PLL making the link's 125 MHz
+    on CLKOP and the core's clock on CLKOS of one VCO, the DDR I/O, and the address in the
+    gateware (192.168.1.51:7001 from the options)."""
+    result = boards.build(name, tmp_path, run=False, log=lambda s: None, rows=2, cols=2, size=24,
+                          ip=boards.parse_ip("192.168.1.51"), port=7001)
+    d, project = result.directory, result.name
+    lpf = (d / f"{project}.lpf").read_text()
+    for pin in pins:
+        assert f'SITE "{pin}"' in lpf, pin
+    il = (d / f"{project}.il").read_text()
+    board = boards.BOARDS[name]
+    clki, clkfb, _ = boards.ecp5_pll_dividers(osc, boards.LINK_HZ)
+    op = int(re.search(r"parameter \\CLKOP_DIV (\d+)", il).group(1))
+    os_ = int(re.search(r"parameter \\CLKOS_DIV (\d+)", il).group(1))
+    assert (int(re.search(r"parameter \\CLKI_DIV (\d+)", il).group(1)),
+            int(re.search(r"parameter \\CLKFB_DIV (\d+)", il).group(1))) == (clki, clkfb)
+    assert boards.LINK_HZ * op == board.pll_hz * os_ and 400e6 <= boards.LINK_HZ * op <= 800e6
+    assert "IDDRX1F" in il and "ODDRX1F" in il
+    assert f"32'{0xC0A80133:032b}" in il  # the address the receiver compares
+    config = json.loads((d / "config.json").read_text())
+    assert config["link"] == "eth" and config["ip"] == 0xC0A80133 and config["port"] == 7001
+    assert config["clock_hz"] == board.pll_hz
+
+
+def test_ethernet_board_options():
+    assert boards.parse_ip("192.168.1.50") == 0xC0A80132
+    for bad in ("192.168.1", "1.2.3.256", "a.b.c.d"):
+        with pytest.raises(ValueError, match="IPv4 address"):
+            boards.parse_ip(bad)
+    with pytest.raises(ValueError, match="no network link"):
+        boards.board_config("ulx3s", ip=1)
+    with pytest.raises(ValueError, match="no UART"):
+        boards.board_config("ecpix5", baud=115200)
+    board, cfg, kw = boards.board_config("ecpix5")
+    assert (cfg.rows, cfg.cols, kw["ip"], kw["port"], board.link) == (16, 16, 0xC0A80132, 7000, "eth")

@@ -146,3 +146,39 @@ def test_cli_sim_server_udp():
     r = subprocess.run([sys.executable, "-m", "hbfp.cli", "sim-server", "--device", "emu", "--udp", "0", "--pty"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "one" in r.stderr
+
+
+def test_the_driver_keeps_within_the_links_window():
+    """Over a link with a ``window`` (a network's: the device's receive buffer), the request
+    bytes sent and not yet answered never exceed it, pipelining included; the products stay
+    bit-exact. A link that delivers what was sent only when the driver waits for a reply
+    shows what is in flight."""
+    from hbfp.host.transports import LoopbackTransport, Transport
+
+    class Held(Transport):
+        window = 9000
+
+        def __init__(self):
+            self.inner = LoopbackTransport(EmuDevice(CFG))
+            self.held, self.most = [], 0
+
+        def send(self, data):
+            self.held.append(bytes(data))
+            self.most = max(self.most, sum(map(len, self.held)))
+
+        def receive(self, timeout):
+            for data in self.held:
+                self.inner.send(data)
+            self.held.clear()
+            return self.inner.receive(timeout)
+
+    link = Held()
+    dev = host.Device(link, timeout=5)
+    assert dev.pipeline
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((150, 200)).astype(np.float32)  # fp32 operands: several WRITEs a block
+    b = rng.standard_normal((200, 120)).astype(np.float32)
+    got = dev.gemm(a, b, input="fp32")
+    assert np.array_equal(got.view(np.uint32), host.reference_gemm(dev.format(), a, b, input="fp32").view(np.uint32))
+    assert 4096 < link.most <= Held.window  # more than one WRITE in flight, never more than the window
+    assert UdpTransport.window == D.WINDOW and D.WINDOW <= D.RECEIVE_BUFFER

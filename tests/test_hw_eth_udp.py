@@ -51,7 +51,7 @@ def run_link(frames, *, engine=b"", engine_at: int = 0, cycles: int = 0, ready_p
             line.append((ctx.get(dut.tx_en), ctx.get(dut.txd)))
             await ctx.tick()
         counts.update({n: ctx.get(getattr(dut, n)) for n in ("frames", "datagrams", "late", "lost", "arp_requests",
-                                                              "sent")})
+                                                              "sent", "pings")})
 
     sim = Simulator(dut)
     sim.add_clock(8e-9)
@@ -84,6 +84,32 @@ def test_arp_requests_for_our_address_are_answered():
         assert len(frame) == 60  # 42 bytes, padded
         reply = net.parse_arp_reply(frame)
         assert reply == {"dst": HOST_MAC, "src": MAC, "sha": MAC, "spa": IP, "tha": HOST_MAC, "tpa": HOST_IP}
+
+
+def test_ping_is_answered():
+    """Echo requests (RFC 792) for our address: replies with the same identifier, sequence
+    number and data, checksums right (the reply's ICMP checksum adjusted for the type, for
+    every value of the request's, 0xF7FF .. 0x0800 around the carry included). Other ICMP
+    types, a bad code, a truncated message and requests for another address: no reply."""
+    rng = random.Random(5)
+    good = [(7, 1, b""), (7, 2, bytes(range(56))), (0x1234, 0xFFFF, bytes(rng.getrandbits(8) for _ in range(1472)))]
+    # requests whose checksums lie around the adjustment's carry: a data word found to make them so
+    for target in (0xF7FE, 0xF7FF, 0xF800, 0x07FF, 0x0800, 0x0000):
+        word = next(w for w in range(0x10000)
+                    if net.internet_checksum(bytes([8, 0, 0, 0, 0, 0, 0, 0]) + w.to_bytes(2, "big")) == target)
+        good.append((0, 0, word.to_bytes(2, "big")))
+    frames = [net.icmp_echo_request(MAC, HOST_MAC, HOST_IP, IP, i, s, d) for i, s, d in good]
+    frames += [net.icmp_echo_request(MAC, HOST_MAC, HOST_IP, IP, 1, 1, b"x", icmp_type=13),  # a timestamp
+               net.icmp_echo_request(MAC, HOST_MAC, HOST_IP, IP, 1, 1, b"x", code=1),
+               net.icmp_echo_request(MAC, HOST_MAC, HOST_IP, IP + 1, 1, 1, b"x"),
+               net.icmp_echo_request(MAC, HOST_MAC, HOST_IP, IP, 1, 1, bytes(100))[:-10]]  # shorter than its header says
+    got, sent, counts = run_link(frames, cycles=8000)
+    assert got == b"" and counts["pings"] == len(good) == len(sent)
+    for (ident, seq, data), frame in zip(good, sent):
+        reply = net.parse_icmp_echo_reply(frame)
+        assert (reply["dst_mac"], reply["src_mac"], reply["src_ip"], reply["dst_ip"], reply["ttl"]) == \
+            (HOST_MAC, MAC, IP, HOST_IP, 64)
+        assert (reply["id"], reply["seq"], reply["data"]) == (ident, seq, data)
 
 
 def test_datagrams_in_by_the_rules():
