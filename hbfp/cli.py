@@ -346,6 +346,12 @@ def _sim_server(args) -> int:
             close()
         return 1
     print(f"serving {args.device} on {server.spec}", flush=True)
+    import signal
+
+    def stop(signum, frame):  # SIGTERM ends the server as Ctrl-C does: its summary, then exit 0
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         server.run()
     except KeyboardInterrupt:
@@ -354,6 +360,7 @@ def _sim_server(args) -> int:
         print(f"hbfp sim-server: {args.device}: {e}", file=sys.stderr)
         return 1
     finally:
+        signal.signal(signal.SIGTERM, previous)
         close = getattr(device, "close", None)
         if close:
             close()

@@ -261,13 +261,25 @@ class DatagramTransport(Transport):
             self.datagrams.send_datagram(datagram)
 
     def receive(self, timeout: float) -> bytes:
+        """The stream bytes of the datagrams taken, at least one, or ``b""`` once ``timeout``
+        seconds of the device's clock have passed (its ``receive_datagrams`` returns early when
+        the link is quiet: the clock, ``cycles``, says how much time that was)."""
         budget = int(max(0.0, timeout) * getattr(self.datagrams, "cycles_per_second", 1_000_000))
         got = bytearray()
-        for datagram in self.datagrams.receive_datagrams(budget):
-            parts = D.unpack(datagram)
-            if parts is not None and self.sequence.take(parts[0], parts[1]):
-                got += parts[2]
-        return bytes(got)
+        while True:
+            start = getattr(self.datagrams, "cycles", None)
+            for datagram in self.datagrams.receive_datagrams(budget):
+                parts = D.unpack(datagram)
+                if parts is not None and self.sequence.take(parts[0], parts[1]):
+                    got += parts[2]
+            spent = budget if start is None else self.datagrams.cycles - start
+            if got or spent <= 0 or spent >= budget:
+                return bytes(got)
+            budget -= spent
+
+    def advance(self, cycles: int) -> None:
+        """``cycles`` of the device's clock pass (a host idle: how a begun frame times out)."""
+        self.datagrams.advance(cycles)
 
     def close(self) -> None:
         close = getattr(self.datagrams, "close", None)
@@ -385,7 +397,9 @@ class FaultyTransport(Transport):
 
 
 class TransportDevice:
-    """A transport seen as a byte device (so that ``serve`` can relay a remote device)."""
+    """A transport seen as a byte device (so that ``serve`` can relay a remote device, and the
+    conformance table's runner drive one): ``read`` takes what has arrived without waiting;
+    ``advance`` lets the device's clock run where the transport has one (``DatagramTransport``)."""
 
     def __init__(self, transport: Transport):
         self.transport = transport
@@ -398,7 +412,9 @@ class TransportDevice:
         return self.transport.receive(0.0)
 
     def advance(self, cycles: int) -> None:
-        pass
+        advance = getattr(self.transport, "advance", None)
+        if advance is not None:
+            advance(cycles)
 
     def close(self) -> None:
         self.transport.close()

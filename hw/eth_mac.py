@@ -60,20 +60,23 @@ class FrameFifo(wiring.Component):
     frame is committed, less its final ``trim`` bytes (an FCS to strip), else dropped.
     ``p_en`` patches the current frame: ``p_data`` replaces its byte ``p_addr`` (one written
     already), in a cycle without ``w_valid`` (a checksum known only once its bytes are in).
-    ``w_room`` says whether a byte written now finds room; one written while it is low breaks
-    the frame: at its end it is dropped too, and ``overflow`` pulses (also when ``max_frames``
-    committed frames wait already). A frame with no byte left after ``trim`` commits nothing.
+    ``w_room`` says whether a byte written now finds room (and a frame ended now a place among
+    the ``max_frames`` waiting, default one per 32 bytes of buffer); one written while it is low
+    breaks the frame: at its end it is dropped too, and ``overflow`` pulses (also when a frame
+    ends with no place left: a writer that cannot wait, a receiver). A frame with no byte left
+    after ``trim`` commits nothing.
 
     Read side: ``o``, the committed frames' bytes (``frame_layout``), one a cycle while
     ``o.ready`` is high (a frame's bytes back to back once its first is offered);
     ``length``, the number of bytes of the frame whose first byte ``o`` offers.
     """
 
-    def __init__(self, depth: int, *, trim: int = 0, max_frames: int = 16):
+    def __init__(self, depth: int, *, trim: int = 0, max_frames: int | None = None):
         if not isinstance(depth, int) or depth < 64 or depth & (depth - 1):
             self._MustUse__used = True
             raise ValueError(f"depth must be a power of two >= 64, got {depth!r}")
-        self.depth, self.trim, self.max_frames = depth, trim, max_frames
+        self.depth, self.trim = depth, trim
+        self.max_frames = depth // 32 if max_frames is None else max_frames
         super().__init__({
             "w_data": In(8),
             "w_valid": In(1),
@@ -101,7 +104,7 @@ class FrameFifo(wiring.Component):
         rd = Signal(bits + 1)
         broken = Signal()
         full = Signal()
-        m.d.comb += [full.eq((wr - rd)[:bits + 1] == depth), self.w_room.eq(~full)]
+        m.d.comb += [full.eq((wr - rd)[:bits + 1] == depth), self.w_room.eq(~full & lengths.w_rdy)]
 
         write = self.w_valid & ~broken & ~full
         wr_next = Signal(bits + 1)

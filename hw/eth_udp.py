@@ -378,7 +378,7 @@ class UdpTx(wiring.Component):
         quiet = Signal(range(self.flush_cycles + 1))
         byte_in = self.i.valid & buf.w_room
         full = byte_in & (count == D.MAX_STREAM_BYTES - 1)
-        flush = (count != 0) & ~self.i.valid & (quiet == self.flush_cycles)
+        flush = (count != 0) & ~self.i.valid & (quiet == self.flush_cycles) & buf.w_room  # a place to end it
         m.d.comb += [self.i.ready.eq(buf.w_room), buf.w_data.eq(self.i.payload), buf.w_valid.eq(byte_in),
                      buf.w_end.eq(full | flush), buf.w_ok.eq(1)]
         with m.If(full | flush):

@@ -24,6 +24,9 @@ __all__ = ["NetworkSim", "HOST_MAC", "HOST_IP", "HOST_PORT"]
 HOST_MAC, HOST_IP, HOST_PORT = 0x02_00_00_00_00_0A, 0xC0A8_010A, 49152
 #: Quiet cycles after which the frames that were coming are taken as complete.
 SETTLE_CYCLES = 64
+#: Quiet cycles after which ``receive_datagrams`` returns with nothing (a frame the engine waits
+#: the rest of, a long product): more than a frame's way through the link's buffers.
+QUIET_CYCLES = 4096
 
 
 class NetworkSim:
@@ -45,8 +48,10 @@ class NetworkSim:
         device's ``timeout_cycles``) and the link has settled; the UDP payloads sent to the host."""
         budget = self.sim.timeout_cycles if budget_cycles is None else budget_cycles
         if budget > 0:
-            ran = self.sim.run(budget, stop=Stop.OUTPUT)
-            if ran < budget:  # a reply has begun: let the rest of what comes follow
+            # until output begins, or the link has been quiet a while with every byte taken (the
+            # device computing, or waiting for the rest of a frame: the caller's to let time pass)
+            ran = self.sim.run(budget, stop=Stop.OUTPUT | Stop.IDLE, idle_cycles=QUIET_CYCLES)
+            if ran < budget:  # let the rest of what comes follow
                 self.sim.run(budget - ran, stop=Stop.IDLE, idle_cycles=SETTLE_CYCLES)
         self._pending += self.sim.read(timeout_cycles=0)
         out = []
@@ -59,6 +64,11 @@ class NetworkSim:
             if frame[12:14] == b"\x08\x00" and frame[0:6] == HOST_MAC.to_bytes(6, "big"):
                 out.append(parse_udp(frame)["payload"])
         return out
+
+    @property
+    def cycles(self) -> int:
+        """The simulated clock's cycles so far."""
+        return self.sim.cycles
 
     def advance(self, cycles: int) -> None:
         self.sim.advance(cycles)

@@ -7,7 +7,6 @@ bit, a lossy network included."""
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,9 @@ from hbfp.sim.network import NetworkSim
 
 #: A small core (the build dominates the time): a 4x4 HBFP8 array, 48x48 buffers, relu.
 CORE_ARG = "rows=4,cols=4,size=48,functions=relu"
-SIM_ARG = f"{CORE_ARG},link=eth"
+#: A frame timeout of 50,000 cycles (far above the link's latency, a few thousand): the
+#: conformance table's timeout cases wait that long, not the default's 2^20.
+SIM_ARG = f"{CORE_ARG},frame_timeout=50000,link=eth"
 
 
 # ---- the option, without a build ------------------------------------------------------------
@@ -45,7 +46,7 @@ def recorded(monkeypatch):
 def test_link_option_selects_the_network_loop(recorded):
     opts = sim_device.parse_arg(SIM_ARG)
     assert opts["link"] == "eth"
-    _, plain = sim_device.top_library(sim_device.parse_arg(CORE_ARG))
+    _, plain = sim_device.top_library(sim_device.parse_arg(SIM_ARG.replace(",link=eth", "")))
     _, eth = sim_device.top_library(opts)
     assert eth == {**plain, "top": "hw.eth_top.EthLoop", "link": "eth"} and "link" not in plain
     top = recorded[1][0]()
@@ -138,6 +139,28 @@ def test_cli_sim_server_udp_serves_the_network_link(eth_sim):
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and "bit-exact" in r.stdout, r.stdout + r.stderr
     finally:
-        p.send_signal(signal.SIGINT)
-        out, _ = p.communicate(timeout=30)
-    assert "datagrams: " in out
+        p.terminate()  # SIGTERM: the server stops and says what it served
+        try:
+            out, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise
+    assert p.returncode == 0 and "datagrams: " in out
+
+
+@needs_build
+@one_worker
+def test_conformance_table_over_the_network_link(eth_sim):
+    """The wire protocol's whole conformance table (host/conformance.py) through the gateware's
+    Ethernet, IPv4 and UDP: every malformed frame, timeout and back-to-back case answered as
+    on the top's own ports (the link's latency is far below a frame's timeout)."""
+    from hbfp.host import conformance as K
+    from hbfp.host.transports import TransportDevice
+
+    dev = TransportDevice(eth_sim)
+    ident = K.identify(dev)
+    assert (ident.rows, ident.size) == (4, 48)
+    table = K.cases(ident)
+    failures = K.run_cases(dev, table, ident)
+    assert not failures, "\n".join(str(e) for _, e in failures)

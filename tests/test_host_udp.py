@@ -4,7 +4,6 @@ every output format, pipelined), a lossy network (datagrams lost and damaged bot
 every product still bit-exact), and ``hbfp sim-server --udp``."""
 
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -137,9 +136,14 @@ def test_cli_sim_server_udp():
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and "bit-exact" in r.stdout, r.stdout + r.stderr
     finally:
-        p.send_signal(signal.SIGINT)  # Ctrl-C: the server stops and says what it served
-        out, _ = p.communicate(timeout=20)
-    assert "datagrams: " in out and " 0 dropped" in out
+        p.terminate()  # SIGTERM: the server stops and says what it served
+        try:
+            out, _ = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise
+    assert p.returncode == 0 and "datagrams: " in out and " 0 dropped" in out
     r = subprocess.run([sys.executable, "-m", "hbfp.cli", "sim-server", "--device", "emu", "--drop", "0.1"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--udp" in r.stderr
