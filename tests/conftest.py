@@ -112,3 +112,49 @@ def pytest_collection_modifyitems(config, items):
     if left:
         config.hook.pytest_deselected(items=left)
         items[:] = [item for item in items if item.nodeid not in SIM_FULL_ONLY]
+
+
+@pytest.fixture
+def recorded_builds(monkeypatch):
+    """``hbfp.sim.device.top_library`` with ``build_library`` replaced by a recorder (nothing
+    is built): the calls, (make, config, keywords) each."""
+    from pathlib import Path
+
+    from hbfp.sim import device as sim_device
+
+    calls = []
+
+    def fake(make, config, **kw):
+        calls.append((make, config, kw))
+        return Path("/nonexistent/libhbfpsim.so")
+
+    monkeypatch.setattr(sim_device.build, "build_library", fake)
+    return calls
+
+
+def udp_server_gemm(device: str, *, timeout: float = 120) -> str:
+    """``hbfp sim-server --device DEVICE --udp 0`` in a subprocess, one ``hbfp gemm`` over the
+    ``udp:`` address it prints (asserted bit-exact), then SIGTERM; the server's output (its
+    datagram counts), after asserting that it exited cleanly."""
+    import re
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "hbfp.cli", "sim-server", "--device", device, "--udp", "0",
+                          "--idle-timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        spec = re.search(r"udp:[\d.]+:\d+", line).group(0)
+        r = subprocess.run([sys.executable, "-m", "hbfp.cli", "gemm", spec, "--m", "50", "--n", "40", "--k", "70"],
+                           capture_output=True, text=True, timeout=timeout)
+        assert r.returncode == 0 and "bit-exact" in r.stdout, r.stdout + r.stderr
+    finally:
+        p.terminate()  # SIGTERM: the server stops and says what it served
+        try:
+            out, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise
+    assert p.returncode == 0 and "datagrams: " in out, out
+    return out

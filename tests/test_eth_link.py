@@ -6,10 +6,6 @@ bit, a lossy network included."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +17,8 @@ from hbfp.sim import device as sim_device
 from hbfp.sim.harness import build
 from hbfp.sim.network import NetworkSim
 
+from .conftest import udp_server_gemm
+
 #: A small core (the build dominates the time): a 4x4 HBFP8 array, 48x48 buffers, relu.
 CORE_ARG = "rows=4,cols=4,size=48,functions=relu"
 #: A frame timeout of 50,000 cycles (far above the link's latency, a few thousand): the
@@ -31,25 +29,13 @@ SIM_ARG = f"{CORE_ARG},frame_timeout=50000,link=eth"
 # ---- the option, without a build ------------------------------------------------------------
 
 
-@pytest.fixture
-def recorded(monkeypatch):
-    calls = []
-
-    def fake(make, config, **kw):
-        calls.append((make, config, kw))
-        return Path("/nonexistent/libhbfpsim.so")
-
-    monkeypatch.setattr(sim_device.build, "build_library", fake)
-    return calls
-
-
-def test_link_option_selects_the_network_loop(recorded):
+def test_link_option_selects_the_network_loop(recorded_builds):
     opts = sim_device.parse_arg(SIM_ARG)
     assert opts["link"] == "eth"
     _, plain = sim_device.top_library(sim_device.parse_arg(SIM_ARG.replace(",link=eth", "")))
     _, eth = sim_device.top_library(opts)
     assert eth == {**plain, "top": "hw.eth_top.EthLoop", "link": "eth"} and "link" not in plain
-    top = recorded[1][0]()
+    top = recorded_builds[1][0]()
     from hbfp.hw.eth_top import EthLoop
 
     assert isinstance(top, EthLoop) and top.device.cfg.size == 48
@@ -62,10 +48,10 @@ def test_link_option_selects_the_network_loop(recorded):
     ("link=wifi", "link must be one of"), ("link=eth,uart=8", "two different links"),
     ("link=eth,stream_bytes=2", "stream_bytes=1"),
 ])
-def test_link_option_errors(recorded, arg, match):
+def test_link_option_errors(recorded_builds, arg, match):
     with pytest.raises(ValueError, match=match):
         sim_device.top_library(sim_device.parse_arg(f"{CORE_ARG},{arg}"))
-    assert not recorded
+    assert not recorded_builds
 
 
 # ---- the gateware under Verilator -------------------------------------------------------------
@@ -130,23 +116,7 @@ def test_udp_bridge_through_a_lossy_network(eth_sim):
 @needs_build
 @one_worker
 def test_cli_sim_server_udp_serves_the_network_link(eth_sim):
-    p = subprocess.Popen([sys.executable, "-m", "hbfp.cli", "sim-server", "--device", f"sim:{SIM_ARG}", "--udp", "0",
-                          "--idle-timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = p.stdout.readline()
-        spec = re.search(r"udp:[\d.]+:\d+", line).group(0)
-        r = subprocess.run([sys.executable, "-m", "hbfp.cli", "gemm", spec, "--m", "50", "--n", "40", "--k", "70"],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0 and "bit-exact" in r.stdout, r.stdout + r.stderr
-    finally:
-        p.terminate()  # SIGTERM: the server stops and says what it served
-        try:
-            out, _ = p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-            raise
-    assert p.returncode == 0 and "datagrams: " in out
+    udp_server_gemm(f"sim:{SIM_ARG}", timeout=300)
 
 
 @needs_build

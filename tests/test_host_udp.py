@@ -18,6 +18,7 @@ from hbfp.host.emu import EmuDevice
 from hbfp.host.server import UdpServer
 from hbfp.host.transports import UdpTransport
 
+from .conftest import udp_server_gemm
 from .test_host_transports import check_products
 
 CFG = CoreConfig(rows=4, cols=4, size=48)
@@ -127,23 +128,7 @@ def test_link_errors():
 
 
 def test_cli_sim_server_udp():
-    p = subprocess.Popen([sys.executable, "-m", "hbfp.cli", "sim-server", "--device", "emu", "--udp", "0",
-                          "--idle-timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = p.stdout.readline()
-        spec = re.search(r"udp:[\d.]+:\d+", line).group(0)
-        r = subprocess.run([sys.executable, "-m", "hbfp.cli", "gemm", spec, "--m", "50", "--n", "40", "--k", "70"],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0 and "bit-exact" in r.stdout, r.stdout + r.stderr
-    finally:
-        p.terminate()  # SIGTERM: the server stops and says what it served
-        try:
-            out, _ = p.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-            raise
-    assert p.returncode == 0 and "datagrams: " in out and " 0 dropped" in out
+    assert " 0 dropped" in udp_server_gemm("emu")
     r = subprocess.run([sys.executable, "-m", "hbfp.cli", "sim-server", "--device", "emu", "--drop", "0.1"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--udp" in r.stderr

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,20 +28,7 @@ SIM_ARG = f"{CORE_ARG},uart={DIVISOR}"
 # ---- the option, without a build ------------------------------------------------------------
 
 
-@pytest.fixture
-def recorded(monkeypatch):
-    """``top_library`` with ``build_library`` replaced by a recorder (nothing is built)."""
-    calls = []
-
-    def fake(make, config, **kw):
-        calls.append((make, config, kw))
-        return Path("/nonexistent/libhbfpsim.so")
-
-    monkeypatch.setattr(sim_device.build, "build_library", fake)
-    return calls
-
-
-def test_uart_option_selects_the_uart_loop(recorded):
+def test_uart_option_selects_the_uart_loop(recorded_builds):
     opts = sim_device.parse_arg(CORE_ARG)
     assert sim_device.parse_arg(SIM_ARG) == {**opts, "uart": DIVISOR}
     _, plain = sim_device.top_library(opts)
@@ -52,16 +38,16 @@ def test_uart_option_selects_the_uart_loop(recorded):
     # one it always was: AcceleratorTop's, with no "uart" entry.
     assert plain == zero and "uart" not in plain and plain["top"] == "hw.top.AcceleratorTop"
     assert uart == {**plain, "top": "hw.uart.UartLoop", "uart": DIVISOR}
-    assert recorded[0][1] == plain and recorded[2][1] == uart
-    assert recorded[2][2]["stream_bytes"] == 1
-    make = recorded[2][0]
+    assert recorded_builds[0][1] == plain and recorded_builds[2][1] == uart
+    assert recorded_builds[2][2]["stream_bytes"] == 1
+    make = recorded_builds[2][0]
     top = make()
     from hbfp.hw.uart import UartLoop
 
     assert isinstance(top, UartLoop) and top.divisor == DIVISOR and top.cfg.size == 48
     top._MustUse__used = True  # not elaborated here: the build test does
     _, deep = sim_device.top_library({**opts, "uart": DIVISOR, "fifo_depth": 128})
-    top = recorded[3][0]()
+    top = recorded_builds[3][0]()
     top._MustUse__used = True
     assert deep == {**uart, "fifo_depth": 128} and top.device_kw["fifo_depth"] == 128
 
@@ -69,10 +55,10 @@ def test_uart_option_selects_the_uart_loop(recorded):
 @pytest.mark.parametrize(("arg", "match"), [
     ("uart=3", "uart"), ("uart=8,stream_bytes=4", "stream_bytes=1"), ("fifo_depth=64", "needs uart"),
 ])
-def test_uart_option_errors(recorded, arg, match):
+def test_uart_option_errors(recorded_builds, arg, match):
     with pytest.raises(ValueError, match=match):
         sim_device.top_library(sim_device.parse_arg(f"{CORE_ARG},{arg}"))
-    assert not recorded
+    assert not recorded_builds
 
 
 # ---- the pseudo-terminal bridge (emu: no build) ----------------------------------------------
