@@ -71,10 +71,15 @@ class FrameFifo(wiring.Component):
     ``length``, the number of bytes of the frame whose first byte ``o`` offers.
     """
 
+    @staticmethod
+    def check_depth(component, depth) -> None:
+        """Refuse a buffer that is no power of two >= 64 (``component`` is then never elaborated)."""
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 64 or depth & (depth - 1):
+            component._MustUse__used = True
+            raise ValueError(f"a frame buffer's bytes must be a power of two >= 64, got {depth!r}")
+
     def __init__(self, depth: int, *, trim: int = 0, max_frames: int | None = None):
-        if not isinstance(depth, int) or depth < 64 or depth & (depth - 1):
-            self._MustUse__used = True
-            raise ValueError(f"depth must be a power of two >= 64, got {depth!r}")
+        self.check_depth(self, depth)
         self.depth, self.trim = depth, trim
         self.max_frames = depth // 32 if max_frames is None else max_frames
         super().__init__({
@@ -83,7 +88,7 @@ class FrameFifo(wiring.Component):
             "w_end": In(1),
             "w_ok": In(1),
             "p_en": In(1),
-            "p_addr": In(range(depth)) if isinstance(depth, int) and depth >= 64 else In(1),
+            "p_addr": In(range(depth)),
             "p_data": In(8),
             "w_room": Out(1),
             "overflow": Out(1),
@@ -155,13 +160,14 @@ class MacRx(wiring.Component):
     COUNTERS = ("frames", "runts", "oversize", "bad_fcs", "errors", "overflows")
 
     def __init__(self, buffer_bytes: int = 4096):
+        FrameFifo.check_depth(self, buffer_bytes)
         self.buffer_bytes = buffer_bytes
         super().__init__({
             "rx_dv": In(1),
             "rx_er": In(1),
             "rxd": In(8),
             "o": Out(stream.Signature(frame_layout())),
-            "length": Out(buffer_bytes.bit_length() if isinstance(buffer_bytes, int) else 1),
+            "length": Out(buffer_bytes.bit_length()),
             **{name: Out(32) for name in self.COUNTERS},
         })
 
@@ -238,6 +244,7 @@ class MacTx(wiring.Component):
     """
 
     def __init__(self, buffer_bytes: int = 4096):
+        FrameFifo.check_depth(self, buffer_bytes)
         self.buffer_bytes = buffer_bytes
         super().__init__({
             "i": In(stream.Signature(frame_layout())),

@@ -171,9 +171,10 @@ def test_tx_into_rx_loop():
 
 
 def test_parameters_are_checked():
-    for bad in (0, 63, 100, 4095, "4096"):
-        with pytest.raises(ValueError, match="power of two"):
-            FrameFifo(bad)
+    for bad in (0, 63, 100, 4095, "4096", True):
+        for make in (FrameFifo, MacRx, MacTx):
+            with pytest.raises(ValueError, match="power of two"):
+                make(bad)
 
 
 def test_reference_model_is_the_standard():
