@@ -64,6 +64,7 @@ from hbfp.outputs import Output, OutputConflict, check_folder
 from .openflow import ABC9_XAIGER1, conflicting_drivers
 from .params import CoreConfig
 from .top import AcceleratorTop
+from .eth_top import DEFAULT_IP, DEFAULT_PORT
 from .uart import DEFAULT_FIFO_DEPTH, UartTop, divisor_for
 
 __all__ = ["Board", "BOARDS", "DEFAULT_BAUD", "DoesNotFit", "StratixVGXPlatform", "UartBoardTop", "AvalonStBoardTop", "build", "BuildResult",
@@ -255,8 +256,8 @@ class Board:
 
 #: The link parameters a board top takes.
 _TOP_OPTIONS = ("baud", "fifo_depth", "max_payload", "ip", "port")
-#: The Ethernet boards' default address (``hbfp build --ip --port``).
-DEFAULT_ETH = "ip=192.168.1.50,port=7000"
+#: The Ethernet boards' default address (``hbfp build --ip --port``): ``hw.eth_top``'s.
+DEFAULT_ETH = f"ip={'.'.join(str(b) for b in DEFAULT_IP.to_bytes(4, 'big'))},port={DEFAULT_PORT}"
 
 BOARDS: dict[str, Board] = {b.name: b for b in (
     Board("ulx3s", "Radiona ULX3S 85F (ECP5 LFE5U-85F)", _ulx3s, "ecp5", "uart",
