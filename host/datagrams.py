@@ -40,11 +40,15 @@ WINDOW = 12 * 1024
 RECEIVE_BUFFER = 16 * 1024
 #: Bytes a second on a Gigabit Ethernet link (125 MHz, a byte a cycle each way).
 GIGABIT = 125_000_000
-#: What one datagram costs on Ethernet beyond its stream bytes: preamble and SFD (8), the
-#: Ethernet (14), IPv4 (20), UDP (8) and datagram (4) headers, the FCS (4), the gap (12).
-_FRAMING = 8 + 14 + 20 + 8 + HEADER.size + 4 + 12
-#: The shortest frame (FCS included): a shorter one is padded.
-_MIN_FRAME = 64
+#: Ethernet's sizes in bytes (IEEE 802.3; the gateware's MAC reads them here too): preamble
+#: and SFD, the Ethernet header, the FCS, the interframe gap, the shortest and longest frame
+#: (header to FCS, no VLAN tag); and the IPv4 (no options) and UDP headers.
+PREAMBLE_SFD, ETHERNET_HEADER, FCS, GAP, MIN_FRAME, MAX_FRAME = 8, 14, 4, 12, 64, 1518
+IPV4_HEADER, UDP_HEADER = 20, 8
+#: Headers in front of a datagram's stream bytes in its frame: Ethernet, IPv4, UDP, datagram.
+FRAME_HEADERS = ETHERNET_HEADER + IPV4_HEADER + UDP_HEADER + HEADER.size
+#: What one datagram costs on Ethernet beyond its stream bytes.
+_FRAMING = PREAMBLE_SFD + FRAME_HEADERS + FCS + GAP
 #: Half the sequence space: a datagram this far or farther ahead is taken for a late one.
 _WINDOW = 1 << 15
 
@@ -72,7 +76,7 @@ def wire_bytes(stream_bytes: int) -> int:
     full, rest = divmod(stream_bytes, MAX_STREAM_BYTES)
     cost = full * (MAX_STREAM_BYTES + _FRAMING)
     if rest:
-        cost += max(rest + _FRAMING, _MIN_FRAME + 8 + 12)
+        cost += max(rest + _FRAMING, PREAMBLE_SFD + MIN_FRAME + GAP)
     return cost
 
 
@@ -118,4 +122,4 @@ class Numbering:
 
 # The receive buffer holds the window's datagrams as frames (stream bytes, 46 bytes of headers
 # and the FCS each) and one frame more: checked where both are defined.
-assert RECEIVE_BUFFER >= -(-WINDOW // MAX_STREAM_BYTES) * (MAX_DATAGRAM + 14 + 4) + 1518
+assert RECEIVE_BUFFER >= -(-WINDOW // MAX_STREAM_BYTES) * (MAX_DATAGRAM + ETHERNET_HEADER + FCS) + MAX_FRAME

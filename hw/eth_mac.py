@@ -29,6 +29,8 @@ from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
+from hbfp.host import datagrams as D
+
 from .block_ram import NO_RW_CHECK
 from .crc import PRESET, RESIDUE, crc32_step
 
@@ -37,12 +39,10 @@ __all__ = ["frame_layout", "FrameFifo", "MacRx", "MacTx", "PREAMBLE", "SFD", "MI
 
 #: A preamble byte and the start frame delimiter, as GMII carries them.
 PREAMBLE, SFD = 0x55, 0xD5
-#: The shortest and longest frames on the wire, destination address to FCS (IEEE 802.3, no VLAN tag).
-MIN_FRAME, MAX_FRAME = 64, 1518
-#: Bytes of the frame check sequence.
-FCS_BYTES = 4
-#: Idle cycles between frames: the interframe gap of 96 bit times.
-IFG_CYCLES = 12
+#: The shortest and longest frames on the wire, destination address to FCS (IEEE 802.3, no
+#: VLAN tag), the frame check sequence's bytes, and the idle cycles between frames (the
+#: interframe gap of 96 bit times): ``hbfp.host.datagrams``', which the host's figures use too.
+MIN_FRAME, MAX_FRAME, FCS_BYTES, IFG_CYCLES = D.MIN_FRAME, D.MAX_FRAME, D.FCS, D.GAP
 #: Preamble bytes a transmitter sends before the SFD.
 PREAMBLE_BYTES = 7
 

@@ -46,8 +46,8 @@ IP_PROTO_UDP, IP_PROTO_ICMP = 17, 1
 ICMP_ECHO_REQUEST, ICMP_ECHO_REPLY = 8, 0
 #: The time to live of the datagrams sent.
 TTL = 64
-#: Ethernet (14), IPv4 (20), UDP (8) and datagram (4) headers in front of a datagram's stream bytes.
-HEADER_BYTES = 14 + 20 + 8 + D.HEADER.size
+#: The headers in front of a datagram's stream bytes in its frame (``datagrams.FRAME_HEADERS``).
+HEADER_BYTES = D.FRAME_HEADERS
 #: Bytes of an ARP request or reply after the Ethernet header.
 ARP_BYTES = 28
 
