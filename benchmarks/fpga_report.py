@@ -129,6 +129,56 @@ def density_summary(args) -> dict:
             "density_cols": fig["config"]["cols"]}
 
 
+def link_table() -> list[str]:
+    """The boards' links beside their arrays: one 96x96x96 product (fp32 in and out, seed 0)
+    through the emulator's wire protocol in each board's default configuration (``emu:wire=1``,
+    the board's clock and payload buffer), its bytes each way and its device cycles, and the
+    time the busier direction takes on the link (a UART: 10 bit times a byte; Gigabit
+    Ethernet: ``datagrams.wire_bytes``, headers, preamble and gaps included) over the device's.
+    Computed, not measured on a board: the lines as the host and the gateware frame them."""
+    import numpy as np
+
+    from hbfp import host
+    from hbfp.host import datagrams as D
+
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((96, 96)).astype(np.float32) for _ in range(2))
+    rows = []
+    for name, board in boards.BOARDS.items():
+        if board.link not in ("uart", "eth"):
+            continue
+        _, cfg, top_kw = boards.board_config(name)
+        clock = board.clock_hz()
+        extra = {"max_payload": top_kw["max_payload"]} if top_kw.get("max_payload") else {}
+        with host.open("emu:wire=1", config=cfg, clock_hz=clock, **extra) as dev:
+            dev.gemm(a, b)
+            sent, received, cycles = dev.stats.bytes_sent, dev.stats.bytes_received, dev.stats.cycles
+        if board.link == "uart":
+            link_s = max(sent, received) * 10 / top_kw["baud"]
+            line = f"UART, {top_kw['baud'] / 1e6:g} Mbaud ({top_kw['baud'] / 10e3:,.0f} KB/s)"
+        else:
+            link_s = max(D.wire_bytes(sent), D.wire_bytes(received)) / D.GIGABIT
+            line = f"Gigabit Ethernet, UDP ({D.GIGABIT / 1e6:.0f} MB/s)"
+        device_s = cycles / clock
+        rows.append(f"| {name} | {line} | {cfg.rows}x{cfg.cols} at {clock / 1e6:g} MHz | {sent:,} / {received:,} | "
+                    f"{(sent + received) / 96 ** 3:.3f} | {link_s * 1e3:,.3f} | {device_s * 1e3:.3f} | "
+                    f"{link_s / device_s:,.1f} |")
+    return [
+        "## Links: how far each array waits for its link",
+        "",
+        "One 96x96x96 product (fp32 in and out) in each board's default configuration, framed by the host's "
+        "driver and the device's wire protocol as the emulator runs them (`emu:wire=1`, the board's clock and "
+        "payload buffer): the bytes each way, bytes per MAC, the time the busier direction takes on the link "
+        "(UART: 10 bit times a byte; Ethernet: datagrams with their headers, preamble and gaps, "
+        "`hbfp.host.datagrams.wire_bytes`), the device's own cycles at its clock, and their ratio, the "
+        "link-bound factor (1: the link keeps up; `hbfp gemm udp:...` prints it for a real exchange).",
+        "",
+        "| board | link | array | bytes sent / received | bytes per MAC | link (ms) | device (ms) | link-bound factor |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+        *rows,
+    ]
+
+
 def configuration(cfg) -> str:
     """A board's core configuration in a few words."""
     functions = "+".join(cfg.built_functions) if cfg.functions is not None else "all functions"
@@ -177,6 +227,10 @@ def main(argv=None) -> int:
     p.add_argument("--keep-density", action="store_true",
                    help="with --no-density: the density figures of the existing summary.json stay (density.md "
                         "too), for a run after changes that leave the cores alone")
+    p.add_argument("--keep-others", action="store_true",
+                   help="boards left out of this run (--boards) keep their row, note and summary figures from the "
+                        "existing boards.md and summary.json, and with --no-core the 8x8 core its figures: for a run "
+                        "after changes that leave those designs alone")
     p.add_argument("--core-jobs", type=int, default=2, help="the 8x8 core's seeds placed and routed at a time (default 2)")
     p.add_argument("--density-jobs", type=int, default=2, help="the density experiment's flows at a time (default 2)")
     args = p.parse_args(argv)
@@ -242,14 +296,26 @@ def main(argv=None) -> int:
                      + f"; the MAC array alone: {mac['logic']:,} logic cells and {mac['dsp']} DSP blocks of "
                      f"{used('logic'):,} and {used('dsp')}. {board.notes}")
 
+    before_md = (REPORTS / "boards.md").read_text() if (REPORTS / "boards.md").exists() else ""
+    before = json.loads((REPORTS / "summary.json").read_text()) if (REPORTS / "summary.json").exists() else {}
     for name in boards.BOARDS:
-        if name not in args.boards:  # left out of this run: say so, rather than drop the board
+        if name not in args.boards:  # left out of this run: its earlier figures, or say so
             board, cfg, _ = boards.board_config(name)
+            old_row = [ln for ln in before_md.splitlines() if ln.startswith(f"| {name} |")]
+            old_note = [ln for ln in before_md.splitlines() if ln.startswith(f"- **{name}**")]
+            if args.keep_others and old_row and "not measured" not in old_row[0]:
+                rows.append(old_row[0])
+                notes.extend(n + " (An earlier run's figures: this run left the board out.)" for n in old_note)
+                key = board.summary_name
+                summary.update({k: before.get(k) for k in SUMMARY_KEYS if k.startswith(f"board_{key}_")})
+                continue
             rows.append(f"| {name} | {board.title} | {configuration(cfg)} | not measured in this run | | | | | | "
                         f"{board.clock_hz() / 1e6:.0f} | | | |")
 
     if not args.no_core:
         summary.update(core_8x8(args))
+    elif args.keep_others:
+        summary.update({k: before.get(k) for k in SUMMARY_KEYS if k.startswith("core_8x8_")})
     if not args.no_density:
         summary.update(density_summary(args))
     elif args.keep_density:
@@ -269,6 +335,8 @@ def main(argv=None) -> int:
         *rows,
         "",
         *notes,
+        "",
+        *link_table(),
         "",
         f"Report run time: {(time.perf_counter() - t_all) / 60:.1f} min.",
         "",

@@ -11,8 +11,9 @@ datagram whose ``seq`` is ahead of the last one it took (by less than 2^15: ``Se
 and drops the others (late, reordered or duplicated ones); datagrams lost on the way leave a
 gap in the stream, which the protocol's CRC, timeout and retry recover, as on any lossy
 link. ``SYNC`` in ``flags`` makes the receiver take the datagram whatever its number: a
-host sets it until the first reply arrives, so that a device still counting another
-session's datagrams follows the new one. A datagram that is too short, of another version,
+host sets it until the first reply arrives, and again after a wait for a reply that brought
+none (``hbfp.host.transports``' ``resync``), so that a device still counting another session's datagrams
+follows this one. A datagram that is too short, of another version,
 or larger than ``MAX_DATAGRAM`` is dropped.
 """
 

@@ -174,7 +174,8 @@ class UdpTransport(Transport):
     """UDP datagrams to a device on a network (a board's Ethernet link, ``hbfp sim-server
     --udp``): ``UdpTransport("192.168.1.50:7000")`` (or ``"udp:..."``). The stream goes in
     numbered datagrams (``hbfp.host.datagrams``: at most 1,472 bytes each, ``SYNC`` until the
-    first reply); replies out of order or duplicated are dropped, lost ones leave a gap that the
+    first reply and after a wait that brought none: ``resync``); replies out of order or
+    duplicated are dropped, lost ones leave a gap that the
     protocol's CRC, timeout and retry recover. The driver pipelines over it as over TCP, with
     at most ``window`` (``datagrams.WINDOW``) request bytes unanswered: what the device buffers."""
 
@@ -198,9 +199,10 @@ class UdpTransport(Transport):
             raise LinkError(f"cannot open {self.name}: {e}") from e
         self.numbering = D.Numbering()
         self.sequence = D.Sequence()
+        self.resync = True  # SYNC: until the device answers, and after a wait it did not
 
     def send(self, data: bytes) -> None:
-        flags = D.SYNC if self.sequence.expected is None else 0  # until the device has answered
+        flags = D.SYNC if self.resync else 0
         try:
             for datagram in self.numbering.datagrams(bytes(data), flags):
                 self.sock.send(datagram)
@@ -216,6 +218,7 @@ class UdpTransport(Transport):
         while True:
             r, _, _ = select.select([self.sock], [], [], wait)
             if not r:
+                self.resync = self.resync or (not got and timeout > 0)
                 return bytes(got)
             try:
                 datagram = self.sock.recv(1 << 16)
@@ -226,9 +229,11 @@ class UdpTransport(Transport):
             parts = D.unpack(datagram)
             if parts is not None and self.sequence.take(parts[0], parts[1]):
                 got += parts[2]
+                self.resync = False
             # whatever else has arrived already, then back to the caller
             wait = 0.0 if got else max(0.0, deadline - time.monotonic())
             if not got and wait == 0.0:
+                self.resync = self.resync or timeout > 0
                 return b""
 
     def close(self) -> None:
@@ -254,9 +259,10 @@ class DatagramTransport(Transport):
         self.datagrams = device
         self.numbering = D.Numbering()
         self.sequence = D.Sequence()
+        self.resync = True  # SYNC: until the device answers, and after a wait it did not
 
     def send(self, data: bytes) -> None:
-        flags = D.SYNC if self.sequence.expected is None else 0
+        flags = D.SYNC if self.resync else 0
         for datagram in self.numbering.datagrams(bytes(data), flags):
             self.datagrams.send_datagram(datagram)
 
@@ -272,8 +278,10 @@ class DatagramTransport(Transport):
                 parts = D.unpack(datagram)
                 if parts is not None and self.sequence.take(parts[0], parts[1]):
                     got += parts[2]
+                    self.resync = False
             spent = budget if start is None else self.datagrams.cycles - start
             if got or spent <= 0 or spent >= budget:
+                self.resync = self.resync or (not got and timeout > 0)
                 return bytes(got)
             budget -= spent
 

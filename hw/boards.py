@@ -6,7 +6,7 @@
 | ``ulx3s`` | ECP5 LFE5U-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | UART (FTDI) | 75 MHz (PLL from 25 MHz) | 16x16 (144 PEs on DSP blocks, 112 on LUT multipliers), 1 output lane, HBFP8, 96x96 buffers, relu + gelu |
 | ``icebreaker`` | iCE40 UP5K | yosys + nextpnr-ice40 (YoWASP) to a bitstream | UART (FTDI) | 12 MHz | 1x1, HBFP8, 24x24 buffers, a reduced device (below) |
 | ``ecpix5`` | ECP5 LFE5UM5G-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | Gigabit Ethernet (RGMII), UDP | core 75 MHz, link 125 MHz (PLL from 100 MHz) | 16x16 as the ULX3S's, ``ip=192.168.1.50,port=7000`` |
-| ``colorlight_5a75b`` | ECP5 LFE5U-25F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | Gigabit Ethernet (RGMII, the first PHY), UDP | core 62.5 MHz, link 125 MHz (PLL from 25 MHz) | 4x4, HBFP8, 48x48 buffers, relu |
+| ``colorlight_5a75b`` | ECP5 LFE5U-25F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | Gigabit Ethernet (RGMII, the first PHY), UDP | core 50 MHz, link 125 MHz (PLL from 25 MHz) | 4x4, HBFP8, 48x48 buffers, relu |
 | ``de10_nano`` | Cyclone V 5CSEBA6U23I7 | Quartus project | UART (GPIO header pins) | 50 MHz | 8x8, HBFP8, 96x96, all functions |
 | ``stratix5`` | Stratix V GX 5SGXEA7K2F40C2 | Quartus project | Avalon-ST, 16 bytes wide (PCIe) | 100 MHz | 32x32, 8-bit mantissas, 32x32 tiles, 256x256 buffers |
 
@@ -255,7 +255,7 @@ class Board:
 
 
 #: The link parameters a board top takes.
-_TOP_OPTIONS = ("baud", "fifo_depth", "max_payload", "ip", "port")
+_TOP_OPTIONS = ("baud", "fifo_depth", "max_payload", "ip", "port", "stream_bytes")
 #: The Ethernet boards' default address (``hbfp build --ip --port``): ``hw.eth_top``'s.
 DEFAULT_ETH = f"ip={'.'.join(str(b) for b in DEFAULT_IP.to_bytes(4, 'big'))},port={DEFAULT_PORT}"
 
@@ -283,9 +283,13 @@ BOARDS: dict[str, Board] = {b.name: b for b in (
           "Gigabit Ethernet (RGMII to the board's PHY, UDP: udp:IP:PORT); the core at 75 MHz and the link "
           "at 125 MHz from the ECP5's PLL (the board's oscillator: 100 MHz).", pll_hz=75_000_000),
     Board("colorlight_5a75b", "Colorlight 5A-75B v7.0 (ECP5 LFE5U-25F)", _colorlight, "ecp5", "eth",
-          f"rows=4,cols=4,size=48,functions=relu,{DEFAULT_ETH}",
-          "Gigabit Ethernet on the first of its two PHYs (RGMII, UDP: udp:IP:PORT); the core at 62.5 MHz and "
-          "the link at 125 MHz from the ECP5's PLL (the board's oscillator: 25 MHz).", pll_hz=62_500_000,
+          # A byte a cycle into the engine: 2 (Yosys: some 2,200 LUT4 more) leaves too little of
+          # the 25F for the link's 125 MHz, 3 does not fit; the 4x4 array is slower than the
+          # link anyway (docs/reports/boards.md, "Links").
+          f"rows=4,cols=4,size=48,functions=relu,stream_bytes=1,{DEFAULT_ETH}",
+          "Gigabit Ethernet on the first of its two PHYs (RGMII, UDP: udp:IP:PORT); the core at 50 MHz, a byte "
+          "a cycle (50 MB/s into the engine: the 25F has no room for a wider one), and the link at 125 MHz from "
+          "the ECP5's PLL (the board's oscillator: 25 MHz).", pll_hz=50_000_000,
           short="colorlight"),
     Board("stratix5", "Intel Stratix V GX FPGA Development Kit (5SGXEA7K2F40C2)", StratixVGXPlatform, "quartus",
           "avalon-st", f"rows=32,cols=32,tile=32x32,size=256,max_payload={1 << 20}",
@@ -308,8 +312,8 @@ def board_config(name: str, **overrides) -> tuple[Board, CoreConfig, dict]:
         raise ValueError(f"unknown build option(s) {', '.join(sorted(unknown))}")
     if board.link != "uart" and {"baud", "fifo_depth"} & set(top_fields):
         raise ValueError(f"{name} has no UART: baud and fifo_depth do not apply")
-    if board.link != "eth" and {"ip", "port"} & set(top_fields):
-        raise ValueError(f"{name} has no network link: ip and port do not apply")
+    if board.link != "eth" and {"ip", "port", "stream_bytes"} & set(top_fields):
+        raise ValueError(f"{name} has no network link: ip, port and stream_bytes do not apply")
     # From the board's options again (not ``replace``), so that the fields the contract derives
     # (``out_lanes``) follow the overrides unless given.
     board_core = {k: v for k, v in board.options.items() if k in CoreConfig.__dataclass_fields__}
@@ -458,16 +462,20 @@ def ecp5_link_pll(m: Module, platform, f_core: int) -> None:
 
 
 class EthBoardTop(Elaboratable):
-    """An Ethernet board's top: ``EthTop`` (the core at ``pll_hz``, the link at ``LINK_HZ``,
-    both from ``ecp5_link_pll``) on the board's first RGMII PHY (``hw.rgmii``; the receive side
+    """An Ethernet board's top: ``EthTop`` (the core at ``pll_hz``, taking ``stream_bytes`` a
+    cycle, default as many as the link brings at ``LINK_HZ``: ``stream_bytes_for``; both clocks
+    from ``ecp5_link_pll``)
+    on the board's first RGMII PHY (``hw.rgmii``; the receive side
     in the PHY's clock domain ``eth_rx``), the PHY out of reset, status LEDs (blink, a
     datagram taken, a datagram sent)."""
 
-    def __init__(self, cfg: CoreConfig, *, ip: int, port: int, max_payload: int | None = None, pll_hz: int):
+    def __init__(self, cfg: CoreConfig, *, ip: int, port: int, max_payload: int | None = None, pll_hz: int,
+                 stream_bytes: int | None = None):
         self.cfg, self.ip, self.port, self.max_payload, self.pll_hz = cfg, ip, port, max_payload, pll_hz
+        self.stream_bytes = stream_bytes
 
     def elaborate(self, platform):
-        from .eth_top import DEFAULT_MAC, EthTop
+        from .eth_top import DEFAULT_MAC, EthTop, stream_bytes_for
         from .rgmii import RgmiiRx, RgmiiTx
 
         m = Module()
@@ -478,11 +486,14 @@ class EthBoardTop(Elaboratable):
         m.submodules.rgmii_tx = tx = RgmiiTx(pins, domain="eth", ctl=ctl[1])
         m.domains.eth_rx = eth_rx = ClockDomain("eth_rx", reset_less=True)
         m.d.comb += eth_rx.clk.eq(rx.clock)
+        platform.add_clock_constraint(rx.clock, LINK_HZ)  # the PHY's receive clock at 1 Gb/s
         m.submodules.phy_reset = phy_reset = io.Buffer("o", pins.rst)
         m.d.comb += phy_reset.o.eq(0)
         kw = {"max_payload": self.max_payload} if self.max_payload else {}
         m.submodules.device = device = EthTop(self.cfg, mac=DEFAULT_MAC, ip=self.ip, port=self.port, link_domain="eth",
-                                              rx_domain="eth_rx", clock_hz=self.pll_hz, **kw)
+                                              rx_domain="eth_rx", clock_hz=self.pll_hz,
+                                              stream_bytes=self.stream_bytes or stream_bytes_for(LINK_HZ, self.pll_hz),
+                                              **kw)
         m.d.comb += [device.rx_dv.eq(rx.rx_dv), device.rx_er.eq(rx.rx_er), device.rxd.eq(rx.rxd),
                      tx.tx_en.eq(device.tx_en), tx.tx_er.eq(device.tx_er), tx.txd.eq(device.txd)]
         _status_leds(m, platform, self.pll_hz, [device.datagrams[0], device.sent[0]])
@@ -597,7 +608,7 @@ MANIFEST = ".hbfp-build.json"
 def make_top(board: Board, cfg: CoreConfig, top_kw: dict):
     if board.link == "eth":
         return EthBoardTop(cfg, ip=top_kw["ip"], port=top_kw["port"], max_payload=top_kw.get("max_payload"),
-                           pll_hz=board.pll_hz)
+                           pll_hz=board.pll_hz, stream_bytes=top_kw.get("stream_bytes"))
     if board.link == "uart":
         return UartBoardTop(cfg, baud=top_kw["baud"], fifo_depth=top_kw["fifo_depth"],
                             max_payload=top_kw.get("max_payload"), pll_hz=board.pll_hz)

@@ -33,6 +33,7 @@ from hbfp.host import datagrams as D
 
 from .block_ram import NO_RW_CHECK
 from .crc import PRESET, RESIDUE, crc32_step
+from .link import StreamRegister
 
 __all__ = ["frame_layout", "FrameFifo", "MacRx", "MacTx", "PREAMBLE", "SFD", "MIN_FRAME", "MAX_FRAME",
            "IFG_CYCLES", "FCS_BYTES"]
@@ -61,7 +62,8 @@ class FrameFifo(wiring.Component):
     ``p_en`` patches the current frame: ``p_data`` replaces its byte ``p_addr`` (one written
     already), in a cycle without ``w_valid`` (a checksum known only once its bytes are in).
     ``w_room`` says whether a byte written now finds room (and a frame ended now a place among
-    the ``max_frames`` waiting, default one per 32 bytes of buffer); one written while it is low
+    the ``max_frames`` waiting, default one per 32 bytes of buffer; a register, so it keeps a
+    byte of the buffer free); one written while it is low
     breaks the frame: at its end it is dropped too, and ``overflow`` pulses (also when a frame
     ends with no place left: a writer that cannot wait, a receiver). A frame with no byte left
     after ``trim`` commits nothing.
@@ -102,47 +104,67 @@ class FrameFifo(wiring.Component):
         bits = depth.bit_length() - 1
         m.submodules.mem = mem = Memory(shape=8, depth=depth, init=[], attrs=NO_RW_CHECK)
         wr_port, rd_port = mem.write_port(), mem.read_port()
+        # the committed frames' lengths, each written a cycle after its frame ends (``push``)
+        push, push_length = Signal(), Signal(bits + 1)
         m.submodules.lengths = lengths = fifo.SyncFIFO(width=bits + 1, depth=self.max_frames)
+        trim = self.trim
+        place = Signal()  # a frame ending now finds a place (beside the one being written)
+        m.d.comb += place.eq(Mux(push, lengths.level < self.max_frames - 1, lengths.level < self.max_frames))
+        m.d.sync += push.eq(0)
+        m.d.comb += [lengths.w_en.eq(push), lengths.w_data.eq(push_length)]
 
         start = Signal(bits + 1)   # where the current frame began (the committed end)
         wr = Signal(bits + 1)      # the next byte's address, wrap bit on top
         rd = Signal(bits + 1)
         broken = Signal()
-        full = Signal()
-        m.d.comb += [full.eq((wr - rd)[:bits + 1] == depth), self.w_room.eq(~full & lengths.w_rdy)]
+        # Registered for the 125 MHz link: ``room`` holds while at least two bytes are free (a
+        # byte may go in during the cycle it is computed); ``n0``/``n1``, the current frame's
+        # length less ``trim`` now and one byte on, and ``ok0``/``ok1``, whether each is > 0.
+        room = Signal(init=1)
+        n0 = Signal(range(-trim - 1, depth + 2), init=-trim)
+        n1 = Signal(range(-trim - 1, depth + 2), init=1 - trim)
+        ok0, ok1 = Signal(), Signal(init=trim == 0)
+        m.d.sync += room.eq((wr - rd)[:bits + 1] <= depth - 2)
+        m.d.comb += self.w_room.eq(room & place)
 
-        write = self.w_valid & ~broken & ~full
-        wr_next = Signal(bits + 1)
+        write = self.w_valid & ~broken & room
         m.d.comb += [wr_port.addr.eq(Mux(self.p_en, (start + self.p_addr)[:bits], wr[:bits])),
-                     wr_port.data.eq(Mux(self.p_en, self.p_data, self.w_data)), wr_port.en.eq(write | self.p_en),
-                     wr_next.eq(wr + write)]
-        broken_now = broken | (self.w_valid & full)
-        length = Signal(bits + 2)
-        m.d.comb += length.eq((wr_next - start)[:bits + 1] - self.trim)
+                     wr_port.data.eq(Mux(self.p_en, self.p_data, self.w_data)), wr_port.en.eq(write | self.p_en)]
+        broken_now = broken | (self.w_valid & ~room)
+        length, length_ok = Mux(write, n1, n0), Mux(write, ok1, ok0)
         m.d.sync += self.overflow.eq(0)
         with m.If(self.w_end):
-            commit = self.w_ok & ~broken_now & lengths.w_rdy & ~length[-1] & (length != 0)
-            m.d.comb += [lengths.w_en.eq(commit), lengths.w_data.eq(length[:bits + 1])]
+            commit = self.w_ok & ~broken_now & place & length_ok
             with m.If(commit):
-                m.d.sync += [start.eq(start + length[:bits + 1]), wr.eq(start + length[:bits + 1])]
+                m.d.sync += [start.eq(start + length[:bits + 1]), wr.eq(start + length[:bits + 1]),
+                             push.eq(1), push_length.eq(length[:bits + 1])]
             with m.Else():
                 m.d.sync += wr.eq(start)  # the frame's bytes are forgotten
-            m.d.sync += [broken.eq(0), self.overflow.eq(self.w_ok & (broken_now | ~lengths.w_rdy))]
+            m.d.sync += [broken.eq(0), self.overflow.eq(self.w_ok & (broken_now | ~place)),
+                         n0.eq(-trim), n1.eq(1 - trim), ok0.eq(0), ok1.eq(trim == 0)]
         with m.Else():
-            m.d.sync += [wr.eq(wr_next), broken.eq(broken_now)]
+            m.d.sync += [wr.eq(wr + write), broken.eq(broken_now)]
+            with m.If(write):
+                m.d.sync += [n0.eq(n1), ok0.eq(ok1), n1.eq(n1 + 1), ok1.eq(n1 >= 0)]
 
-        # The reader: a frame's length, then its bytes through the read port (a cycle late).
-        remaining = Signal(bits + 1)
-        fetch = (~self.o.valid | self.o.ready) & (remaining != 0)
-        m.d.comb += [rd_port.addr.eq(rd[:bits]), rd_port.en.eq(~self.o.valid | self.o.ready),
-                     self.o.payload.data.eq(rd_port.data), lengths.r_en.eq(remaining == 0)]
+        # The reader: a frame's length, then its bytes through the read port (a cycle late),
+        # then a register (the block RAM's output is slow: nothing behind it in its cycle),
+        # each byte with its frame's length.
+        remaining, length = Signal(bits + 1), Signal(bits + 1)
+        m.submodules.out = out = StreamRegister(data.StructLayout({"byte": frame_layout(), "length": bits + 1}))
+        read = out.i
+        fetch = (~read.valid | read.ready) & (remaining != 0)
+        m.d.comb += [rd_port.addr.eq(rd[:bits]), rd_port.en.eq(~read.valid | read.ready),
+                     read.payload.byte.data.eq(rd_port.data), lengths.r_en.eq(remaining == 0)]
         with m.If((remaining == 0) & lengths.r_rdy):
-            m.d.sync += [remaining.eq(lengths.r_data), self.length.eq(lengths.r_data)]
+            m.d.sync += [remaining.eq(lengths.r_data), length.eq(lengths.r_data)]
         with m.If(fetch):
-            m.d.sync += [rd.eq(rd + 1), remaining.eq(remaining - 1), self.o.valid.eq(1),
-                         self.o.payload.last.eq(remaining == 1)]
-        with m.Elif(self.o.ready):
-            m.d.sync += self.o.valid.eq(0)
+            m.d.sync += [rd.eq(rd + 1), remaining.eq(remaining - 1), read.valid.eq(1),
+                         read.payload.byte.last.eq(remaining == 1), read.payload.length.eq(length)]
+        with m.Elif(read.ready):
+            m.d.sync += read.valid.eq(0)
+        m.d.comb += [self.o.valid.eq(out.o.valid), self.o.payload.eq(out.o.payload.byte),
+                     out.o.ready.eq(self.o.ready), self.length.eq(out.o.payload.length)]
         return m
 
 
@@ -180,8 +202,11 @@ class MacRx(wiring.Component):
         crc = Signal(32, init=PRESET)
         count = Signal(range(MAX_FRAME + 2))  # bytes after the SFD, saturating past MAX_FRAME
         error = Signal()
+        ending = Signal()  # a frame ended last cycle, its verdict in ``why``
+        why = Signal(data.StructLayout({"error": 1, "long": 1, "runt": 1, "bad": 1}))
         dv, er, d = self.rx_dv, self.rx_er, self.rxd
         m.d.comb += buf.w_data.eq(d)
+        m.d.sync += ending.eq(0)
 
         with m.FSM(init="SKIP"):
             with m.State("SKIP"):  # inside a frame that is not ours to take: wait for its end
@@ -211,21 +236,23 @@ class MacRx(wiring.Component):
                     m.d.sync += [crc.eq(crc32_step(crc, d)), error.eq(error | er)]
                     with m.If(count <= MAX_FRAME):
                         m.d.sync += count.eq(count + 1)
-                with m.Else():
-                    runt, long = count < MIN_FRAME, count > MAX_FRAME
-                    bad = crc != RESIDUE
-                    ok = ~error & ~runt & ~long & ~bad
-                    m.d.comb += [buf.w_end.eq(1), buf.w_ok.eq(ok)]
-                    with m.If(error):
-                        m.d.sync += self.errors.eq(self.errors + 1)
-                    with m.Elif(long):
-                        m.d.sync += self.oversize.eq(self.oversize + 1)
-                    with m.Elif(runt):
-                        m.d.sync += self.runts.eq(self.runts + 1)
-                    with m.Elif(bad):
-                        m.d.sync += self.bad_fcs.eq(self.bad_fcs + 1)
+                with m.Else():  # the frame's end: judged now, committed or dropped next cycle
+                    m.d.sync += [ending.eq(1), why.error.eq(error), why.long.eq(count > MAX_FRAME),
+                                 why.runt.eq(count < MIN_FRAME), why.bad.eq(crc != RESIDUE)]
                     m.next = "IDLE"
-        # A frame that passed its checks but found no room is counted a cycle later.
+        # The judged frame ends in the buffer (its next frame's SFD is a cycle or more away);
+        # one that passed its checks but found no room is counted a cycle later.
+        ok = ~why.error & ~why.long & ~why.runt & ~why.bad
+        m.d.comb += [buf.w_end.eq(ending), buf.w_ok.eq(ok)]
+        with m.If(ending):
+            with m.If(why.error):
+                m.d.sync += self.errors.eq(self.errors + 1)
+            with m.Elif(why.long):
+                m.d.sync += self.oversize.eq(self.oversize + 1)
+            with m.Elif(why.runt):
+                m.d.sync += self.runts.eq(self.runts + 1)
+            with m.Elif(why.bad):
+                m.d.sync += self.bad_fcs.eq(self.bad_fcs + 1)
         kept = Signal()
         m.d.sync += kept.eq(buf.w_end & buf.w_ok)
         with m.If(buf.overflow):

@@ -1,12 +1,15 @@
 """The device on a network: the accelerator top behind the Ethernet link (``hw.eth_udp``).
 
 ```
- GMII rx -> UdpLink (link domain) -> FIFO -> AcceleratorTop(stream_bytes=1) (sync) -> FIFO -> UdpLink -> GMII tx
+ GMII rx -> UdpLink -> BytesToBeats (link domain) -> FIFO -> AcceleratorTop(stream_bytes) (sync)
+ GMII tx <- UdpLink <- BeatsToBytes (link domain) <- FIFO <-
 ```
 
 - ``EthTop``: what a board top instantiates, its GMII pins in the link's clock domain (125 MHz
-  at 1 Gb/s), the core in ``sync``; two asynchronous FIFOs cross between them (one clock
-  domain, ``link_domain="sync"``: synchronous FIFOs).
+  at 1 Gb/s), the core in ``sync``; two asynchronous FIFOs of beats cross between them (one
+  clock domain, ``link_domain="sync"``: synchronous FIFOs). The link moves a byte a cycle; the
+  core takes and gives ``stream_bytes`` a cycle (``stream_bytes_for``: enough that a core
+  clock slower than the link's is not the bottleneck).
 - ``EthLoop``: a simulation harness with ``AcceleratorTop``'s ports (streams ``i`` and ``o`` of
   ``beat_layout(1)``), so that the ``sim`` backend (``sim:link=eth``) drives the network path:
   a host-side ``MacTx`` and ``MacRx`` on the ``EthTop``'s GMII, each frame on ``i`` and ``o`` as
@@ -21,35 +24,42 @@ from amaranth.lib.wiring import In, Out
 
 from .eth_mac import MacRx, MacTx
 from .eth_udp import LINK_COUNTERS, UdpLink
-from .link import beat_layout
+from .link import BeatsToBytes, BytesToBeats, beat_layout
 from .params import CoreConfig
 from .top import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_PAYLOAD, AcceleratorTop
 
-__all__ = ["EthTop", "EthLoop", "DEFAULT_MAC", "DEFAULT_IP", "DEFAULT_PORT", "CROSSING_DEPTH"]
+__all__ = ["EthTop", "EthLoop", "DEFAULT_MAC", "DEFAULT_IP", "DEFAULT_PORT", "CROSSING_DEPTH", "stream_bytes_for"]
 
 #: The address a device has unless its build says otherwise: a locally administered MAC
 #: ("HBFP" in it), 192.168.1.50, port 7000.
 DEFAULT_MAC, DEFAULT_IP, DEFAULT_PORT = 0x02_48_42_46_50_01, 0xC0A8_0132, 7000
-#: Bytes of each FIFO between the link's domain and the core's.
+#: Beats of each FIFO between the link's domain and the core's.
 CROSSING_DEPTH = 64
 
 
+def stream_bytes_for(link_hz: int, core_hz: int) -> int:
+    """The bytes a cycle a core at ``core_hz`` must take to keep up with a byte a cycle at
+    ``link_hz``."""
+    return max(1, -(-link_hz // core_hz))
+
+
 class EthTop(wiring.Component):
-    """The accelerator (``AcceleratorTop(cfg, stream_bytes=1)``) behind a ``UdpLink`` for
+    """The accelerator (``AcceleratorTop(cfg, stream_bytes)``) behind a ``UdpLink`` for
     ``mac``, ``ip`` and ``port``. Ports: GMII ``rx_dv``, ``rx_er``, ``rxd`` (in ``rx_domain``,
     RGMII's receive clock, if given, else ``link_domain``), ``tx_en``, ``tx_er``, ``txd`` (in
     ``link_domain``) and the link's counters."""
 
     def __init__(self, cfg: CoreConfig = CoreConfig(), *, mac: int = DEFAULT_MAC, ip: int = DEFAULT_IP,
                  port: int = DEFAULT_PORT, link_domain: str = "eth", rx_domain: str | None = None, clock_hz: int = 0,
-                 frame_timeout: int = DEFAULT_FRAME_TIMEOUT, max_payload: int = DEFAULT_MAX_PAYLOAD):
+                 frame_timeout: int = DEFAULT_FRAME_TIMEOUT, max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 stream_bytes: int = 1):
         try:
-            AcceleratorTop._check(cfg, 1, clock_hz, frame_timeout, max_payload)
+            AcceleratorTop._check(cfg, stream_bytes, clock_hz, frame_timeout, max_payload)
             self.link = UdpLink(mac, ip, port, rx_domain=rx_domain)  # checks the address
         except (ValueError, TypeError):
             self._MustUse__used = True
             raise
-        self.cfg, self.link_domain = cfg, link_domain
+        self.cfg, self.link_domain, self.stream_bytes = cfg, link_domain, stream_bytes
         self.top_kw = dict(clock_hz=clock_hz, frame_timeout=frame_timeout, max_payload=max_payload)
         super().__init__({
             "rx_dv": In(1), "rx_er": In(1), "rxd": In(8),
@@ -61,24 +71,32 @@ class EthTop(wiring.Component):
         m = Module()
         link_domain = self.link_domain
         m.submodules.link = link = DomainRenamer(link_domain)(self.link)
-        m.submodules.top = top = AcceleratorTop(self.cfg, stream_bytes=1, **self.top_kw)
+        n = self.stream_bytes
+        m.submodules.top = top = AcceleratorTop(self.cfg, stream_bytes=n, **self.top_kw)
+        link_side = DomainRenamer(link_domain)
+        m.submodules.pack = pack = link_side(BytesToBeats(n))
+        m.submodules.unpack = unpack = link_side(BeatsToBytes(n))
+        width = beat_layout(n).size
         if link_domain == "sync":
-            to_core = fifo.SyncFIFOBuffered(width=8, depth=CROSSING_DEPTH)
-            to_link = fifo.SyncFIFOBuffered(width=8, depth=CROSSING_DEPTH)
+            to_core = fifo.SyncFIFOBuffered(width=width, depth=CROSSING_DEPTH)
+            to_link = fifo.SyncFIFOBuffered(width=width, depth=CROSSING_DEPTH)
         else:
-            to_core = fifo.AsyncFIFOBuffered(width=8, depth=CROSSING_DEPTH, w_domain=link_domain, r_domain="sync")
-            to_link = fifo.AsyncFIFOBuffered(width=8, depth=CROSSING_DEPTH, w_domain="sync", r_domain=link_domain)
+            to_core = fifo.AsyncFIFOBuffered(width=width, depth=CROSSING_DEPTH, w_domain=link_domain, r_domain="sync")
+            to_link = fifo.AsyncFIFOBuffered(width=width, depth=CROSSING_DEPTH, w_domain="sync", r_domain=link_domain)
         m.submodules.to_core, m.submodules.to_link = to_core, to_link
         m.d.comb += [link.rx_dv.eq(self.rx_dv), link.rx_er.eq(self.rx_er), link.rxd.eq(self.rxd),
                      self.tx_en.eq(link.tx_en), self.tx_er.eq(link.tx_er), self.txd.eq(link.txd)]
         m.d.comb += [getattr(self, c).eq(getattr(link, c)) for c in LINK_COUNTERS]
-        wiring.connect(m, link.o, to_core.w_stream)
-        m.d.comb += [top.i.valid.eq(to_core.r_stream.valid), top.i.payload.data[0].eq(to_core.r_stream.payload),
-                     top.i.payload.keep.eq(1), to_core.r_stream.ready.eq(top.i.ready)]
-        m.d.comb += [to_link.w_stream.valid.eq(top.o.valid & top.o.payload.keep[0]),
-                     to_link.w_stream.payload.eq(top.o.payload.data[0]),
-                     top.o.ready.eq(to_link.w_stream.ready | ~top.o.payload.keep[0])]
-        wiring.connect(m, to_link.r_stream, link.i)
+        wiring.connect(m, link.o, pack.i)
+        m.d.comb += [to_core.w_stream.valid.eq(pack.o.valid), to_core.w_stream.payload.eq(pack.o.payload),
+                     pack.o.ready.eq(to_core.w_stream.ready),
+                     top.i.valid.eq(to_core.r_stream.valid), top.i.payload.eq(to_core.r_stream.payload),
+                     to_core.r_stream.ready.eq(top.i.ready)]
+        m.d.comb += [to_link.w_stream.valid.eq(top.o.valid), to_link.w_stream.payload.eq(top.o.payload),
+                     top.o.ready.eq(to_link.w_stream.ready),
+                     unpack.i.valid.eq(to_link.r_stream.valid), unpack.i.payload.eq(to_link.r_stream.payload),
+                     to_link.r_stream.ready.eq(unpack.i.ready)]
+        wiring.connect(m, unpack.o, link.i)
         return m
 
 

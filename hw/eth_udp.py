@@ -36,6 +36,7 @@ from amaranth.lib.wiring import In, Out
 from hbfp.host import datagrams as D
 
 from .eth_mac import FrameFifo, MacRx, MacTx, frame_layout
+from .link import StreamRegister
 
 __all__ = ["UdpRx", "UdpTx", "ArpResponder", "IcmpEcho", "FrameArbiter", "UdpLink", "LINK_COUNTERS", "ETHERTYPE_IPV4", "ETHERTYPE_ARP",
            "BROADCAST", "TTL", "HEADER_BYTES"]
@@ -72,12 +73,33 @@ def big_endian(value, nbytes: int) -> list:
     return [value[8 * (nbytes - 1 - i):8 * (nbytes - i)] for i in range(nbytes)]
 
 
-def ones_complement_sum(*words):
-    """The 16-bit one's complement sum of 16-bit Values (end-around carries folded twice:
-    enough for up to 2^16 words)."""
-    total = sum(words[1:], words[0])
-    folded = total[:16] + total[16:]
-    return (folded[:16] + folded[16:])[:16]
+class Checksum(wiring.Component):
+    """The IPv4 header checksum (RFC 1071: the one's complement of the one's complement sum of
+    its 16-bit words) of a header whose constant words sum to ``fixed`` and whose others are
+    ``words`` (held steady meanwhile), a word a cycle, then folded twice (registers all the way,
+    for the link's 125 MHz): ``start`` begins; ``len(words) + 2`` cycles later ``done`` rises,
+    with ``value``, until the next ``start``."""
+
+    def __init__(self, fixed: int, count: int):
+        self.fixed, self.count = fixed, count
+        super().__init__({"start": In(1), "words": In(data.ArrayLayout(16, count)), "done": Out(1),
+                          "value": Out(16)})
+
+    def elaborate(self, platform):
+        m = Module()
+        n = self.count
+        acc = Signal(max(self.fixed.bit_length(), 16) + n.bit_length() + 1)
+        step = Signal(range(n + 3))
+        m.d.comb += self.value.eq(~acc[:16])
+        with m.If(self.start):
+            m.d.sync += [acc.eq(self.fixed), step.eq(0), self.done.eq(0)]
+        with m.Elif(step < n):
+            m.d.sync += [acc.eq(acc + self.words[step]), step.eq(step + 1)]
+        with m.Elif(step < n + 2):  # the end-around carries
+            m.d.sync += [acc.eq(acc[:16] + acc[16:]), step.eq(step + 1)]
+        with m.Else():
+            m.d.sync += self.done.eq(1)
+        return m
 
 
 def icmp_layout() -> data.StructLayout:
@@ -131,26 +153,35 @@ class UdpRx(wiring.Component):
         unicast, for_us = Signal(), Signal()  # to our MAC; to it or broadcast
         src_mac, etype = Signal(48), Signal(16)
         arp_ok, arp_sha, arp_spa = Signal(), Signal(48), Signal(32)
-        csum = Signal(16)                      # the IPv4 header's one's complement sum so far
         ip_hdr, ip_ok, total_len, src_ip = Signal(), Signal(), Signal(16), Signal(32)
+        ip_payload = Signal(16)                # total_len - 20: the UDP datagram or ICMP message
         proto, ident = Signal(8), Signal(16)
-        icmp = Signal()                        # this frame's ICMP message goes to ``icmp``
-        udp_src, udp_len, seq = Signal(16), Signal(16), Signal(16)
-        flags = Signal(8)
-        taking = Signal()                      # this frame's stream bytes go to ``o``
-        synced, expected = Signal(), Signal(16)
+        udp_src, seq, flags = Signal(16), Signal(16), Signal(8)
+        stream_len = Signal(16)                # udp_len less the UDP and datagram headers
+        synced, expected, ahead = Signal(), Signal(16), Signal(16)
+        # The bytes passed on, counted down (a register each way, for the link's 125 MHz):
+        forward, forward_left = Signal(), Signal(16)  # a datagram's stream bytes, to ``o``
+        echo, echo_left = Signal(), Signal(16)        # an ICMP message, to ``icmp``
 
-        # the IPv4 header's checksum, a 16-bit word at each odd position of the header
-        with m.If(take & (pos >= 14) & (pos <= 33)):
+        # The IPv4 header's checksum: its words summed as they pass (the destination address,
+        # which must be ours, counted from the start), folded twice while it ends, checked at
+        # its last byte.
+        ip_hi, ip_lo = self.ip >> 16, self.ip & 0xFFFF
+        csum, csum_ok = Signal(20), Signal()
+        with m.If(take):
             with m.If(pos == 14):
-                m.d.sync += csum.eq(0)
-            with m.Elif(pos[0]):
-                m.d.sync += csum.eq(ones_complement_sum(csum, nxt[:16]))
+                m.d.sync += csum.eq(ip_hi + ip_lo)
+            with m.Elif((pos <= 29) & pos[0]):
+                m.d.sync += csum.eq(csum + nxt[:16])
+            with m.Elif((pos == 30) | (pos == 31)):
+                m.d.sync += csum.eq(csum[:16] + csum[16:])
+            with m.Elif(pos == 32):
+                m.d.sync += csum_ok.eq(csum == 0xFFFF)
 
         with m.If(take):
             with m.Switch(pos):
                 with m.Case(0):
-                    m.d.sync += [taking.eq(0), arp_ok.eq(0), ip_hdr.eq(0), icmp.eq(0)]
+                    m.d.sync += [arp_ok.eq(0), ip_hdr.eq(0)]
                 with m.Case(5):
                     m.d.sync += [unicast.eq(nxt[:48] == self.mac), for_us.eq((nxt[:48] == self.mac) |
                                                                              (nxt[:48] == BROADCAST))]
@@ -176,6 +207,8 @@ class UdpRx(wiring.Component):
                     m.d.sync += ip_hdr.eq(unicast & (etype == ETHERTYPE_IPV4) & (byte == 0x45))
                 with m.Case(17):
                     m.d.sync += total_len.eq(nxt[:16])
+                with m.Case(18):
+                    m.d.sync += ip_payload.eq(total_len - 20)
                 with m.Case(19):
                     m.d.sync += ident.eq(nxt[:16])
                 with m.Case(23):
@@ -184,29 +217,29 @@ class UdpRx(wiring.Component):
                 with m.Case(29):
                     m.d.sync += src_ip.eq(nxt[:32])
                 with m.Case(33):
-                    hdr_ok = ip_hdr & (nxt[:32] == self.ip) & (ones_complement_sum(csum, nxt[:16]) == 0xFFFF)
+                    hdr_ok = ip_hdr & (nxt[:32] == self.ip) & csum_ok
+                    is_icmp = hdr_ok & (proto == IP_PROTO_ICMP)
                     m.d.sync += [ip_ok.eq(hdr_ok & (proto == IP_PROTO_UDP) & (total_len >= 20 + 8 + D.HEADER.size)),
-                                 icmp.eq(hdr_ok & (proto == IP_PROTO_ICMP)),
+                                 echo.eq(is_icmp & ~self.i.payload.last), echo_left.eq(ip_payload),
                                  self.icmp_from.mac.eq(src_mac), self.icmp_from.ip.eq(src_ip),
-                                 self.icmp_from.ident.eq(ident), self.icmp_from.length.eq(total_len - 20)]
+                                 self.icmp_from.ident.eq(ident), self.icmp_from.length.eq(ip_payload)]
                 with m.Case(35):
                     m.d.sync += udp_src.eq(nxt[:16])
                 with m.Case(37):
                     m.d.sync += ip_ok.eq(ip_ok & (nxt[:16] == self.port))
                 with m.Case(39):
-                    m.d.sync += [udp_len.eq(nxt[:16]),
-                                 ip_ok.eq(ip_ok & (nxt[:16] >= 8 + D.HEADER.size) & (nxt[:16] <= total_len - 20))]
+                    m.d.sync += [stream_len.eq(nxt[:16] - (8 + D.HEADER.size)),
+                                 ip_ok.eq(ip_ok & (nxt[:16] >= 8 + D.HEADER.size) & (nxt[:16] <= ip_payload))]
                 with m.Case(43):
                     m.d.sync += seq.eq(Cat(nxt[8:16], nxt[:8]))  # little-endian
                 with m.Case(44):
-                    m.d.sync += flags.eq(byte)
+                    m.d.sync += [flags.eq(byte), ahead.eq(seq - expected)]
                 with m.Case(45):  # the datagram header is whole: take it or not
-                    ahead = Signal(16)
-                    m.d.comb += ahead.eq(seq - expected)
                     in_order = ~synced | flags[0] | ~ahead[15]
                     ok = ip_ok & (byte == D.VERSION)
                     with m.If(ok & in_order):
-                        m.d.sync += [taking.eq(1), synced.eq(1), expected.eq(seq + 1),
+                        m.d.sync += [forward.eq((stream_len != 0) & ~self.i.payload.last), forward_left.eq(stream_len),
+                                     synced.eq(1), expected.eq(seq + 1),
                                      self.datagrams.eq(self.datagrams + 1),
                                      self.peer.mac.eq(src_mac), self.peer.ip.eq(src_ip), self.peer.port.eq(udp_src),
                                      self.peer_valid.eq(1)]
@@ -217,13 +250,16 @@ class UdpRx(wiring.Component):
         with m.If(self.arp.valid & self.arp.ready):
             m.d.sync += self.arp.valid.eq(0)
 
-        # the stream bytes: positions 46 .. 34 + udp_len - 1 of a datagram taken
-        forward = taking & (pos >= HEADER_BYTES) & (pos < 34 + udp_len)
-        # an ICMP message: positions 34 .. 14 + total_len - 1 (its last: the frame's, if shorter)
-        echo = icmp & (pos >= 34) & (pos < 14 + total_len)
+        # the stream bytes (positions 46 .. 34 + udp_len - 1 of a datagram taken) and an ICMP
+        # message (34 .. 14 + total_len - 1, its last the frame's if that is shorter)
+        last = self.i.payload.last
+        with m.If(take & forward):
+            m.d.sync += [forward_left.eq(forward_left - 1), forward.eq(~last & (forward_left != 1))]
+        with m.If(take & echo):
+            m.d.sync += [echo_left.eq(echo_left - 1), echo.eq(~last & (echo_left != 1))]
         m.d.comb += [self.o.payload.eq(byte), self.o.valid.eq(self.i.valid & forward),
                      self.icmp.payload.data.eq(byte), self.icmp.valid.eq(self.i.valid & echo),
-                     self.icmp.payload.last.eq(self.i.payload.last | (pos == 14 + total_len - 1)),
+                     self.icmp.payload.last.eq(last | (echo_left == 1)),
                      self.i.ready.eq(Mux(forward, self.o.ready, Mux(echo, self.icmp.ready, 1)))]
         return m
 
@@ -282,29 +318,33 @@ class IcmpEcho(wiring.Component):
         m.submodules.buffer = buf = FrameFifo(self.buffer_bytes)
         wiring.connect(m, buf.o, wiring.flipped(self.o))
         to = Signal(icmp_layout())
-        ip_len, csum = Signal(16), Signal(16)
+        ip_len, final = Signal(16), Signal(16)  # the IPv4 total length; the message's last k
         k = Signal(range(1 << 16))  # bytes of the header, then of the message, written
         ok = Signal()
-        total, high = Signal(16), Signal(8)  # the reply's one's complement sum; a word's first byte
+        # the reply's words summed (folded at its end: 2^11 words at most), a word's first byte
+        total, high = Signal(16 + 12), Signal(8)
         ip_hi, ip_lo = self.ip >> 16, self.ip & 0xFFFF
-        fixed = 0x4500 + (TTL << 8 | IP_PROTO_ICMP) + ip_hi + ip_lo
+        m.submodules.checksum = checksum = Checksum(0x4500 + (TTL << 8 | IP_PROTO_ICMP) + ip_hi + ip_lo, 4)
+        m.d.comb += checksum.words.eq(Cat(ip_len, to.ident, to.ip[16:], to.ip[:16]))
         header = (big_endian(to.mac, 6) + big_endian(self.mac, 6) + big_endian(ETHERTYPE_IPV4, 2) +
                   big_endian(0x4500, 2) + big_endian(ip_len, 2) + big_endian(to.ident, 2) + big_endian(0, 2) +
-                  big_endian(TTL << 8 | IP_PROTO_ICMP, 2) + big_endian(csum, 2) + big_endian(self.ip, 4) +
+                  big_endian(TTL << 8 | IP_PROTO_ICMP, 2) + big_endian(checksum.value, 2) + big_endian(self.ip, 4) +
                   big_endian(to.ip, 4))
         byte, last = self.i.payload.data, self.i.payload.last
         whole = Signal()
-        m.d.comb += whole.eq(ok & (k + 1 == to.length))
-        reply_sum = ~total
+        m.d.comb += whole.eq(ok & (k == final))
+        reply_sum = ~total[:16]
         with m.FSM():
             with m.State("IDLE"):
                 with m.If(self.i.valid):
-                    m.d.sync += [to.eq(self.from_), ip_len.eq(self.from_.length + 20), k.eq(0), total.eq(0)]
+                    m.d.comb += checksum.start.eq(1)
+                    m.d.sync += [to.eq(self.from_), ip_len.eq(self.from_.length + 20), final.eq(self.from_.length - 1),
+                                 k.eq(0), total.eq(0)]
                     m.next = "CHECKSUM"
             with m.State("CHECKSUM"):
-                m.d.sync += [csum.eq(~ones_complement_sum(Const(fixed, 20), ip_len, to.ident, to.ip[16:], to.ip[:16])),
-                             ok.eq(to.length >= 8)]
-                m.next = "HEADER"
+                m.d.sync += ok.eq(to.length >= 8)
+                with m.If(checksum.done):
+                    m.next = "HEADER"
             with m.State("HEADER"):
                 m.d.comb += [buf.w_valid.eq(buf.w_room), buf.w_data.eq(Array(header)[k])]
                 with m.If(buf.w_room):
@@ -321,9 +361,9 @@ class IcmpEcho(wiring.Component):
                 with m.If(self.i.valid & buf.w_room):
                     m.d.sync += k.eq(k + 1)
                     with m.If(k[0]):
-                        m.d.sync += total.eq(ones_complement_sum(total, Cat(out, high)))
+                        m.d.sync += total.eq(total + Cat(out, high))
                     with m.Elif(last):  # an odd length: the last word's low byte is zero
-                        m.d.sync += total.eq(ones_complement_sum(total, Cat(Const(0, 8), out)))
+                        m.d.sync += total.eq(total + Cat(Const(0, 8), out))
                     with m.Else():
                         m.d.sync += high.eq(out)
                     with m.If(k == 0):
@@ -332,10 +372,14 @@ class IcmpEcho(wiring.Component):
                         m.d.sync += ok.eq(ok & (byte == 0))
                     with m.If(last):
                         with m.If(whole):
-                            m.next = "PATCH_HIGH"
+                            m.next = "FOLD"
                         with m.Else():
                             m.d.comb += [buf.w_end.eq(1), buf.w_ok.eq(0)]
                             m.next = "IDLE"
+            with m.State("FOLD"):  # the end-around carries, twice
+                m.d.sync += [total.eq(total[:16] + total[16:]), k.eq(k + 1)]
+                with m.If(k == final + 2):
+                    m.next = "PATCH_HIGH"
             with m.State("PATCH_HIGH"):  # the checksum: bytes 2 and 3 of the message
                 m.d.comb += [buf.p_en.eq(1), buf.p_addr.eq(len(header) + 2), buf.p_data.eq(reply_sum[8:])]
                 m.next = "PATCH_LOW"
@@ -392,9 +436,12 @@ class UdpTx(wiring.Component):
         n = Signal(range(D.MAX_STREAM_BYTES + 1))
         to = Signal(peer_layout())
         seq, ident = Signal(16), Signal(16)
-        ip_len, udp_len, csum = Signal(16), Signal(16), Signal(16)
+        ip_len, udp_len = Signal(16), Signal(16)
         ip_hi, ip_lo = self.ip >> 16, self.ip & 0xFFFF
         fixed = 0x4500 + 0x4000 + (TTL << 8 | 17) + ip_hi + ip_lo  # the header words that never change
+        m.submodules.checksum = checksum = Checksum(fixed, 4)
+        m.d.comb += checksum.words.eq(Cat(ip_len, ident, to.ip[16:], to.ip[:16]))
+        csum = checksum.value
         header = (big_endian(to.mac, 6) + big_endian(self.mac, 6) + big_endian(ETHERTYPE_IPV4, 2) +
                   big_endian(0x4500, 2) + big_endian(ip_len, 2) + big_endian(ident, 2) + big_endian(0x4000, 2) +
                   big_endian(TTL << 8 | 17, 2) + big_endian(csum, 2) + big_endian(self.ip, 4) + big_endian(to.ip, 4) +
@@ -408,12 +455,12 @@ class UdpTx(wiring.Component):
                     m.d.sync += [n.eq(buf.length), to.eq(self.peer)]
                     m.next = "LENGTHS"
             with m.State("LENGTHS"):
-                m.d.sync += [ip_len.eq(n + 20 + 8 + D.HEADER.size), udp_len.eq(n + 8 + D.HEADER.size)]
+                m.d.sync += [ip_len.eq(n + 20 + 8 + D.HEADER.size), udp_len.eq(n + 8 + D.HEADER.size), k.eq(0)]
+                m.d.comb += checksum.start.eq(1)
                 m.next = "CHECKSUM"
             with m.State("CHECKSUM"):
-                m.d.sync += [csum.eq(~ones_complement_sum(Const(fixed, 20), ip_len, ident, to.ip[16:], to.ip[:16])),
-                             k.eq(0)]
-                m.next = "HEADER"
+                with m.If(checksum.done):
+                    m.next = "HEADER"
             with m.State("HEADER"):
                 m.d.comb += [self.o.valid.eq(1), self.o.payload.data.eq(Array(header)[k])]
                 with m.If(self.o.ready):
@@ -521,5 +568,8 @@ class UdpLink(wiring.Component):
         wiring.connect(m, arp.o, arbiter.i0)
         wiring.connect(m, echo.o, arbiter.i1)
         wiring.connect(m, udp_tx.o, arbiter.i2)
-        wiring.connect(m, arbiter.o, mac_tx.i)
+        # a register between the senders' header multiplexers and the transmit buffer
+        m.submodules.to_mac = to_mac = StreamRegister(frame_layout())
+        wiring.connect(m, arbiter.o, to_mac.i)
+        wiring.connect(m, to_mac.o, mac_tx.i)
         return m

@@ -19,7 +19,7 @@ from amaranth.lib.wiring import In, Out
 from .crc import chunk_layout
 
 __all__ = ["beat_layout", "chunk_layout", "reply_chunk_layout", "WindowSignature", "BeatCompactor", "ByteWindow",
-           "ChunkToBeat", "StreamRegister", "ByteCollector"]
+           "ChunkToBeat", "StreamRegister", "ByteCollector", "BytesToBeats", "BeatsToBytes"]
 
 
 def beat_layout(stream_bytes: int) -> data.StructLayout:
@@ -240,4 +240,72 @@ class ChunkToBeat(wiring.Component):
             self.o.payload.data.eq(self.i.payload.data),
             self.o.payload.keep.eq(((Const(1, n + 1) << self.i.payload.count) - 1)[:n]),
         ]
+        return m
+
+
+class BytesToBeats(wiring.Component):
+    """A byte a cycle (``i``) to beats of ``stream_bytes`` lanes (``o``, ``beat_layout``), lane 0
+    first: a beat goes once its lanes are full, or with fewer (``keep`` a prefix) as soon as a
+    cycle brings no byte, so that no byte waits for the next. ``o`` is a register; ``i`` takes
+    a byte a cycle while ``o`` does not stall. (A narrow link, the network's, feeding a core
+    whose clock is slower than the link's.)"""
+
+    def __init__(self, stream_bytes: int):
+        self.stream_bytes = stream_bytes
+        super().__init__({
+            "i": In(stream.Signature(8)),
+            "o": Out(stream.Signature(beat_layout(stream_bytes))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        n = self.stream_bytes
+        lanes = Signal(data.ArrayLayout(8, n))
+        count = Signal(range(n + 1))
+        free = ~self.o.valid | self.o.ready            # o's register takes a beat this cycle
+        send = (count == n) | ((count != 0) & ~self.i.valid)
+        m.d.comb += self.i.ready.eq((count != n) | free)
+        with m.If(self.o.valid & self.o.ready):
+            m.d.sync += self.o.valid.eq(0)
+        take = self.i.valid & self.i.ready
+        with m.If(send & free):
+            m.d.sync += [self.o.valid.eq(1), self.o.payload.data.eq(lanes),
+                         self.o.payload.keep.eq(((Const(1, n + 1) << count) - 1)[:n]),
+                         count.eq(take)]
+            with m.If(take):
+                m.d.sync += lanes[0].eq(self.i.payload)
+        with m.Elif(take):
+            m.d.sync += [lanes[count].eq(self.i.payload), count.eq(count + 1)]
+        return m
+
+
+class BeatsToBytes(wiring.Component):
+    """Beats of ``stream_bytes`` lanes (``i``, ``beat_layout``, any ``keep``) to a byte a cycle
+    (``o``): each beat's kept lanes in lane order. A beat waits in a register while its bytes
+    go; the next is taken as its last byte leaves."""
+
+    def __init__(self, stream_bytes: int):
+        self.stream_bytes = stream_bytes
+        super().__init__({
+            "i": In(stream.Signature(beat_layout(stream_bytes))),
+            "o": Out(stream.Signature(8)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        n = self.stream_bytes
+        lanes = Signal(data.ArrayLayout(8, n))
+        left = Signal(n)                    # the lanes still to send
+        first = Signal(n)                   # the lowest of them, one-hot
+        m.d.comb += first.eq(left & (~left + 1))
+        byte = Const(0, 8)
+        for b in range(n):
+            byte = byte | Mux(first[b], lanes[b], 0)
+        m.d.comb += [self.o.valid.eq(left != 0), self.o.payload.eq(byte)]
+        after = Mux(self.o.ready, left & ~first, left)  # the lanes left after this cycle
+        m.d.comb += self.i.ready.eq(after == 0)
+        with m.If(self.i.valid & self.i.ready):
+            m.d.sync += [lanes.eq(self.i.payload.data), left.eq(self.i.payload.keep)]
+        with m.Else():
+            m.d.sync += left.eq(after)
         return m

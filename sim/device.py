@@ -439,10 +439,7 @@ def top_library(options: dict | None = None, *, progress: Callable[[str], None] 
     if link == "eth":
         if uart:
             raise ValueError("sim: link=eth and uart=N are two different links: give one")
-        if top_kw["stream_bytes"] != 1:
-            raise ValueError(f"sim: link=eth carries the engine's bytes one at a time: it needs stream_bytes=1, "
-                             f"got {top_kw['stream_bytes']}")
-        eth_kw = {k: v for k, v in top_kw.items() if k != "stream_bytes"}
+        eth_kw = dict(top_kw)  # stream_bytes: the core's, behind the link's byte a cycle
 
         def make_eth():
             from hbfp.hw.eth_top import EthLoop

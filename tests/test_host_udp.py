@@ -96,6 +96,23 @@ def test_a_lossy_network_loses_no_product():
     assert server.counts["dropped"] > 0 and retries > 0
 
 
+def test_a_session_left_behind_by_another_syncs_again():
+    """Session A takes the device, session B talks to it with numbers far ahead of A's, then
+    A again: A's datagrams are late to the device, so its request goes unanswered; after that
+    wait A sends with ``SYNC`` and its retry lands (without, it would never be heard again)."""
+    with UdpServer(EmuDevice(CFG)).start() as server:
+        with host.open(server.spec, timeout=0.5, retries=3) as a:
+            check_products(a)
+            assert not a.transport.resync
+            with host.open(server.spec, timeout=5) as b:
+                b.transport.numbering.seq = (a.transport.numbering.seq + 1000) & 0xFFFF
+                check_products(b)
+            late = server.counts["received"] - server.counts["taken"]
+            check_products(a)
+            assert a.stats.retries >= 1 and server.counts["received"] - server.counts["taken"] > late
+            assert not a.transport.resync
+
+
 def test_late_foreign_and_malformed_datagrams_are_ignored():
     """A datagram repeating a number the server has taken, an empty one and one from a
     stranger reach no stream: the driver goes on without a retry."""

@@ -14,7 +14,7 @@ from hbfp.golden.bfp import quantize
 from hbfp.host import protocol
 from hbfp.host.protocol import OutFormat
 from hbfp.hw.crc import ParallelCRC32, crc32_state, crc32_update
-from hbfp.hw.link import BeatCompactor, ByteCollector, ByteWindow, ChunkToBeat, StreamRegister
+from hbfp.hw.link import BeatCompactor, BeatsToBytes, ByteCollector, BytesToBeats, ByteWindow, ChunkToBeat, StreamRegister
 from hbfp.hw.packet import ResultSerializer, divmod_const
 from hbfp.hw.params import CoreConfig
 
@@ -70,6 +70,81 @@ def test_stream_register_keeps_every_beat(registered_ready, in_chance, out_chanc
     assert got == beats
     if in_chance == out_chance == 1.0:
         assert taken_at == list(range(1, len(beats) + 1))
+
+
+@pytest.mark.parametrize("stream_bytes", [1, 2, 3, 4])
+@pytest.mark.parametrize("in_chance, out_chance", [(1.0, 1.0), (0.6, 0.8), (1.0, 0.3)])
+def test_bytes_to_beats_and_back(stream_bytes, in_chance, out_chance):
+    """Bytes offered with random gaps, packed into beats (``BytesToBeats``: each beat's kept
+    lanes a prefix, full beats while bytes come back to back, a partial one only after a cycle
+    with no byte) and unpacked (``BeatsToBytes``) under random backpressure: the same bytes in
+    order. Both sides always willing: a byte a cycle through, and every beat full but the last."""
+    rng = random.Random(stream_bytes * 7 + int(in_chance * 10) + int(out_chance * 100))
+    m = Module()
+    m.submodules.pack = pack = BytesToBeats(stream_bytes)
+    m.submodules.unpack = unpack = BeatsToBytes(stream_bytes)
+    m.d.comb += [unpack.i.valid.eq(pack.o.valid), unpack.i.payload.eq(pack.o.payload), pack.o.ready.eq(unpack.i.ready)]
+    sent = [rng.randrange(256) for _ in range(400)]
+    got, beats, taken_at = [], [], []
+
+    async def producer(ctx):
+        for byte in sent:
+            while rng.random() >= in_chance:
+                ctx.set(pack.i.valid, 0)
+                await ctx.tick()
+            ctx.set(pack.i.valid, 1)
+            ctx.set(pack.i.payload, byte)
+            await ctx.tick().until(pack.i.ready)
+        ctx.set(pack.i.valid, 0)
+
+    async def consumer(ctx):
+        cycle = 0
+        while len(got) < len(sent):
+            assert cycle < 20_000, f"{len(got)} of {len(sent)} bytes came out"
+            ready = rng.random() < out_chance
+            ctx.set(unpack.o.ready, ready)
+            if ctx.get(pack.o.valid) and ctx.get(pack.o.ready):
+                keep = ctx.get(pack.o.payload.keep)
+                assert keep & (keep + 1) == 0 and keep, f"keep {keep:b} is no prefix"
+                beats.append(keep)
+            if ready and ctx.get(unpack.o.valid):
+                got.append(ctx.get(unpack.o.payload))
+                taken_at.append(cycle)
+            await ctx.tick()
+            cycle += 1
+
+    _run(m, producer, consumer)
+    assert got == sent
+    if in_chance == out_chance == 1.0:
+        full = (1 << stream_bytes) - 1
+        assert all(k == full for k in beats[:-1]) and len(beats) == -(-len(sent) // stream_bytes)
+        assert taken_at[-1] - taken_at[0] == len(sent) - 1
+
+
+def test_beats_to_bytes_takes_any_keep():
+    """Sparse and empty ``keep`` masks: the kept lanes in lane order, nothing for an empty beat."""
+    rng = random.Random(5)
+    dut = BeatsToBytes(4)
+    beats = [[rng.randrange(256) for _ in range(4)] + [rng.randrange(16)] for _ in range(200)]
+    want = [lanes[b] for *lanes, keep in beats for b in range(4) if keep >> b & 1]
+    got = []
+
+    async def producer(ctx):
+        for *lanes, keep in beats:
+            ctx.set(dut.i.valid, 1)
+            ctx.set(dut.i.payload, {"data": lanes, "keep": keep})
+            await ctx.tick().until(dut.i.ready)
+        ctx.set(dut.i.valid, 0)
+
+    async def consumer(ctx):
+        for _ in range(5000):
+            ctx.set(dut.o.ready, rng.random() < 0.7)
+            if ctx.get(dut.o.ready) and ctx.get(dut.o.valid):
+                got.append(ctx.get(dut.o.payload))
+            await ctx.tick()
+
+    _run(dut, producer, consumer)
+    assert got == want
 
 
 @pytest.mark.parametrize("limit", [1, 2, 16, 64])
