@@ -230,6 +230,9 @@ class Board:
     #: The board's name in docs/reports/summary.json's keys (``board_<summary_name>_fmax_mhz``);
     #: None: ``name``.
     short: str | None = None
+    #: Ethernet boards: the RGMII delays the FPGA adds, in ns (``hw.rgmii``): the received data's
+    #: and the forwarded transmit clock's (the PHY adds the other).
+    rgmii_delays: tuple[float, float] = (0.0, 0.0)
 
     @property
     def summary_name(self) -> str:
@@ -281,7 +284,9 @@ BOARDS: dict[str, Board] = {b.name: b for b in (
           # the ULX3S's array: the same LUTs and MULT18X18Ds
           f"rows=16,cols=16,size=96,dsp_macs=144,out_lanes=1,functions=relu+gelu,{DEFAULT_ETH}",
           "Gigabit Ethernet (RGMII to the board's PHY, UDP: udp:IP:PORT); the core at 75 MHz and the link "
-          "at 125 MHz from the ECP5's PLL (the board's oscillator: 100 MHz).", pll_hz=75_000_000),
+          "at 125 MHz from the ECP5's PLL (the board's oscillator: 100 MHz); the FPGA delays the forwarded "
+          "transmit clock by 2 ns (its KSZ9031 PHY delays the receive clock).", pll_hz=75_000_000,
+          rgmii_delays=(0.0, 2.0)),
     Board("colorlight_5a75b", "Colorlight 5A-75B v7.0 (ECP5 LFE5U-25F)", _colorlight, "ecp5", "eth",
           # A byte a cycle into the engine: 2 (Yosys: some 2,200 LUT4 more) leaves too little of
           # the 25F for the link's 125 MHz, 3 does not fit; the 4x4 array is slower than the
@@ -289,7 +294,8 @@ BOARDS: dict[str, Board] = {b.name: b for b in (
           f"rows=4,cols=4,size=48,functions=relu,stream_bytes=1,{DEFAULT_ETH}",
           "Gigabit Ethernet on the first of its two PHYs (RGMII, UDP: udp:IP:PORT); the core at 50 MHz, a byte "
           "a cycle (50 MB/s into the engine: the 25F has no room for a wider one), and the link at 125 MHz from "
-          "the ECP5's PLL (the board's oscillator: 25 MHz).", pll_hz=50_000_000,
+          "the ECP5's PLL (the board's oscillator: 25 MHz); the FPGA delays the received data by 2 ns (the PHY "
+          "delays the transmit clock).", pll_hz=50_000_000, rgmii_delays=(2.0, 0.0),
           short="colorlight"),
     Board("stratix5", "Intel Stratix V GX FPGA Development Kit (5SGXEA7K2F40C2)", StratixVGXPlatform, "quartus",
           "avalon-st", f"rows=32,cols=32,tile=32x32,size=256,max_payload={1 << 20}",
@@ -464,36 +470,39 @@ def ecp5_link_pll(m: Module, platform, f_core: int) -> None:
 class EthBoardTop(Elaboratable):
     """An Ethernet board's top: ``EthTop`` (the core at ``pll_hz``, taking ``stream_bytes`` a
     cycle, default as many as the link brings at ``LINK_HZ``: ``stream_bytes_for``; both clocks
-    from ``ecp5_link_pll``)
+    from ``ecp5_link_pll``; the RGMII delays ``rgmii_delays``: ``Board.rgmii_delays``)
     on the board's first RGMII PHY (``hw.rgmii``; the receive side
     in the PHY's clock domain ``eth_rx``), the PHY out of reset, status LEDs (blink, a
     datagram taken, a datagram sent)."""
 
     def __init__(self, cfg: CoreConfig, *, ip: int, port: int, max_payload: int | None = None, pll_hz: int,
-                 stream_bytes: int | None = None):
+                 stream_bytes: int | None = None, rgmii_delays: tuple[float, float] = (0.0, 0.0)):
+        from .eth_top import stream_bytes_for
+
         self.cfg, self.ip, self.port, self.max_payload, self.pll_hz = cfg, ip, port, max_payload, pll_hz
-        self.stream_bytes = stream_bytes
+        self.stream_bytes = stream_bytes or stream_bytes_for(LINK_HZ, pll_hz)
+        self.rgmii_delays = rgmii_delays
 
     def elaborate(self, platform):
-        from .eth_top import DEFAULT_MAC, EthTop, stream_bytes_for
+        from .eth_top import DEFAULT_MAC, EthTop
         from .rgmii import RgmiiRx, RgmiiTx
 
         m = Module()
         ecp5_link_pll(m, platform, self.pll_hz)
         pins = platform.request("eth_rgmii", 0, dir="-")
         ctl = ("rx_ctl", "tx_ctl") if hasattr(pins, "rx_ctl") else ("rx_ctrl", "tx_ctrl")
-        m.submodules.rgmii_rx = rx = RgmiiRx(pins, domain="eth_rx", ctl=ctl[0])
-        m.submodules.rgmii_tx = tx = RgmiiTx(pins, domain="eth", ctl=ctl[1])
+        rx_delay, tx_clock_delay = self.rgmii_delays
+        m.submodules.rgmii_rx = rx = RgmiiRx(pins, domain="eth_rx", ctl=ctl[0], delay_ns=rx_delay)
+        m.submodules.rgmii_tx = tx = RgmiiTx(pins, domain="eth", ctl=ctl[1], clock_delay_ns=tx_clock_delay)
         m.domains.eth_rx = eth_rx = ClockDomain("eth_rx", reset_less=True)
         m.d.comb += eth_rx.clk.eq(rx.clock)
-        platform.add_clock_constraint(rx.clock, LINK_HZ)  # the PHY's receive clock at 1 Gb/s
+        platform.add_clock_constraint(pins.rx_clk.io, LINK_HZ)  # the PHY's receive clock at 1 Gb/s (its pin)
         m.submodules.phy_reset = phy_reset = io.Buffer("o", pins.rst)
         m.d.comb += phy_reset.o.eq(0)
         kw = {"max_payload": self.max_payload} if self.max_payload else {}
         m.submodules.device = device = EthTop(self.cfg, mac=DEFAULT_MAC, ip=self.ip, port=self.port, link_domain="eth",
                                               rx_domain="eth_rx", clock_hz=self.pll_hz,
-                                              stream_bytes=self.stream_bytes or stream_bytes_for(LINK_HZ, self.pll_hz),
-                                              **kw)
+                                              stream_bytes=self.stream_bytes, **kw)
         m.d.comb += [device.rx_dv.eq(rx.rx_dv), device.rx_er.eq(rx.rx_er), device.rxd.eq(rx.rxd),
                      tx.tx_en.eq(device.tx_en), tx.tx_er.eq(device.tx_er), tx.txd.eq(device.txd)]
         _status_leds(m, platform, self.pll_hz, [device.datagrams[0], device.sent[0]])
@@ -608,7 +617,7 @@ MANIFEST = ".hbfp-build.json"
 def make_top(board: Board, cfg: CoreConfig, top_kw: dict):
     if board.link == "eth":
         return EthBoardTop(cfg, ip=top_kw["ip"], port=top_kw["port"], max_payload=top_kw.get("max_payload"),
-                           pll_hz=board.pll_hz, stream_bytes=top_kw.get("stream_bytes"))
+                           pll_hz=board.pll_hz, stream_bytes=top_kw.get("stream_bytes"), rgmii_delays=board.rgmii_delays)
     if board.link == "uart":
         return UartBoardTop(cfg, baud=top_kw["baud"], fifo_depth=top_kw["fifo_depth"],
                             max_payload=top_kw.get("max_payload"), pll_hz=board.pll_hz)
@@ -632,7 +641,8 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
     t0 = time.perf_counter()
     log(f"{board.name}: elaborating {cfg.rows}x{cfg.cols} {board.link} top ({board.title})")
     config = json.dumps({"board": board.name, "title": board.title, "flow": board.flow, "link": board.link,
-                         "core": cfg.to_dict(), **top_kw, "clock_hz": board.clock_hz(platform)},
+                         "core": cfg.to_dict(), **top_kw, "clock_hz": board.clock_hz(platform),
+                         **({"stream_bytes": top.stream_bytes} if board.link == "eth" else {})},
                         indent=1) + "\n"
     report_json = f"{project}.report.json"
     kwargs = {}

@@ -115,7 +115,8 @@ def icarus_compat(text: str) -> str:
 
 #: Behavioural models of the vendor primitives that a component elaborated for a platform
 #: instantiates, by the platform's family (``run(..., platform=...)``).
-PRIMITIVE_MODELS = {"ecp5": [Path(__file__).with_name(f) for f in ("mult18x18d_model.v", "dp16kd_model.v", "trellis_ff_model.v")]}
+PRIMITIVE_MODELS = {"ecp5": [Path(__file__).with_name(f) for f in ("mult18x18d_model.v", "dp16kd_model.v", "trellis_ff_model.v",
+                                                                    "ecp5_io_model.v")]}
 
 
 def write_verilog(component, name: str, path: Path, *, icarus: bool = False, platform=None) -> Path:
@@ -173,6 +174,9 @@ def run(
             test_module=f"hbfp.sim.{test_module}",
             build_dir=build_dir,
             test_dir=build_dir,
+            # one name whether or not pytest runs it (cocotb then names the file after the pytest
+            # test), so that the failures' count is read below when cocotb exits on them
+            results_xml=str(build_dir / "results.xml"),
             testcase=testcase,
             seed=seed,
             extra_env=env,

@@ -206,8 +206,15 @@ def test_ethernet_board_project(tmp_path, name, pins, osc):
             int(re.search(r"parameter \\CLKFB_DIV (\d+)", il).group(1))) == (clki, clkfb)
     assert boards.LINK_HZ * op == board.pll_hz * os_ and 400e6 <= boards.LINK_HZ * op <= 800e6
     assert "IDDRX1F" in il and "ODDRX1F" in il
-    assert f"32'{0xC0A80133:032b}" in il  # the address the receiver compares
+    # the RGMII delay the FPGA adds (the PHY adds the other): 80 taps of 25 ps on the received
+    # data and control (5 lines) on the Colorlight, on the forwarded transmit clock on the ECPIX-5
+    delays = re.findall(r"cell \\DELAYG \S+\n((?:    .*\n)*?)  end", il)
+    assert len(delays) == {"colorlight_5a75b": 5, "ecpix5": 1}[name]
+    assert all("parameter \\DEL_VALUE 80\n" in cell for cell in delays), delays
+    assert 'FREQUENCY PORT "eth_rgmii_0__rx_clk__io" 125000000.0 HZ;' in lpf  # the PHY's receive clock
     config = json.loads((d / "config.json").read_text())
+    assert config["stream_bytes"] == {"colorlight_5a75b": 1, "ecpix5": 2}[name]
+    assert f"32'{0xC0A80133:032b}" in il  # the address the receiver compares
     assert config["link"] == "eth" and config["ip"] == 0xC0A80133 and config["port"] == 7001
     assert config["clock_hz"] == board.pll_hz
 
