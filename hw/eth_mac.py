@@ -108,8 +108,6 @@ class FrameFifo(wiring.Component):
         push, push_length = Signal(), Signal(bits + 1)
         m.submodules.lengths = lengths = fifo.SyncFIFO(width=bits + 1, depth=self.max_frames)
         trim = self.trim
-        place = Signal()  # a frame ending now finds a place (beside the one being written)
-        m.d.comb += place.eq(Mux(push, lengths.level < self.max_frames - 1, lengths.level < self.max_frames))
         m.d.sync += push.eq(0)
         m.d.comb += [lengths.w_en.eq(push), lengths.w_data.eq(push_length)]
 
@@ -117,14 +115,19 @@ class FrameFifo(wiring.Component):
         wr = Signal(bits + 1)      # the next byte's address, wrap bit on top
         rd = Signal(bits + 1)
         broken = Signal()
-        # Registered for the 125 MHz link: ``room`` holds while at least two bytes are free (a
-        # byte may go in during the cycle it is computed); ``n0``/``n1``, the current frame's
-        # length less ``trim`` now and one byte on, and ``ok0``/``ok1``, whether each is > 0.
-        room = Signal(init=1)
+        # Registers, so that what the writer decides late in its cycle (``w_valid``, ``w_end``,
+        # ``w_ok``: a byte, an end) only selects among values ready early, for the link's 125 MHz:
+        # ``room``, at least two bytes free (a byte may go in during the cycle it is computed);
+        # ``place``, a place for two more frames' lengths (one may be ending); ``n0``/``n1``, the
+        # current frame's length less ``trim`` now and one byte on, ``ok0``/``ok1``, whether each
+        # is > 0; ``end0``, where the frame ends if it ends now (``wr - trim``).
+        room, place = Signal(init=1), Signal(init=1)
         n0 = Signal(range(-trim - 1, depth + 2), init=-trim)
         n1 = Signal(range(-trim - 1, depth + 2), init=1 - trim)
         ok0, ok1 = Signal(), Signal(init=trim == 0)
-        m.d.sync += room.eq((wr - rd)[:bits + 1] <= depth - 2)
+        end0 = Signal(bits + 1, init=-trim % (2 * depth))
+        m.d.sync += [room.eq((wr - rd)[:bits + 1] <= depth - 2),
+                     place.eq(lengths.level + push <= self.max_frames - 2)]
         m.d.comb += self.w_room.eq(room & place)
 
         write = self.w_valid & ~broken & room
@@ -136,14 +139,15 @@ class FrameFifo(wiring.Component):
         with m.If(self.w_end):
             commit = self.w_ok & ~broken_now & place & length_ok
             with m.If(commit):
-                m.d.sync += [start.eq(start + length[:bits + 1]), wr.eq(start + length[:bits + 1]),
+                end = end0 + write  # = start + length
+                m.d.sync += [start.eq(end), wr.eq(end), end0.eq(end0 - trim + write),
                              push.eq(1), push_length.eq(length[:bits + 1])]
-            with m.Else():
-                m.d.sync += wr.eq(start)  # the frame's bytes are forgotten
+            with m.Else():  # the frame's bytes are forgotten
+                m.d.sync += [wr.eq(start), end0.eq(start - trim)]
             m.d.sync += [broken.eq(0), self.overflow.eq(self.w_ok & (broken_now | ~place)),
                          n0.eq(-trim), n1.eq(1 - trim), ok0.eq(0), ok1.eq(trim == 0)]
         with m.Else():
-            m.d.sync += [wr.eq(wr + write), broken.eq(broken_now)]
+            m.d.sync += [wr.eq(wr + write), end0.eq(end0 + write), broken.eq(broken_now)]
             with m.If(write):
                 m.d.sync += [n0.eq(n1), ok0.eq(ok1), n1.eq(n1 + 1), ok1.eq(n1 >= 0)]
 
@@ -200,7 +204,8 @@ class MacRx(wiring.Component):
         m.d.comb += self.length.eq(buf.length)
 
         crc = Signal(32, init=PRESET)
-        count = Signal(range(MAX_FRAME + 2))  # bytes after the SFD, saturating past MAX_FRAME
+        count = Signal(range(MAX_FRAME + 2))  # bytes after the SFD, up to MAX_FRAME + 1
+        over = Signal()                       # more than MAX_FRAME of them: no more are kept
         error = Signal()
         ending = Signal()  # a frame ended last cycle, its verdict in ``why``
         why = Signal(data.StructLayout({"error": 1, "long": 1, "runt": 1, "bad": 1}))
@@ -213,7 +218,7 @@ class MacRx(wiring.Component):
                 with m.If(~dv):
                     m.next = "IDLE"
             with m.State("IDLE"):
-                m.d.sync += [crc.eq(PRESET), count.eq(0), error.eq(0)]
+                m.d.sync += [crc.eq(PRESET), count.eq(0), error.eq(0), over.eq(0)]
                 with m.If(dv):
                     with m.If(er):
                         m.next = "SKIP"
@@ -232,12 +237,12 @@ class MacRx(wiring.Component):
                     m.next = "DATA"
             with m.State("DATA"):
                 with m.If(dv):
-                    m.d.comb += buf.w_valid.eq(count <= MAX_FRAME)
-                    m.d.sync += [crc.eq(crc32_step(crc, d)), error.eq(error | er)]
-                    with m.If(count <= MAX_FRAME):
+                    m.d.comb += buf.w_valid.eq(~over)
+                    m.d.sync += [crc.eq(crc32_step(crc, d)), error.eq(error | er), over.eq(over | (count == MAX_FRAME))]
+                    with m.If(~over):
                         m.d.sync += count.eq(count + 1)
                 with m.Else():  # the frame's end: judged now, committed or dropped next cycle
-                    m.d.sync += [ending.eq(1), why.error.eq(error), why.long.eq(count > MAX_FRAME),
+                    m.d.sync += [ending.eq(1), why.error.eq(error), why.long.eq(over),
                                  why.runt.eq(count < MIN_FRAME), why.bad.eq(crc != RESIDUE)]
                     m.next = "IDLE"
         # The judged frame ends in the buffer (its next frame's SFD is a cycle or more away);
