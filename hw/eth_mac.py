@@ -106,7 +106,9 @@ class FrameFifo(wiring.Component):
         wr_port, rd_port = mem.write_port(), mem.read_port()
         # the committed frames' lengths, each written a cycle after its frame ends (``push``)
         push, push_length = Signal(), Signal(bits + 1)
-        m.submodules.lengths = lengths = fifo.SyncFIFO(width=bits + 1, depth=self.max_frames)
+        # (read through a register: a deep list goes to block RAM, a shallow one's multiplexer
+        # ends in a register)
+        m.submodules.lengths = lengths = fifo.SyncFIFOBuffered(width=bits + 1, depth=self.max_frames)
         trim = self.trim
         m.d.sync += push.eq(0)
         m.d.comb += [lengths.w_en.eq(push), lengths.w_data.eq(push_length)]

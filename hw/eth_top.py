@@ -24,7 +24,7 @@ from amaranth.lib.wiring import In, Out
 
 from .eth_mac import MacRx, MacTx
 from .eth_udp import LINK_COUNTERS, UdpLink
-from .link import BeatsToBytes, BytesToBeats, beat_layout
+from .link import BeatsToBytes, BytesToBeats, StreamRegister, beat_layout
 from .params import CoreConfig
 from .top import DEFAULT_FRAME_TIMEOUT, DEFAULT_MAX_PAYLOAD, AcceleratorTop
 
@@ -76,6 +76,8 @@ class EthTop(wiring.Component):
         link_side = DomainRenamer(link_domain)
         m.submodules.pack = pack = link_side(BytesToBeats(n))
         m.submodules.unpack = unpack = link_side(BeatsToBytes(n))
+        # a skid buffer: the crossing's read side (its pointer and memory) sees a register
+        m.submodules.skid = skid = link_side(StreamRegister(beat_layout(n), registered_ready=True))
         width = beat_layout(n).size
         if link_domain == "sync":
             to_core = fifo.SyncFIFOBuffered(width=width, depth=CROSSING_DEPTH)
@@ -94,8 +96,9 @@ class EthTop(wiring.Component):
                      to_core.r_stream.ready.eq(top.i.ready)]
         m.d.comb += [to_link.w_stream.valid.eq(top.o.valid), to_link.w_stream.payload.eq(top.o.payload),
                      top.o.ready.eq(to_link.w_stream.ready),
-                     unpack.i.valid.eq(to_link.r_stream.valid), unpack.i.payload.eq(to_link.r_stream.payload),
-                     to_link.r_stream.ready.eq(unpack.i.ready)]
+                     skid.i.valid.eq(to_link.r_stream.valid), skid.i.payload.eq(to_link.r_stream.payload),
+                     to_link.r_stream.ready.eq(skid.i.ready)]
+        wiring.connect(m, skid.o, unpack.i)
         wiring.connect(m, unpack.o, link.i)
         return m
 

@@ -547,8 +547,11 @@ class UdpLink(wiring.Component):
             m.submodules.rx_crossing = crossing = fifo.AsyncFIFOBuffered(
                 width=frame_layout().size, depth=16, w_domain=self.rx_domain, r_domain="sync")
             wiring.connect(m, mac_rx.o, crossing.w_stream)
-            m.d.comb += [udp_rx.i.valid.eq(crossing.r_stream.valid), udp_rx.i.payload.eq(crossing.r_stream.payload),
-                         crossing.r_stream.ready.eq(udp_rx.i.ready)]
+            # a skid buffer: the crossing's read side (its pointer and memory) sees a register
+            m.submodules.rx_skid = skid = StreamRegister(frame_layout(), registered_ready=True)
+            m.d.comb += [skid.i.valid.eq(crossing.r_stream.valid), skid.i.payload.eq(crossing.r_stream.payload),
+                         crossing.r_stream.ready.eq(skid.i.ready)]
+            wiring.connect(m, skid.o, udp_rx.i)
         m.submodules.arp = arp = ArpResponder(self.mac, self.ip)
         m.submodules.udp_tx = udp_tx = UdpTx(self.mac, self.ip, self.port, buffer_bytes=self.buffer_bytes,
                                              flush_cycles=self.flush_cycles)
@@ -560,10 +563,16 @@ class UdpLink(wiring.Component):
                      udp_tx.peer.eq(udp_rx.peer), udp_tx.peer_valid.eq(udp_rx.peer_valid), self.sent.eq(udp_tx.datagrams)]
         m.d.comb += [getattr(self, c).eq(getattr(mac_rx, c)) for c in MacRx.COUNTERS]
         m.d.comb += [getattr(self, c).eq(getattr(udp_rx, c)) for c in UdpRx.COUNTERS]
-        wiring.connect(m, udp_rx.o, wiring.flipped(self.o))
+        # skid buffers behind the receiver: the readiness it sees (and so which of its bytes it
+        # takes, the enable of its many header registers) is a register
+        m.submodules.rx_out = rx_out = StreamRegister(8, registered_ready=True)
+        m.submodules.rx_icmp = rx_icmp = StreamRegister(frame_layout(), registered_ready=True)
+        wiring.connect(m, udp_rx.o, rx_out.i)
+        wiring.connect(m, rx_out.o, wiring.flipped(self.o))
         wiring.connect(m, udp_rx.arp, arp.i)
         wiring.connect(m, wiring.flipped(self.i), udp_tx.i)
-        wiring.connect(m, udp_rx.icmp, echo.i)
+        wiring.connect(m, udp_rx.icmp, rx_icmp.i)
+        wiring.connect(m, rx_icmp.o, echo.i)
         m.d.comb += [echo.from_.eq(udp_rx.icmp_from), self.pings.eq(echo.replies)]
         wiring.connect(m, arp.o, arbiter.i0)
         wiring.connect(m, echo.o, arbiter.i1)

@@ -94,6 +94,7 @@ SIM_FULL_ONLY = {
     "tests/test_hw_float_mac.py::test_float_mac_array_equals_golden[4-4-fp16-4-verilator]":
         "the 2x2 fp16 array on both simulators",
     "tests/test_boards.py::test_quartus_project_is_complete[stratix5-10.0-pins1]": "the DE10-Nano's Quartus project",
+    "tests/test_hw_rgmii.py::test_rgmii_cocotb[icarus]": "its run with the delays on, Icarus too",
 }
 
 
