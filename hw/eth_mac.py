@@ -26,12 +26,11 @@ from __future__ import annotations
 
 from amaranth import Module, Mux, Signal
 from amaranth.lib import data, fifo, stream, wiring
-from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from hbfp.host import datagrams as D
 
-from .block_ram import NO_RW_CHECK
+from .block_ram import BlockRam
 from .crc import PRESET, RESIDUE, crc32_step
 from .link import StreamRegister
 
@@ -102,8 +101,10 @@ class FrameFifo(wiring.Component):
         m = Module()
         depth = self.depth
         bits = depth.bit_length() - 1
-        m.submodules.mem = mem = Memory(shape=8, depth=depth, init=[], attrs=NO_RW_CHECK)
-        wr_port, rd_port = mem.write_port(), mem.read_port()
+        # the bytes: block RAM read in two cycles (``BlockRam``: on an ECP5 its output register,
+        # so that its slow clock-to-output does not share a cycle with anything)
+        m.submodules.mem = mem = BlockRam(8, depth, stall=True)
+        wr_port, rd_port = mem.write, mem.read(0)
         # the committed frames' lengths, each written a cycle after its frame ends (``push``)
         push, push_length = Signal(), Signal(bits + 1)
         # (read through a register: a deep list goes to block RAM, a shallow one's multiplexer
@@ -153,22 +154,24 @@ class FrameFifo(wiring.Component):
             with m.If(write):
                 m.d.sync += [n0.eq(n1), ok0.eq(ok1), n1.eq(n1 + 1), ok1.eq(n1 >= 0)]
 
-        # The reader: a frame's length, then its bytes through the read port (a cycle late),
-        # then a register (the block RAM's output is slow: nothing behind it in its cycle),
-        # each byte with its frame's length.
+        # The reader: a frame's length, then its bytes from the block RAM (two stages, ``s1``
+        # and ``s2``, each byte's place in its frame beside it), then a register: all advancing
+        # together while that register can take a byte.
         remaining, length = Signal(bits + 1), Signal(bits + 1)
+        meta = data.StructLayout({"valid": 1, "last": 1, "length": bits + 1})
+        s1, s2 = Signal(meta), Signal(meta)
         m.submodules.out = out = StreamRegister(data.StructLayout({"byte": frame_layout(), "length": bits + 1}))
-        read = out.i
-        fetch = (~read.valid | read.ready) & (remaining != 0)
-        m.d.comb += [rd_port.addr.eq(rd[:bits]), rd_port.en.eq(~read.valid | read.ready),
-                     read.payload.byte.data.eq(rd_port.data), lengths.r_en.eq(remaining == 0)]
+        advance = out.i.ready
+        fetch = advance & (remaining != 0)
+        m.d.comb += [rd_port.addr.eq(rd[:bits]), rd_port.en.eq(advance), lengths.r_en.eq(remaining == 0),
+                     out.i.valid.eq(s2.valid), out.i.payload.byte.data.eq(rd_port.data),
+                     out.i.payload.byte.last.eq(s2.last), out.i.payload.length.eq(s2.length)]
         with m.If((remaining == 0) & lengths.r_rdy):
             m.d.sync += [remaining.eq(lengths.r_data), length.eq(lengths.r_data)]
+        with m.If(advance):
+            m.d.sync += [s2.eq(s1), s1.valid.eq(fetch), s1.last.eq(remaining == 1), s1.length.eq(length)]
         with m.If(fetch):
-            m.d.sync += [rd.eq(rd + 1), remaining.eq(remaining - 1), read.valid.eq(1),
-                         read.payload.byte.last.eq(remaining == 1), read.payload.length.eq(length)]
-        with m.Elif(read.ready):
-            m.d.sync += read.valid.eq(0)
+            m.d.sync += [rd.eq(rd + 1), remaining.eq(remaining - 1)]
         m.d.comb += [self.o.valid.eq(out.o.valid), self.o.payload.eq(out.o.payload.byte),
                      out.o.ready.eq(self.o.ready), self.length.eq(out.o.payload.length)]
         return m

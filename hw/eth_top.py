@@ -33,8 +33,9 @@ __all__ = ["EthTop", "EthLoop", "DEFAULT_MAC", "DEFAULT_IP", "DEFAULT_PORT", "CR
 #: The address a device has unless its build says otherwise: a locally administered MAC
 #: ("HBFP" in it), 192.168.1.50, port 7000.
 DEFAULT_MAC, DEFAULT_IP, DEFAULT_PORT = 0x02_48_42_46_50_01, 0xC0A8_0132, 7000
-#: Beats of each FIFO between the link's domain and the core's.
-CROSSING_DEPTH = 64
+#: Beats of each FIFO between the link's domain and the core's (enough for a byte a cycle across
+#: the pointers' synchronizers; a deeper one's memory multiplexer costs the link's clock).
+CROSSING_DEPTH = 16
 
 
 def stream_bytes_for(link_hz: int, core_hz: int) -> int:
