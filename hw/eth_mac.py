@@ -134,7 +134,9 @@ class FrameFifo(wiring.Component):
         m.d.comb += self.w_room.eq(room & place)
 
         write = self.w_valid & ~broken & room
-        m.d.comb += [wr_port.addr.eq(Mux(self.p_en, (start + self.p_addr)[:bits], wr[:bits])),
+        # each byte (or patch) reaches the block RAM a cycle later, through registers: a reader
+        # sees a frame only cycles after its end, and a writer's data path ends here
+        m.d.sync += [wr_port.addr.eq(Mux(self.p_en, (start + self.p_addr)[:bits], wr[:bits])),
                      wr_port.data.eq(Mux(self.p_en, self.p_data, self.w_data)), wr_port.en.eq(write | self.p_en)]
         broken_now = broken | (self.w_valid & ~room)
         length, length_ok = Mux(write, n1, n0), Mux(write, ok1, ok0)
@@ -163,11 +165,18 @@ class FrameFifo(wiring.Component):
         m.submodules.out = out = StreamRegister(data.StructLayout({"byte": frame_layout(), "length": bits + 1}))
         advance = out.i.ready
         fetch = advance & (remaining != 0)
-        m.d.comb += [rd_port.addr.eq(rd[:bits]), rd_port.en.eq(advance), lengths.r_en.eq(remaining == 0),
+        # a length leaves its list into ``next_length`` (a register straight behind the list's
+        # block RAM), and from there into the reader
+        next_length, has_next = Signal(bits + 1), Signal()
+        pop = lengths.r_rdy & ~has_next
+        m.d.comb += lengths.r_en.eq(~has_next)
+        with m.If(pop):
+            m.d.sync += [next_length.eq(lengths.r_data), has_next.eq(1)]
+        m.d.comb += [rd_port.addr.eq(rd[:bits]), rd_port.en.eq(advance),
                      out.i.valid.eq(s2.valid), out.i.payload.byte.data.eq(rd_port.data),
                      out.i.payload.byte.last.eq(s2.last), out.i.payload.length.eq(s2.length)]
-        with m.If((remaining == 0) & lengths.r_rdy):
-            m.d.sync += [remaining.eq(lengths.r_data), length.eq(lengths.r_data)]
+        with m.If((remaining == 0) & has_next):
+            m.d.sync += [remaining.eq(next_length), length.eq(next_length), has_next.eq(0)]
         with m.If(advance):
             m.d.sync += [s2.eq(s1), s1.valid.eq(fetch), s1.last.eq(remaining == 1), s1.length.eq(length)]
         with m.If(fetch):
