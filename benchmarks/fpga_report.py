@@ -294,7 +294,11 @@ def main(argv=None) -> int:
         notes.append(f"- **{name}**: bitstream `build/boards/{name}/hbfp_{name}{boards.BITSTREAM_SUFFIX[board.flow]}`"
                      + (f", built in {seconds / 60:.1f} min" if seconds else " (reused build)")
                      + f"; the MAC array alone: {mac['logic']:,} logic cells and {mac['dsp']} DSP blocks of "
-                     f"{used('logic'):,} and {used('dsp')}. {board.notes}")
+                     f"{used('logic'):,} and {used('dsp')}. "
+                     + ("" if len(report.get("clocks", {})) < 2 else "Every clock, Fmax of the MHz it needs: " + ", ".join(
+                         f"{mhz:.1f} of {want:g}" for mhz, want in sorted(report["clocks"].values(), key=lambda c: c[1]))
+                        + " (timing met: all of them). ")
+                     + board.notes)
 
     before_md = (REPORTS / "boards.md").read_text() if (REPORTS / "boards.md").exists() else ""
     before = json.loads((REPORTS / "summary.json").read_text()) if (REPORTS / "summary.json").exists() else {}

@@ -199,8 +199,11 @@ def pnr_ecp5(
 
 def read_nextpnr_report(path: str | Path) -> dict:
     """A nextpnr ``--report`` JSON file: ``{"utilization": {resource: (used, available)},
-    "fmax": {clock: MHz}, "fmax_min": the slowest clock's MHz (None without clocks)}``."""
+    "fmax": {clock: MHz}, "constraints": {clock: the MHz it was asked for}, "fmax_min": the
+    slowest clock's MHz (None without clocks)}``."""
     report = json.loads(Path(path).read_text())
     util = {k: (v["used"], v["available"]) for k, v in report["utilization"].items()}
     fmax = {clk: v["achieved"] for clk, v in report.get("fmax", {}).items()}
-    return {"utilization": util, "fmax": fmax, "fmax_min": min(fmax.values()) if fmax else None}
+    constraints = {clk: v.get("constraint") for clk, v in report.get("fmax", {}).items()}
+    return {"utilization": util, "fmax": fmax, "constraints": constraints,
+            "fmax_min": min(fmax.values()) if fmax else None}

@@ -230,3 +230,20 @@ def test_ethernet_board_options():
         boards.board_config("ecpix5", baud=115200)
     board, cfg, kw = boards.board_config("ecpix5")
     assert (cfg.rows, cfg.cols, kw["ip"], kw["port"], board.link) == (16, 16, 0xC0A80132, 7000, "eth")
+
+
+def test_nextpnr_report_needs_every_clock_met(tmp_path):
+    """An Ethernet board has the core's clock and the link's: Fmax is the core's (the board's
+    clock), and timing is met only when every clock reaches what it was constrained to."""
+    def report(link_mhz):
+        path = tmp_path / f"r{link_mhz}.json"
+        path.write_text(json.dumps({
+            "utilization": {"TRELLIS_COMB": {"used": 10, "available": 20}},
+            "fmax": {"$glbnet$clk": {"achieved": 61.0, "constraint": 50},
+                     "$glbnet$eth_clk": {"achieved": link_mhz, "constraint": 125}}}))
+        return boards.parse_nextpnr_report(path, 50_000_000)
+
+    slow, fast = report(92.7), report(126.0)
+    assert slow["fmax_mhz"] == fast["fmax_mhz"] == 61.0
+    assert not slow["timing_met"] and fast["timing_met"]
+    assert fast["clocks"]["$glbnet$eth_clk"] == (126.0, 125)
