@@ -319,7 +319,8 @@ class IcmpEcho(wiring.Component):
         wiring.connect(m, buf.o, wiring.flipped(self.o))
         to = Signal(icmp_layout())
         ip_len, final = Signal(16), Signal(16)  # the IPv4 total length; the message's last k
-        k = Signal(range(1 << 16))  # bytes of the header, then of the message, written
+        k = Signal(range(1 << 16))  # bytes of the message written
+        h = Signal(range(D.ETHERNET_HEADER + D.IPV4_HEADER))  # bytes of the headers written
         ok = Signal()
         # the reply's words summed (folded at its end: 2^11 words at most), a word's first byte
         total, high = Signal(16 + 12), Signal(8)
@@ -330,6 +331,7 @@ class IcmpEcho(wiring.Component):
                   big_endian(0x4500, 2) + big_endian(ip_len, 2) + big_endian(to.ident, 2) + big_endian(0, 2) +
                   big_endian(TTL << 8 | IP_PROTO_ICMP, 2) + big_endian(checksum.value, 2) + big_endian(self.ip, 4) +
                   big_endian(to.ip, 4))
+        assert len(header) == D.ETHERNET_HEADER + D.IPV4_HEADER
         byte, last = self.i.payload.data, self.i.payload.last
         whole = Signal()
         m.d.comb += whole.eq(ok & (k == final))
@@ -346,11 +348,11 @@ class IcmpEcho(wiring.Component):
                 with m.If(checksum.done):
                     m.next = "HEADER"
             with m.State("HEADER"):
-                m.d.comb += [buf.w_valid.eq(buf.w_room), buf.w_data.eq(Array(header)[k])]
+                m.d.comb += [buf.w_valid.eq(buf.w_room), buf.w_data.eq(Array(header)[h])]
                 with m.If(buf.w_room):
-                    m.d.sync += k.eq(k + 1)
-                    with m.If(k == len(header) - 1):
-                        m.d.sync += k.eq(0)
+                    m.d.sync += h.eq(h + 1)
+                    with m.If(h == len(header) - 1):
+                        m.d.sync += h.eq(0)
                         m.next = "MESSAGE"
             with m.State("MESSAGE"):
                 # the type 8 -> 0, the checksum zero for now, the rest as it comes
