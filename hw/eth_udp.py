@@ -278,18 +278,21 @@ class ArpResponder(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        who = Signal(data.StructLayout({"mac": 48, "ip": 32}))
-        k = Signal(range(14 + ARP_BYTES))
+        who = self.i.payload
         frame = (big_endian(who.mac, 6) + big_endian(self.mac, 6) + big_endian(ETHERTYPE_ARP, 2) +
                  big_endian(0x0001_0800_0604_0002, 8) + big_endian(self.mac, 6) + big_endian(self.ip, 4) +
                  big_endian(who.mac, 6) + big_endian(who.ip, 4))
+        # the reply in a shift register, loaded whole when a request comes: its next byte is a
+        # register's (no multiplexer in front of the transmitter)
+        reply = Signal(8 * len(frame))
+        k = Signal(range(len(frame)))
         busy = Signal()
-        m.d.comb += [self.i.ready.eq(~busy), self.o.valid.eq(busy), self.o.payload.data.eq(Array(frame)[k]),
+        m.d.comb += [self.i.ready.eq(~busy), self.o.valid.eq(busy), self.o.payload.data.eq(reply[:8]),
                      self.o.payload.last.eq(k == len(frame) - 1)]
         with m.If(self.i.valid & ~busy):
-            m.d.sync += [who.eq(self.i.payload), busy.eq(1), k.eq(0)]
+            m.d.sync += [reply.eq(Cat(*frame)), busy.eq(1), k.eq(0)]
         with m.If(self.o.valid & self.o.ready):
-            m.d.sync += k.eq(k + 1)
+            m.d.sync += [reply.eq(reply >> 8), k.eq(k + 1)]
             with m.If(self.o.payload.last):
                 m.d.sync += busy.eq(0)
         return m
@@ -450,6 +453,7 @@ class UdpTx(wiring.Component):
                   big_endian(self.port, 2) + big_endian(to.port, 2) + big_endian(udp_len, 2) + big_endian(0, 2) +
                   [seq[:8], seq[8:], Const(0, 8), Const(D.VERSION, 8)])
         assert len(header) == HEADER_BYTES
+        headers = Signal(8 * HEADER_BYTES)  # their bytes, the next in the low bits
         k = Signal(range(HEADER_BYTES))
         with m.FSM():
             with m.State("IDLE"):
@@ -461,12 +465,13 @@ class UdpTx(wiring.Component):
                 m.d.comb += checksum.start.eq(1)
                 m.next = "CHECKSUM"
             with m.State("CHECKSUM"):
-                with m.If(checksum.done):
+                with m.If(checksum.done):  # the headers into a shift register, whole
+                    m.d.sync += headers.eq(Cat(*header))
                     m.next = "HEADER"
             with m.State("HEADER"):
-                m.d.comb += [self.o.valid.eq(1), self.o.payload.data.eq(Array(header)[k])]
+                m.d.comb += [self.o.valid.eq(1), self.o.payload.data.eq(headers[:8])]
                 with m.If(self.o.ready):
-                    m.d.sync += k.eq(k + 1)
+                    m.d.sync += [k.eq(k + 1), headers.eq(headers >> 8)]
                     with m.If(k == HEADER_BYTES - 1):
                         m.next = "DATA"
             with m.State("DATA"):
