@@ -34,6 +34,11 @@ build of the same configuration (``build/boards/<board>``, ``build/ecp5/core-8x8
 docs/reports/ecp5-core-8x8-s96.json when the tree's core has its Verilog (its ``verilog_sha256``),
 whose report then stays. ``--no-density --keep-density`` keeps the density figures of the
 existing summary.json, for a run after changes outside the cores (the packet engine, a board top).
+``--boards A B --keep-others`` rebuilds only A and B: the other boards keep their rows, notes and
+summary figures from the existing boards.md and summary.json (each note says so), and with
+``--no-core`` the 8x8 core its figures, for a run after changes that leave those designs alone
+(the Ethernet link: ``--boards ecpix5 colorlight_5a75b``). The report always ends with the
+links' table (computed, not built: each board's link against its array on one 96^3 product).
 The ULX3S build (16x16 at 75 MHz) takes about 45 minutes on 2 cores, the core's three placements
 about 20 (two at a time), the density experiment about 70.
 """

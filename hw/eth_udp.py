@@ -336,15 +336,15 @@ class IcmpEcho(wiring.Component):
                   big_endian(to.ip, 4))
         assert len(header) == D.ETHERNET_HEADER + D.IPV4_HEADER
         byte, last = self.i.payload.data, self.i.payload.last
-        whole = Signal()
-        m.d.comb += whole.eq(ok & (k == final))
+        at_final = Signal()  # k == final: the message's byte now is its last (a register)
+        whole = Signal()     # the message was a whole echo request
         reply_sum = ~total[:16]
         with m.FSM():
             with m.State("IDLE"):
                 with m.If(self.i.valid):
                     m.d.comb += checksum.start.eq(1)
                     m.d.sync += [to.eq(self.from_), ip_len.eq(self.from_.length + 20), final.eq(self.from_.length - 1),
-                                 k.eq(0), total.eq(0)]
+                                 k.eq(0), total.eq(0), at_final.eq(self.from_.length == 1)]
                     m.next = "CHECKSUM"
             with m.State("CHECKSUM"):
                 m.d.sync += ok.eq(to.length >= 8)
@@ -364,7 +364,7 @@ class IcmpEcho(wiring.Component):
                 m.d.comb += [buf.w_data.eq(out), buf.w_valid.eq(self.i.valid & buf.w_room),
                              self.i.ready.eq(buf.w_room)]
                 with m.If(self.i.valid & buf.w_room):
-                    m.d.sync += k.eq(k + 1)
+                    m.d.sync += [k.eq(k + 1), at_final.eq(k + 1 == final)]
                     with m.If(k[0]):
                         m.d.sync += total.eq(total + Cat(out, high))
                     with m.Elif(last):  # an odd length: the last word's low byte is zero
@@ -375,12 +375,15 @@ class IcmpEcho(wiring.Component):
                         m.d.sync += ok.eq(ok & (byte == ICMP_ECHO_REQUEST))
                     with m.If(k == 1):
                         m.d.sync += ok.eq(ok & (byte == 0))
-                    with m.If(last):
-                        with m.If(whole):
-                            m.next = "FOLD"
-                        with m.Else():
-                            m.d.comb += [buf.w_end.eq(1), buf.w_ok.eq(0)]
-                            m.next = "IDLE"
+                    with m.If(last):  # a whole echo request is answered, anything else dropped
+                        m.next = "LAST"
+                        m.d.sync += whole.eq(ok & at_final)
+            with m.State("LAST"):
+                with m.If(whole):
+                    m.next = "FOLD"
+                with m.Else():
+                    m.d.comb += [buf.w_end.eq(1), buf.w_ok.eq(0)]
+                    m.next = "IDLE"
             with m.State("FOLD"):  # the end-around carries, twice
                 m.d.sync += [total.eq(total[:16] + total[16:]), k.eq(k + 1)]
                 with m.If(k == final + 2):
