@@ -224,8 +224,10 @@ class MacRx(wiring.Component):
         ending = Signal()  # a frame ended last cycle, its verdict in ``why``
         why = Signal(data.StructLayout({"error": 1, "long": 1, "runt": 1, "bad": 1}))
         dv, er, d = self.rx_dv, self.rx_er, self.rxd
-        m.d.comb += buf.w_data.eq(d)
-        m.d.sync += ending.eq(0)
+        # the bytes go into the buffer a cycle later, from registers (the link's 125 MHz)
+        store, byte = Signal(), Signal(8)
+        m.d.sync += [store.eq(0), byte.eq(d), ending.eq(0)]
+        m.d.comb += [buf.w_valid.eq(store), buf.w_data.eq(byte)]
 
         with m.FSM(init="SKIP"):
             with m.State("SKIP"):  # inside a frame that is not ours to take: wait for its end
@@ -251,7 +253,7 @@ class MacRx(wiring.Component):
                     m.next = "DATA"
             with m.State("DATA"):
                 with m.If(dv):
-                    m.d.comb += buf.w_valid.eq(~over)
+                    m.d.sync += store.eq(~over)
                     m.d.sync += [crc.eq(crc32_step(crc, d)), error.eq(error | er), over.eq(over | (count == MAX_FRAME))]
                     with m.If(~over):
                         m.d.sync += count.eq(count + 1)

@@ -338,13 +338,14 @@ class IcmpEcho(wiring.Component):
         byte, last = self.i.payload.data, self.i.payload.last
         at_final = Signal()  # k == final: the message's byte now is its last (a register)
         whole = Signal()     # the message was a whole echo request
+        early = Signal(range(5))  # k while below 4 (its first bytes' tests: a 3-bit counter)
         reply_sum = ~total[:16]
         with m.FSM():
             with m.State("IDLE"):
                 with m.If(self.i.valid):
                     m.d.comb += checksum.start.eq(1)
                     m.d.sync += [to.eq(self.from_), ip_len.eq(self.from_.length + 20), final.eq(self.from_.length - 1),
-                                 k.eq(0), total.eq(0), at_final.eq(self.from_.length == 1)]
+                                 k.eq(0), early.eq(0), total.eq(0), at_final.eq(self.from_.length == 1)]
                     m.next = "CHECKSUM"
             with m.State("CHECKSUM"):
                 m.d.sync += ok.eq(to.length >= 8)
@@ -360,20 +361,20 @@ class IcmpEcho(wiring.Component):
             with m.State("MESSAGE"):
                 # the type 8 -> 0, the checksum zero for now, the rest as it comes
                 out = Signal(8)
-                m.d.comb += out.eq(Mux((k == 0) | (k == 2) | (k == 3), 0, byte))
+                m.d.comb += out.eq(Mux((early == 0) | (early == 2) | (early == 3), 0, byte))
                 m.d.comb += [buf.w_data.eq(out), buf.w_valid.eq(self.i.valid & buf.w_room),
                              self.i.ready.eq(buf.w_room)]
                 with m.If(self.i.valid & buf.w_room):
-                    m.d.sync += [k.eq(k + 1), at_final.eq(k + 1 == final)]
+                    m.d.sync += [k.eq(k + 1), at_final.eq(k + 1 == final), early.eq(early + (early != 4))]
                     with m.If(k[0]):
                         m.d.sync += total.eq(total + Cat(out, high))
                     with m.Elif(last):  # an odd length: the last word's low byte is zero
                         m.d.sync += total.eq(total + Cat(Const(0, 8), out))
                     with m.Else():
                         m.d.sync += high.eq(out)
-                    with m.If(k == 0):
+                    with m.If(early == 0):
                         m.d.sync += ok.eq(ok & (byte == ICMP_ECHO_REQUEST))
-                    with m.If(k == 1):
+                    with m.If(early == 1):
                         m.d.sync += ok.eq(ok & (byte == 0))
                     with m.If(last):  # a whole echo request is answered, anything else dropped
                         m.next = "LAST"
