@@ -302,7 +302,7 @@ def main(argv=None) -> int:
                      f"{used('logic'):,} and {used('dsp')}. "
                      + ("" if len(report.get("clocks", {})) < 2 else "Every clock, Fmax of the MHz it needs: " + ", ".join(
                          f"{mhz:.1f} of {want:g}" for mhz, want in sorted(report["clocks"].values(), key=lambda c: c[1]))
-                        + " (timing met: all of them). ")
+                        + " (timing is met when every one of them is). ")
                      + board.notes)
 
     before_md = (REPORTS / "boards.md").read_text() if (REPORTS / "boards.md").exists() else ""
