@@ -255,7 +255,10 @@ async def _drive(dut, cycles):
     dut.rx_er.value = 0
 
 
-async def _collect(dut, frames: list, ready_p: float, rng: random.Random, stop) -> None:
+async def _collect(dut, frames: list, ready_p: float, rng: random.Random, stop, clock=None) -> None:
+    """Takes ``o``'s frames on ``clock``'s rising edges (default ``dut.clk``), ``o.ready`` high
+    with probability ``ready_p``, until ``stop()``."""
+    clock = dut.clk if clock is None else clock
     cur = []
     while not stop():
         dut.o__ready.value = int(rng.random() < ready_p)
@@ -266,7 +269,7 @@ async def _collect(dut, frames: list, ready_p: float, rng: random.Random, stop) 
             if p >> 8 & 1:
                 frames.append(bytes(cur))
                 cur = []
-        await RisingEdge(dut.clk)
+        await RisingEdge(clock)
 
 
 def _counters(dut) -> dict[str, int]:

@@ -342,17 +342,7 @@ def _counters(dut) -> dict[str, int]:
 
 async def _collect(dut, frames: list, ready_p: float, rng: random.Random, stop) -> None:
     """Takes ``o``'s frames (in ``eth_rx``: ``rx_clk``), ``o.ready`` high with probability ``ready_p``."""
-    cur = []
-    while not stop():
-        dut.o__ready.value = int(rng.random() < ready_p)
-        await ReadOnly()
-        if int(dut.o__valid.value) and int(dut.o__ready.value):
-            p = int(dut.o__payload.value)
-            cur.append(p & 0xFF)
-            if p >> 8 & 1:
-                frames.append(bytes(cur))
-                cur = []
-        await RisingEdge(dut.rx_clk)
+    await ref._collect(dut, frames, ready_p, rng, stop, clock=dut.rx_clk)
     dut.o__ready.value = 0
 
 
