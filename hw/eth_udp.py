@@ -154,7 +154,7 @@ class UdpRx(wiring.Component):
         src_mac, etype = Signal(48), Signal(16)
         arp_ok, arp_sha, arp_spa = Signal(), Signal(48), Signal(32)
         ip_hdr, ip_ok, total_len, src_ip = Signal(), Signal(), Signal(16), Signal(32)
-        ip_payload = Signal(16)                # total_len - 20: the UDP datagram or ICMP message
+        ip_payload = Signal(16)                # total_len less the IPv4 header: the UDP datagram or ICMP message
         proto, ident = Signal(8), Signal(16)
         udp_src, seq, flags = Signal(16), Signal(16), Signal(8)
         stream_len = Signal(16)                # udp_len less the UDP and datagram headers
@@ -208,18 +208,18 @@ class UdpRx(wiring.Component):
                 with m.Case(17):
                     m.d.sync += total_len.eq(nxt[:16])
                 with m.Case(18):
-                    m.d.sync += ip_payload.eq(total_len - 20)
+                    m.d.sync += ip_payload.eq(total_len - D.IPV4_HEADER)
                 with m.Case(19):
                     m.d.sync += ident.eq(nxt[:16])
                 with m.Case(23):
                     frag = sh[8:24]  # bytes 20-21: flags and fragment offset; byte 22 TTL
-                    m.d.sync += [ip_hdr.eq(ip_hdr & ((frag & 0x3FFF) == 0) & (total_len >= 20 + 8)), proto.eq(byte)]
+                    m.d.sync += [ip_hdr.eq(ip_hdr & ((frag & 0x3FFF) == 0) & (total_len >= D.IPV4_HEADER + D.UDP_HEADER)), proto.eq(byte)]
                 with m.Case(29):
                     m.d.sync += src_ip.eq(nxt[:32])
                 with m.Case(33):
                     hdr_ok = ip_hdr & (nxt[:32] == self.ip) & csum_ok
                     is_icmp = hdr_ok & (proto == IP_PROTO_ICMP)
-                    m.d.sync += [ip_ok.eq(hdr_ok & (proto == IP_PROTO_UDP) & (total_len >= 20 + 8 + D.HEADER.size)),
+                    m.d.sync += [ip_ok.eq(hdr_ok & (proto == IP_PROTO_UDP) & (total_len >= D.IPV4_HEADER + D.UDP_HEADER + D.HEADER.size)),
                                  echo.eq(is_icmp & ~self.i.payload.last), echo_left.eq(ip_payload),
                                  self.icmp_from.mac.eq(src_mac), self.icmp_from.ip.eq(src_ip),
                                  self.icmp_from.ident.eq(ident), self.icmp_from.length.eq(ip_payload)]
@@ -228,8 +228,8 @@ class UdpRx(wiring.Component):
                 with m.Case(37):
                     m.d.sync += ip_ok.eq(ip_ok & (nxt[:16] == self.port))
                 with m.Case(39):
-                    m.d.sync += [stream_len.eq(nxt[:16] - (8 + D.HEADER.size)),
-                                 ip_ok.eq(ip_ok & (nxt[:16] >= 8 + D.HEADER.size) & (nxt[:16] <= ip_payload))]
+                    m.d.sync += [stream_len.eq(nxt[:16] - (D.UDP_HEADER + D.HEADER.size)),
+                                 ip_ok.eq(ip_ok & (nxt[:16] >= D.UDP_HEADER + D.HEADER.size) & (nxt[:16] <= ip_payload))]
                 with m.Case(43):
                     m.d.sync += seq.eq(Cat(nxt[8:16], nxt[:8]))  # little-endian
                 with m.Case(44):
@@ -344,7 +344,7 @@ class IcmpEcho(wiring.Component):
             with m.State("IDLE"):
                 with m.If(self.i.valid):
                     m.d.comb += checksum.start.eq(1)
-                    m.d.sync += [to.eq(self.from_), ip_len.eq(self.from_.length + 20), final.eq(self.from_.length - 1),
+                    m.d.sync += [to.eq(self.from_), ip_len.eq(self.from_.length + D.IPV4_HEADER), final.eq(self.from_.length - 1),
                                  k.eq(0), early.eq(0), total.eq(0), at_final.eq(self.from_.length == 1)]
                     m.next = "CHECKSUM"
             with m.State("CHECKSUM"):
@@ -465,7 +465,7 @@ class UdpTx(wiring.Component):
                     m.d.sync += [n.eq(buf.length), to.eq(self.peer)]
                     m.next = "LENGTHS"
             with m.State("LENGTHS"):
-                m.d.sync += [ip_len.eq(n + 20 + 8 + D.HEADER.size), udp_len.eq(n + 8 + D.HEADER.size), k.eq(0)]
+                m.d.sync += [ip_len.eq(n + D.IPV4_HEADER + D.UDP_HEADER + D.HEADER.size), udp_len.eq(n + D.UDP_HEADER + D.HEADER.size), k.eq(0)]
                 m.d.comb += checksum.start.eq(1)
                 m.next = "CHECKSUM"
             with m.State("CHECKSUM"):
