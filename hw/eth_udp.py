@@ -427,19 +427,23 @@ class UdpTx(wiring.Component):
         m.submodules.buffer = buf = FrameFifo(self.buffer_bytes)
 
         # the collector: bytes into the current datagram; ended full or after a quiet time
+        # (``last_byte``, ``some`` and ``quiet_out``: registers saying what ``count`` and ``quiet``
+        # are, so that the datagram's end follows from them at once, for the link's 125 MHz)
         count = Signal(range(D.MAX_STREAM_BYTES + 1))
         quiet = Signal(range(self.flush_cycles + 1))
+        last_byte, some, quiet_out = Signal(), Signal(), Signal()  # count == max - 1, != 0; quiet full
         byte_in = self.i.valid & buf.w_room
-        full = byte_in & (count == D.MAX_STREAM_BYTES - 1)
-        flush = (count != 0) & ~self.i.valid & (quiet == self.flush_cycles) & buf.w_room  # a place to end it
+        full = byte_in & last_byte
+        flush = some & ~self.i.valid & quiet_out & buf.w_room  # a place to end it
         m.d.comb += [self.i.ready.eq(buf.w_room), buf.w_data.eq(self.i.payload), buf.w_valid.eq(byte_in),
                      buf.w_end.eq(full | flush), buf.w_ok.eq(1)]
         with m.If(full | flush):
-            m.d.sync += [count.eq(0), quiet.eq(0)]
+            m.d.sync += [count.eq(0), quiet.eq(0), last_byte.eq(0), some.eq(0), quiet_out.eq(0)]
         with m.Elif(byte_in):
-            m.d.sync += [count.eq(count + 1), quiet.eq(0)]
-        with m.Elif(quiet != self.flush_cycles):
-            m.d.sync += quiet.eq(quiet + 1)
+            m.d.sync += [count.eq(count + 1), quiet.eq(0), quiet_out.eq(0), some.eq(1),
+                         last_byte.eq(count == D.MAX_STREAM_BYTES - 2)]
+        with m.Elif(~quiet_out):
+            m.d.sync += [quiet.eq(quiet + 1), quiet_out.eq(quiet == self.flush_cycles - 1)]
 
         # the sender: the headers, then the datagram's bytes
         n = Signal(range(D.MAX_STREAM_BYTES + 1))
