@@ -412,6 +412,9 @@ class UdpTx(wiring.Component):
         if buffer_bytes < 2 * D.MAX_STREAM_BYTES:
             self._MustUse__used = True
             raise ValueError(f"buffer_bytes must hold two datagrams ({2 * D.MAX_STREAM_BYTES}), got {buffer_bytes}")
+        if flush_cycles < 1:
+            self._MustUse__used = True
+            raise ValueError(f"flush_cycles must be at least 1, got {flush_cycles}")
         self.mac, self.ip, self.port = mac, ip, port
         self.buffer_bytes, self.flush_cycles = buffer_bytes, flush_cycles
         super().__init__({

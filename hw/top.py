@@ -134,6 +134,8 @@ class AcceleratorTop(wiring.Component):
         # Without activation units the engine refuses ELEMENTWISE: act_i and act_o stay idle.
         if cfg.built_functions:
             m.submodules.activation = act = Activation(functions=cfg.built_functions, leaky_shift=cfg.leaky_shift)
-            wiring.connect(m, engine.act_i, act.i)
-            wiring.connect(m, act.o, engine.act_o)
+            # Its ready (the reply's, a cycle on) stops at a register before the engine's
+            # windows, whose shift it would otherwise drive across the die.
+            registered("act_i_register", engine.act_i, act.i, registered_ready=True)
+            registered("act_o_register", act.o, engine.act_o, registered_ready=True)
         return m

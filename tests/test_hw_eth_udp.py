@@ -212,6 +212,8 @@ def test_parameters_are_checked():
         UdpLink(MAC, 1 << 32, PORT)
     with pytest.raises(ValueError, match="two datagrams"):
         UdpTx(MAC, IP, PORT, buffer_bytes=2048)
+    with pytest.raises(ValueError, match="flush_cycles"):
+        UdpTx(MAC, IP, PORT, flush_cycles=0)
 
 
 def test_reference_checksum():
