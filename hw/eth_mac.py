@@ -141,18 +141,22 @@ class FrameFifo(wiring.Component):
         broken_now = broken | (self.w_valid & ~room)
         length, length_ok = Mux(write, n1, n0), Mux(write, ok1, ok0)
         m.d.sync += self.overflow.eq(0)
+        # ``write`` is late: it selects among sums of registers (``Mux(write, x + 1, x)``, not
+        # ``x + write``, which would run it through a carry chain)
+        def plus_write(x):
+            return Mux(write, x + 1, x)[:bits + 1]
         with m.If(self.w_end):
             commit = self.w_ok & ~broken_now & place & length_ok
             with m.If(commit):
-                end = end0 + write  # = start + length
-                m.d.sync += [start.eq(end), wr.eq(end), end0.eq(end0 - trim + write),
+                end = plus_write(end0)  # = start + length
+                m.d.sync += [start.eq(end), wr.eq(end), end0.eq(plus_write(end0 - trim)),
                              push.eq(1), push_length.eq(length[:bits + 1])]
             with m.Else():  # the frame's bytes are forgotten
                 m.d.sync += [wr.eq(start), end0.eq(start - trim)]
             m.d.sync += [broken.eq(0), self.overflow.eq(self.w_ok & (broken_now | ~place)),
                          n0.eq(-trim), n1.eq(1 - trim), ok0.eq(0), ok1.eq(trim == 0)]
         with m.Else():
-            m.d.sync += [wr.eq(wr + write), end0.eq(end0 + write), broken.eq(broken_now)]
+            m.d.sync += [wr.eq(plus_write(wr)), end0.eq(plus_write(end0)), broken.eq(broken_now)]
             with m.If(write):
                 m.d.sync += [n0.eq(n1), ok0.eq(ok1), n1.eq(n1 + 1), ok1.eq(n1 >= 0)]
 
