@@ -29,7 +29,7 @@ Everything runs in one clock domain (the link's 125 MHz in a board top).
 
 from __future__ import annotations
 
-from amaranth import Array, Cat, Const, DomainRenamer, Module, Mux, Signal
+from amaranth import Cat, Const, DomainRenamer, Module, Mux, Signal
 from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 
@@ -335,6 +335,9 @@ class IcmpEcho(wiring.Component):
                   big_endian(TTL << 8 | IP_PROTO_ICMP, 2) + big_endian(checksum.value, 2) + big_endian(self.ip, 4) +
                   big_endian(to.ip, 4))
         assert len(header) == D.ETHERNET_HEADER + D.IPV4_HEADER
+        # the headers leave a shift register (a byte a cycle, no multiplexer of 34 bytes before
+        # the buffer's registers: the link's 125 MHz)
+        headers = Signal(8 * len(header))
         byte, last = self.i.payload.data, self.i.payload.last
         at_final = Signal()  # k == final: the message's byte now is its last (a register)
         whole = Signal()     # the message was a whole echo request
@@ -349,12 +352,13 @@ class IcmpEcho(wiring.Component):
                     m.next = "CHECKSUM"
             with m.State("CHECKSUM"):
                 m.d.sync += ok.eq(to.length >= 8)
-                with m.If(checksum.done):
+                with m.If(checksum.done):  # the headers into a shift register, whole
+                    m.d.sync += headers.eq(Cat(*header))
                     m.next = "HEADER"
             with m.State("HEADER"):
-                m.d.comb += [buf.w_valid.eq(buf.w_room), buf.w_data.eq(Array(header)[h])]
+                m.d.comb += [buf.w_valid.eq(buf.w_room), buf.w_data.eq(headers[:8])]
                 with m.If(buf.w_room):
-                    m.d.sync += h.eq(h + 1)
+                    m.d.sync += [h.eq(h + 1), headers.eq(headers >> 8)]
                     with m.If(h == len(header) - 1):
                         m.d.sync += h.eq(0)
                         m.next = "MESSAGE"
