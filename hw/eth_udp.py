@@ -321,8 +321,9 @@ class IcmpEcho(wiring.Component):
         m.submodules.buffer = buf = FrameFifo(self.buffer_bytes)
         wiring.connect(m, buf.o, wiring.flipped(self.o))
         to = Signal(icmp_layout())
-        ip_len, final = Signal(16), Signal(16)  # the IPv4 total length; the message's last k
-        k = Signal(range(1 << 16))  # bytes of the message written
+        ip_len = Signal(16)  # the IPv4 total length
+        left = Signal(16)    # the message's bytes still to come after the current one
+        odd = Signal()       # the current byte is a word's second
         h = Signal(range(D.ETHERNET_HEADER + D.IPV4_HEADER))  # bytes of the headers written
         ok = Signal()
         # the reply's words summed (folded at its end: 2^11 words at most), a word's first byte
@@ -339,16 +340,16 @@ class IcmpEcho(wiring.Component):
         # the buffer's registers: the link's 125 MHz)
         headers = Signal(8 * len(header))
         byte, last = self.i.payload.data, self.i.payload.last
-        at_final = Signal()  # k == final: the message's byte now is its last (a register)
+        at_final = Signal()  # left == 0: the message's byte now is its last (a register)
         whole = Signal()     # the message was a whole echo request
-        early = Signal(range(5))  # k while below 4 (its first bytes' tests: a 3-bit counter)
+        early = Signal(range(5))  # the bytes written while below 4 (its first bytes' tests: a 3-bit counter)
         reply_sum = ~total[:16]
         with m.FSM():
             with m.State("IDLE"):
                 with m.If(self.i.valid):
                     m.d.comb += checksum.start.eq(1)
-                    m.d.sync += [to.eq(self.from_), ip_len.eq(self.from_.length + D.IPV4_HEADER), final.eq(self.from_.length - 1),
-                                 k.eq(0), early.eq(0), total.eq(0), at_final.eq(self.from_.length == 1)]
+                    m.d.sync += [to.eq(self.from_), ip_len.eq(self.from_.length + D.IPV4_HEADER), left.eq(self.from_.length - 1),
+                                 odd.eq(0), early.eq(0), total.eq(0), at_final.eq(self.from_.length == 1)]
                     m.next = "CHECKSUM"
             with m.State("CHECKSUM"):
                 m.d.sync += ok.eq(to.length >= 8)
@@ -369,8 +370,9 @@ class IcmpEcho(wiring.Component):
                 m.d.comb += [buf.w_data.eq(out), buf.w_valid.eq(self.i.valid & buf.w_room),
                              self.i.ready.eq(buf.w_room)]
                 with m.If(self.i.valid & buf.w_room):
-                    m.d.sync += [k.eq(k + 1), at_final.eq(k + 1 == final), early.eq(early + (early != 4))]
-                    with m.If(k[0]):
+                    m.d.sync += [left.eq(left - 1), at_final.eq(left == 1), odd.eq(~odd),
+                                 early.eq(early + (early != 4))]
+                    with m.If(odd):
                         m.d.sync += total.eq(total + Cat(out, high))
                     with m.Elif(last):  # an odd length: the last word's low byte is zero
                         m.d.sync += total.eq(total + Cat(Const(0, 8), out))
@@ -390,9 +392,11 @@ class IcmpEcho(wiring.Component):
                     m.d.comb += [buf.w_end.eq(1), buf.w_ok.eq(0)]
                     m.next = "IDLE"
             with m.State("FOLD"):  # the end-around carries, twice
-                m.d.sync += [total.eq(total[:16] + total[16:]), k.eq(k + 1)]
-                with m.If(k == final + 2):
-                    m.next = "PATCH_HIGH"
+                m.d.sync += total.eq(total[:16] + total[16:])
+                m.next = "FOLD_AGAIN"
+            with m.State("FOLD_AGAIN"):
+                m.d.sync += total.eq(total[:16] + total[16:])
+                m.next = "PATCH_HIGH"
             with m.State("PATCH_HIGH"):  # the checksum: bytes 2 and 3 of the message
                 m.d.comb += [buf.p_en.eq(1), buf.p_addr.eq(len(header) + 2), buf.p_data.eq(reply_sum[8:])]
                 m.next = "PATCH_LOW"

@@ -92,7 +92,8 @@ def test_ping_is_answered():
     every value of the request's, 0xF7FF .. 0x0800 around the carry included). Other ICMP
     types, a bad code, a truncated message and requests for another address: no reply."""
     rng = random.Random(5)
-    good = [(7, 1, b""), (7, 2, bytes(range(56))), (0x1234, 0xFFFF, bytes(rng.getrandbits(8) for _ in range(1472)))]
+    good = [(7, 1, b""), (7, 2, bytes(range(56))), (0x1234, 0xFFFF, bytes(rng.getrandbits(8) for _ in range(1472))),
+            (9, 3, bytes(range(1, 58))), (5, 5, b"z")]  # odd lengths: the last word's low byte is zero
     # requests whose checksums lie around the adjustment's carry: a data word found to make them so
     for target in (0xF7FE, 0xF7FF, 0xF800, 0x07FF, 0x0800, 0x0000):
         word = next(w for w in range(0x10000)
