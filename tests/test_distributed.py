@@ -44,43 +44,81 @@ def _gradient(rank, n):
     return x
 
 
-def _exchange_rank(rank, world, port, compression, n, out):
+def _exchange_rank(rank, world, port, compression, kind, n, out):
     _init(rank, world, port)
     try:
-        state = hd.GradExchange(compression)
+        state = hd.GradExchange(compression, exchange=kind)
         flat = _gradient(rank, n)
         state.exchange(flat)
-        torch.save({"result": flat, "bytes": state.bytes_sent}, os.path.join(out, f"{rank}.pt"))
+        torch.save({"result": flat, "bytes": state.bytes_sent, "ring": state.bytes_fp32_ring},
+                   os.path.join(out, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("compression", hd.COMPRESSIONS)
-def test_the_exchange_is_its_definition_on_every_rank(tmp_path, compression):
-    world, n = 2, 1000  # not a whole number of tiles: padded with zeros
-    _ranks(_exchange_rank, world, compression, n, str(tmp_path))
+def _two_step_definition(grads, fmt, n, world):
+    """The two-step exchange written out with the golden model: each rank's bucket quantized
+    to nearest; shard j (whole tiles, the first shards one tile more) summed over the ranks in
+    rank order, its sum quantized stochastically (seed: the exchange, 1, and the shard), all
+    dequantized and divided by the number of ranks."""
+    width, tile_rows = fmt.tile[1], fmt.tile[0]
+    rows = -(-n // width)
+    deq = []
+    for g in grads:
+        m = np.zeros(rows * width, np.float32)
+        m[:n] = g.numpy()
+        deq.append(quantize(m.reshape(rows, width), fmt).dequantize())
+    tiles = -(-rows // tile_rows)
+    per = [tiles // world + (j < tiles % world) for j in range(world)]
+    out, start = [], 0
+    for j, t in enumerate(per):
+        end = min(start + t * tile_rows, rows)
+        if end > start:
+            total = deq[0][start:end]
+            for d in deq[1:]:
+                total = (total + d[start:end]).astype(np.float32)
+            out.append(quantize(total, fmt.with_rounding("stochastic"), seed=(1 << 8) + j).dequantize())
+        start = end
+    return (np.concatenate(out).reshape(-1)[:n] / np.float32(world)).astype(np.float32), per
+
+
+@pytest.mark.parametrize("compression,kind,world", [("none", "two_step", 2), ("hbfp8", "gather", 2),
+                                                    ("mxint8", "gather", 2), ("hbfp8", "two_step", 2),
+                                                    ("hbfp8", "two_step", 3), ("mxint8", "two_step", 3)])
+def test_the_exchange_is_its_definition_on_every_rank(tmp_path, compression, kind, world):
+    n = 1000 if compression == "mxint8" else 3000  # not a whole number of tiles: padded with zeros
+    _ranks(_exchange_rank, world, compression, kind, n, str(tmp_path))
     got = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
-    assert torch.equal(got[0]["result"].view(torch.int32), got[1]["result"].view(torch.int32))  # bit for bit
+    for r in range(1, world):  # bit for bit on every rank
+        assert torch.equal(got[0]["result"].view(torch.int32), got[r]["result"].view(torch.int32))
+    ring = 2 * (world - 1) * 4 * n // world
+    assert all(g["ring"] == ring for g in got)
     grads = [_gradient(r, n) for r in range(world)]
     if compression == "none":
-        want = (grads[0] + grads[1]) / world
+        want = sum(grads[1:], grads[0]) / world
         assert torch.allclose(got[0]["result"], want, rtol=1e-6, atol=0)
-        assert got[0]["bytes"] == 4 * n  # a ring all-reduce of 2 ranks sends its payload once
+        assert got[0]["bytes"] == ring
         return
     fmt = HBFP8 if compression == "hbfp8" else MXINT8
     width = fmt.tile[1]
     rows = -(-n // width)
-    total = None
-    for g in grads:  # quantize each rank's bucket, dequantize, add in rank order, divide
-        m = np.zeros(rows * width, np.float32)
-        m[:n] = g.numpy()
-        d = quantize(m.reshape(rows, width), fmt).dequantize().reshape(-1)[:n]
-        total = d if total is None else (total + d).astype(np.float32)
-    want = (total / np.float32(world)).astype(np.float32)
-    assert np.array_equal(got[0]["result"].numpy().view(np.int32), want.view(np.int32))
     tiles = -(-rows // fmt.tile[0]) * (width // fmt.tile[1])
-    assert got[0]["bytes"] == rows * width + tiles  # one byte a code, one an exponent, to the other rank
-    assert 4 * n / got[0]["bytes"] > 3.5
+    if kind == "gather":
+        total = None
+        for g in grads:  # quantize each rank's bucket, dequantize, add in rank order, divide
+            m = np.zeros(rows * width, np.float32)
+            m[:n] = g.numpy()
+            d = quantize(m.reshape(rows, width), fmt).dequantize().reshape(-1)[:n]
+            total = d if total is None else (total + d).astype(np.float32)
+        want = (total / np.float32(world)).astype(np.float32)
+        assert got[0]["bytes"] == (world - 1) * (rows * width + tiles)  # a byte a code, one an exponent
+    else:
+        want, per = _two_step_definition(grads, fmt, n, world)
+        for r in range(world):  # the others' shards out, then its own shard's sum to the others
+            mine = min(per[r] * fmt.tile[0], rows - sum(per[:r]) * fmt.tile[0]) * width + per[r]
+            assert got[r]["bytes"] == (rows * width + tiles - mine) + (world - 1) * mine
+        assert ring / got[0]["bytes"] > 3.5
+    assert np.array_equal(got[0]["result"].numpy().view(np.int32), want.view(np.int32))
 
 
 def _train_rank(rank, world, port, precision, compression, out):
