@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,6 +66,7 @@ class Run:
     test_accuracies: list[float] = field(default_factory=list)  # per epoch
     test_accuracy: float = float("nan")  # after the last epoch
     seconds: float = 0.0
+    step_seconds: float = 0.0  # the median training step (forward, backward, exchange, update) on rank 0
     # data-parallel runs (hbfp.distributed): ranks, the gradient exchange (its compression,
     # steps, error feedback, overlap with backward), the bytes rank 0 sent in it and what a
     # fp32 ring all-reduce of the same buckets sends, and whether the ranks ended with the
@@ -255,6 +257,7 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
     batch_size = batch_size or (LM_BATCH if lm else 64)
     context = ht.offload(device, recipe=r) if routed else contextlib.nullcontext()
     t0 = time.perf_counter()
+    steps = []
     with context:
         for epoch in range(epochs):
             model.train()
@@ -277,10 +280,12 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
             for idx in it:
                 if world > 1:
                     idx = torch.tensor_split(idx, world)[rank]  # this rank's share of the batch
+                t_step = time.perf_counter()
                 opt.zero_grad()
                 loss = _loss(kind, model, *(_lm_batch(kind, text, idx) if lm else (x_train[idx], y_train[idx])))
                 loss.backward()
                 opt.step()
+                steps.append(time.perf_counter() - t_step)
                 value = float(loss.detach())
                 run.batch_losses.append(value)
                 total += value
@@ -293,6 +298,7 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
                     pred = model(x_test).argmax(1)
                     run.test_accuracies.append(float((pred == y_test).float().mean()))
     run.seconds = time.perf_counter() - t0
+    run.step_seconds = statistics.median(steps) if steps else 0.0
     run.test_accuracy = run.test_accuracies[-1] if run.test_accuracies else float("nan")
     run.val_loss = run.val_losses[-1] if run.val_losses else float("nan")
     if exchange is not None:

@@ -193,6 +193,97 @@ def test_hbfp_train_under_torchrun(tmp_path):
     assert all(x["nproc"] == 2 and x["params_equal_across_ranks"] is True for x in runs)
 
 
+def test_hbfp_train_on_two_nodes_under_torchrun(tmp_path):
+    """Two torchrun "nodes" (``--nnodes 2 --node-rank R``, one rank each) meeting at a c10d
+    rendezvous endpoint, as two machines would: the two-step HBFP8 exchange keeps them equal."""
+    port = hd.free_port()
+    nodes = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "hbfp-test", "-m", "hbfp.cli", "train", "--grad-compression", "hbfp8", "--models", "mlp",
+               "--optimizers", "sgd", "--epochs", "1", "--sim-epochs", "0", "-o", str(tmp_path / f"node{node}")]
+        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [n.communicate(timeout=600) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    for n, (_, err) in zip(nodes, outs):
+        assert n.returncode == 0, err[-2000:]
+    written = [d for d in ("node0", "node1") if (tmp_path / d / "runs.json").exists()]
+    assert len(written) == 1  # rank 0 writes the report, on whichever node it landed
+    runs = json.loads((tmp_path / written[0] / "runs.json").read_text())
+    assert all(x["nproc"] == 2 and x["params_equal_across_ranks"] is True and x["grad_exchange"] == "two_step"
+               and x["allreduce_bytes_fp32_ring"] / x["allreduce_bytes"] > 3.5 for x in runs)
+
+
+def _feedback_rank(rank, world, port, out):
+    """Three exchanges of the same gradient with error feedback: what the first rounding
+    dropped is added to the second gradient, and so on."""
+    _init(rank, world, port)
+    try:
+        state = hd.GradExchange("hbfp8", error_feedback=True)
+        results = []
+        for _ in range(3):
+            flat = _gradient(rank, 2000)
+            results.append(state.exchange(flat, key=7).clone())
+        torch.save(results, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_error_feedback_carries_what_rounding_dropped(tmp_path):
+    """With error feedback, each rank quantizes its gradient plus its last residual (what its
+    own quantization dropped): the sum of the exchanged means approaches the sum of the true
+    means, where without it the same error repeats every time."""
+    _ranks(_feedback_rank, 2, str(tmp_path))
+    got = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(got[0], got[1]))  # ranks equal
+    grads = [_gradient(r, 2000) for r in range(2)]
+    true_mean = (grads[0] + grads[1]) / 2
+    # the first exchange has no residual yet: it is the plain exchange's result
+    _ranks(_exchange_rank, 2, "hbfp8", "two_step", 2000, str(tmp_path))
+    plain = torch.load(tmp_path / "0.pt")["result"]
+    assert torch.equal(got[0][0], plain)
+    assert not torch.equal(got[0][1], plain)  # the residual went in
+    # three steps: accumulated error with feedback well below three times one step's error
+    with_feedback = (sum(got[0]) - 3 * true_mean).abs().sum()
+    without = (3 * plain - 3 * true_mean).abs().sum()
+    assert with_feedback < 0.7 * without
+
+
+def _overlap_rank(rank, world, port, overlap, out):
+    _init(rank, world, port)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets
+        state = hd.attach(ddp, "hbfp8", overlap=overlap)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            opt.zero_grad()
+            ddp(torch.randn(16, 64, generator=g)).square().mean().backward()
+            opt.step()
+        torch.save({"params": [p.detach().clone() for p in model.parameters()], "exchanges": state.exchanges,
+                    "equal": hd.params_equal(model)}, os.path.join(out, f"{overlap}-{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+    hd.exit_rank(0)
+
+
+def test_overlapped_exchanges_give_the_bits_of_the_hook_s_own(tmp_path):
+    """Buckets exchanged on the worker thread while backward goes on: the same parameters, bit
+    for bit, as exchanges made in the hook itself, over several buckets and steps."""
+    for overlap in (True, False):
+        _ranks(_overlap_rank, 2, overlap, str(tmp_path))
+    on, off = (torch.load(tmp_path / f"{o}-0.pt") for o in (True, False))
+    assert on["equal"] and off["equal"] and on["exchanges"] == off["exchanges"] > 3
+    assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
+
+
 def _ranks_of(launcher: subprocess.Popen, n: int, within: float = 60.0) -> list[int]:
     """The PIDs of the ranks ``hbfp train --nproc n`` started (its spawned children), once
     they are all there."""
