@@ -57,9 +57,10 @@ def main(argv=None) -> int:
                    *args.models, "--optimizers", *args.optimizers, "--sim-epochs", "0", "-o", str(out)]
             if args.epochs is not None:
                 cmd += ["--epochs", str(args.epochs)]
-            r = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+            r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             if r.returncode:
-                print(f"the run with {n} ranks and exchange {name} failed (exit {r.returncode})", file=sys.stderr)
+                print(f"the run with {n} ranks and exchange {name} failed (exit {r.returncode}): "
+                      f"{r.stderr.strip()[-500:]}", file=sys.stderr)
                 ok = False
                 continue
             rows += [{**x, "exchange": name} for x in json.loads((out / "runs.json").read_text())]
