@@ -72,7 +72,10 @@ class GradExchange:
 
     ``overlap``: exchanges run on a worker thread, one bucket after another in the order DDP
     hands them over (the same on every rank), while the backward pass goes on; False: in the
-    hook, before backward continues."""
+    hook, before backward continues. The last bucket of a backward pass is exchanged in the hook
+    either way (after those queued before it): nothing is left to overlap it with, and a model
+    of one bucket then never waits for a thread.
+    """
 
     def __init__(self, compression: str = "none", group=None, *, exchange: str = "two_step",
                  error_feedback: bool = False, overlap: bool = True):
@@ -187,6 +190,12 @@ class GradExchange:
             self.bytes_sent += _ring_bytes(n * flat.element_size(), world)
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             return work.get_future().then(lambda f: f.value()[0].div_(world))
+        if bucket.is_last():  # nothing of backward left to overlap: after those queued, here
+            if self._worker is not None:
+                self._worker.drain()
+            fut = torch.futures.Future()
+            fut.set_result(self.exchange(flat, key))
+            return fut
         return self._start_worker().submit(self.exchange, flat, key)
 
     def _start_worker(self):
@@ -204,12 +213,23 @@ class _Worker:
         import threading
 
         self._jobs = queue.SimpleQueue()
+        self._last = None
         threading.Thread(target=self._run, name="hbfp-grad-exchange", daemon=True).start()
 
     def submit(self, fn, *args) -> torch.futures.Future:
         fut = torch.futures.Future()
+        self._last = fut
         self._jobs.put((fut, fn, args))
         return fut
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far has run (its error, if any, is its future's)."""
+        last = self._last
+        if last is not None and not last.done():
+            try:
+                last.wait()
+            except Exception:  # noqa: BLE001 - its error reaches backward through its own future
+                pass
 
     def _run(self):
         while True:
