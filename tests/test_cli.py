@@ -304,3 +304,16 @@ def test_train_output_is_checked_before_training(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("hbfp train: "), err
     assert afile.read_text() == "x" and (held / "runs.json").read_text() == "mine"
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path):
+    """A name longer than the file system takes, or a folder where nothing can be made (/proc, a
+    read-only mount; as root too): ``OutputNotWritable`` at once, and nothing is left behind."""
+    from hbfp.outputs import OutputError, OutputNotWritable, check_folder
+
+    for bad in (tmp_path / ("x" * 300), tmp_path / "a" / ("x" * 300), pathlib.Path("/proc/hbfp-output")):
+        with pytest.raises(OutputNotWritable) as e:
+            check_folder(bad, "hbfp train")
+        assert isinstance(e.value, OutputError) and "\n" not in str(e.value) and "choose another output folder" in str(e.value)
+    check_folder(tmp_path / "new" / "folder", "hbfp train")  # to be made: fine
+    assert list(tmp_path.iterdir()) == []  # the probe's folder is gone
