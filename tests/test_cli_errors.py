@@ -81,6 +81,8 @@ CASES: dict[str, dict[str, list[list[str]]]] = {
                    ["train", "--device", "", "-o", OUT],
                    ["train", "--nproc", "2", "--device", "tcp:127.0.0.1:{7000+ranks}", "-o", OUT]],
         "models": [["train", "--models", "gpt", "-o", OUT]],
+        "model": [["train", "--model", "no_factory_named", "-o", OUT],
+                  ["train", "--model", "examples.my_model:build", "--models", "mlp", "-o", OUT]],
         "optimizers": [["train", "--optimizers", "adam", "-o", OUT]],
         "recipe": [["train", "--recipe", "nosuch", "-o", OUT],
                    ["train", "--recipe", "mxint8", "-o", OUT]],  # a format the device does not compute in
@@ -220,7 +222,7 @@ def test_a_bad_run_keeps_the_previous_report(tmp_path, capsys):
         (out / name).write_text(f"earlier {name}\n")
     (out / tr.MANIFEST).write_text('{"files": ["curves.png", "results.md", "runs.json"]}\n')
     before = {p.name: p.read_text() for p in out.iterdir()}
-    for args in (["--device", "bogus:"], ["--sim", "bogus:"], ["--recipe", "mxint8"]):
+    for args in (["--device", "bogus:"], ["--sim", "bogus:"], ["--recipe", "mxint8"], ["--model", "no_such_module:build"]):
         assert cli.main(["train", *args, "-o", str(out)]) == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
     assert {p.name: p.read_text() for p in out.iterdir()} == before
