@@ -536,6 +536,11 @@ def _train(args) -> int:
     if args.sim_epochs is None:  # the RTL run is the demo's MLP; with your own model, on request
         args.sim_epochs = 0 if args.model else 1
     _train_output(args)
+    # The backends the specs name, before hbfp.distributed imports torch: a mistyped name
+    # answers at once (each rank's spec is checked again, and the devices opened, below).
+    _check_backend(args.device, "--device")
+    if args.sim_epochs:
+        _check_backend(args.sim, "--sim", SIM_HINT)
     from hbfp import distributed as hd
 
     if hd.launched():  # a rank started by torchrun (or by the launcher below)
@@ -672,8 +677,6 @@ def _train_ranks(args, rank: int, world: int) -> int:
     # Before any training: the device (opened once), the recipe on it, the packages, your
     # model, and the simulator (its build may take minutes: last).
     spec = _rank_spec(args, rank)
-    if args.sim_epochs and world == 1:  # a first look at the sim spec, before the device and the packages
-        _check_backend(args.sim, "--sim", SIM_HINT)
     device = _open(spec, "--device")
     try:
         recipes.resolve(args.recipe).check(device)
