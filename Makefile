@@ -66,8 +66,9 @@ verilog: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py $(if $(JSON),--json $(JSON))
 
-## scaleout: data-parallel training on 2 ranks (torch.distributed, gloo) with fp32, HBFP8 and
-## MXINT8 gradient exchanges: the digits MLP and CNN, 10 epochs; one table of accuracy and bytes
+## scaleout: data-parallel training on 2, 3 and 4 ranks (torch.distributed, gloo) with fp32,
+## one-step and two-step HBFP8, MXINT8, error feedback on and off: the digits MLP and CNN and
+## the char-LM with AdamW; one table of accuracy or loss, bytes, ratio to fp32's ring, step time
 scaleout: $(STAMP)
 	$(PY) benchmarks/scaleout.py
 

@@ -36,7 +36,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMPRESSIONS", "GradExchange", "attach", "rank_spec", "params_equal", "free_port", "exit_rank"]
+__all__ = ["COMPRESSIONS", "EXCHANGES", "GradExchange", "attach", "rank_spec", "params_equal", "free_port", "exit_rank"]
 
 #: Gradient exchanges: fp32, or BFP codes and shared exponents in one of these formats.
 COMPRESSIONS = ("none", "hbfp8", "mxint8")
@@ -60,59 +60,235 @@ def rank_spec(spec: str, rank: int) -> str:
     return out
 
 
-class GradExchange:
-    """The state of the DDP communication hook: the compression, the process group, the bytes
-    this rank has sent and the exchanges it has made."""
+#: How BFP gradients are exchanged: ``two_step`` (all-to-all of shards, a sum per shard, an
+#: all-gather of the quantized sums) or ``gather`` (an all-gather of every rank's codes).
+EXCHANGES = ("two_step", "gather")
 
-    def __init__(self, compression: str = "none", group=None):
+
+class GradExchange:
+    """The state of the DDP communication hook: the compression, the exchange, the process
+    group, error feedback, the bytes this rank has sent (and what a fp32 ring all-reduce of the
+    same buckets would have sent) and the exchanges it has made.
+
+    ``overlap``: exchanges run on a worker thread, one bucket after another in the order DDP
+    hands them over (the same on every rank), while the backward pass goes on; False: in the
+    hook, before backward continues. The last bucket of a backward pass is exchanged in the hook
+    either way (after those queued before it): nothing is left to overlap it with, and a model
+    of one bucket then never waits for a thread.
+    """
+
+    def __init__(self, compression: str = "none", group=None, *, exchange: str = "two_step",
+                 error_feedback: bool = False, overlap: bool = True):
         if compression not in COMPRESSIONS:
             raise ValueError(f"grad compression must be one of {COMPRESSIONS}, got {compression!r}")
-        self.compression = compression
+        if exchange not in EXCHANGES:
+            raise ValueError(f"grad exchange must be one of {EXCHANGES}, got {exchange!r}")
+        if error_feedback and compression == "none":
+            raise ValueError("error feedback needs a compressed exchange (--grad-compression hbfp8 or mxint8)")
+        self.compression, self.kind = compression, exchange
+        self.error_feedback, self.overlap = error_feedback, overlap
         self.group = group
         self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self.bytes_sent = 0
+        self.bytes_fp32_ring = 0
         self.exchanges = 0
+        self._residuals: dict = {}
+        self._worker = None
 
-    def exchange(self, flat: torch.Tensor) -> torch.Tensor:
-        """The mean over the ranks of ``flat`` (a 1-D fp32 gradient bucket), in place."""
+    def exchange(self, flat: torch.Tensor, key=0) -> torch.Tensor:
+        """The mean over the ranks of ``flat`` (a 1-D fp32 gradient bucket), in place. ``key``
+        names the bucket whose rounding error feeds back into its next exchange."""
         n, world = flat.numel(), self.world
         self.exchanges += 1
+        self.bytes_fp32_ring += _ring_bytes(4 * n, world)
         if self.compression == "none":
-            self.bytes_sent += 2 * (world - 1) * n * flat.element_size() // world
+            self.bytes_sent += _ring_bytes(n * flat.element_size(), world)
             dist.all_reduce(flat, group=self.group)
             return flat.div_(world)
-        from hbfp import kernels
-
-        # a matrix one tile wide: every tile a run of consecutive gradient values (576 for
-        # HBFP8's 24 x 24 tiles, 32 for MXINT8's 1 x 32)
         fmt = _format(self.compression)
-        width = fmt.tile[1]
-        rows = -(-n // width)
-        mat = torch.zeros(rows * width, dtype=torch.float32)
-        mat[:n] = flat.detach().to(torch.float32)
-        codes, exps = kernels.quantize(mat.view(rows, width), fmt)
-        codes, exps = codes.contiguous(), exps.contiguous()
+        mat = _tiles(flat, fmt)
+        if self.error_feedback:
+            residual = self._residuals.get(key)
+            if residual is not None and residual.numel() == mat.numel():
+                mat.add_(residual.view_as(mat))
+        codes, exps = _quantize(mat, fmt)
+        if self.error_feedback:  # what this rank's rounding dropped, added to its next gradient
+            self._residuals[key] = mat.sub_(_dequantize(codes, exps, fmt)).view(-1)
+        if self.kind == "gather":
+            total = self._gather(codes, exps, fmt)
+        else:
+            total = self._two_step(codes, exps, fmt)
+        flat.copy_(total.view(-1)[:n].div_(world).to(flat.dtype))
+        return flat
+
+    def _gather(self, codes, exps, fmt):
+        """Every rank's codes to every rank, dequantized and added in rank order."""
+        world = self.world
         all_codes = [torch.empty_like(codes) for _ in range(world)]
         all_exps = [torch.empty_like(exps) for _ in range(world)]
         dist.all_gather(all_codes, codes, group=self.group)
         dist.all_gather(all_exps, exps, group=self.group)
         self.bytes_sent += (world - 1) * (codes.numel() * codes.element_size() + exps.numel())
-        total = kernels.dequantize(all_codes[0], all_exps[0], fmt)
+        total = _dequantize(all_codes[0], all_exps[0], fmt)
         for c, e in zip(all_codes[1:], all_exps[1:]):
-            total = total + kernels.dequantize(c, e, fmt)  # rank order, fp32
-        flat.copy_(total.view(-1)[:n].div_(world).to(flat.dtype))
-        return flat
+            total = total + _dequantize(c, e, fmt)  # rank order, fp32
+        return total
+
+    def _two_step(self, codes, exps, fmt):
+        """Shard j of every rank's codes to rank j (all-to-all), which adds them in rank order
+        and quantizes the sum (stochastic rounding, seeded by the exchange and the shard); then
+        every shard's sum to every rank (the all-to-all again, each rank's one shard to all)."""
+        world, rank = self.world, self.rank
+        tile_rows = fmt.tile[0]
+        shards = _shards(exps.shape[0], world)  # tiles per shard
+        ends = [min(sum(shards[:j + 1]) * tile_rows, codes.shape[0]) for j in range(world)]
+        rows = [e - b for b, e in zip([0] + ends[:-1], ends)]  # the last tile may be partial
+        width = codes.shape[1]
+        # each shard packed as its codes' bytes, then its exponents
+        sizes = [r * width + t for r, t in zip(rows, shards)]
+        send = torch.cat([torch.cat([c.reshape(-1).view(torch.uint8), e.reshape(-1)])
+                          for c, e in zip(codes.split(rows), exps.split(shards))])
+        mine = sizes[rank]
+        recv = torch.empty(mine * world, dtype=torch.uint8)
+        dist.all_to_all_single(recv, send, [mine] * world, sizes, group=self.group)
+        self.bytes_sent += sum(sizes) - mine
+        r, t = rows[rank], shards[rank]
+        out = torch.empty(0, dtype=torch.uint8)
+        if r:  # a shard of tiles (none when there are fewer tiles than ranks)
+            total = None
+            for part in recv.split(mine):  # rank order
+                d = _dequantize(*_unpack(part, r, t, width, exps.shape[1:]), fmt)
+                total = d if total is None else total + d
+            sc, se = _quantize(total, fmt.with_rounding("stochastic"), seed=self.seed(rank))
+            out = torch.cat([sc.reshape(-1).view(torch.uint8), se.reshape(-1)])
+        gathered = torch.empty(sum(sizes), dtype=torch.uint8)
+        dist.all_to_all_single(gathered, out.repeat(world), sizes, [mine] * world, group=self.group)
+        self.bytes_sent += (world - 1) * mine
+        return torch.cat([_dequantize(*_unpack(part, r, t, width, exps.shape[1:]), fmt)
+                          for part, r, t in zip(gathered.split(sizes), rows, shards) if r])
+
+    def seed(self, shard: int) -> int:
+        """The seed of the stochastic rounding of ``shard``'s sum in the current exchange (each
+        exchange and shard its own stream)."""
+        return ((self.exchanges << 8) + shard) & 0xFFFF_FFFF
+
+    # ---- the hook ----------------------------------------------------------------------------
+
+    def hook(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """DDP's communication hook: the bucket's mean, in a future (set by the worker thread
+        when ``overlap``)."""
+        flat, key = bucket.buffer(), bucket.index()
+        if not self.overlap:
+            fut = torch.futures.Future()
+            fut.set_result(self.exchange(flat, key))
+            return fut
+        if self.compression == "none":  # gloo runs it in the background already
+            self.exchanges += 1
+            n, world = flat.numel(), self.world
+            self.bytes_fp32_ring += _ring_bytes(4 * n, world)
+            self.bytes_sent += _ring_bytes(n * flat.element_size(), world)
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            return work.get_future().then(lambda f: f.value()[0].div_(world))
+        if bucket.is_last():  # nothing of backward left to overlap: after those queued, here
+            if self._worker is not None:
+                self._worker.drain()
+            fut = torch.futures.Future()
+            fut.set_result(self.exchange(flat, key))
+            return fut
+        return self._start_worker().submit(self.exchange, flat, key)
+
+    def _start_worker(self):
+        if self._worker is None:
+            self._worker = _Worker()
+        return self._worker
+
+
+class _Worker:
+    """One thread that runs exchanges in the order they are submitted: collectives then follow
+    each other in the same order on every rank."""
+
+    def __init__(self):
+        import queue
+        import threading
+
+        self._jobs = queue.SimpleQueue()
+        self._last = None
+        threading.Thread(target=self._run, name="hbfp-grad-exchange", daemon=True).start()
+
+    def submit(self, fn, *args) -> torch.futures.Future:
+        fut = torch.futures.Future()
+        self._last = fut
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far has run (its error, if any, is its future's)."""
+        last = self._last
+        if last is not None and not last.done():
+            try:
+                last.wait()
+            except Exception:  # noqa: BLE001 - its error reaches backward through its own future
+                pass
+
+    def _run(self):
+        while True:
+            fut, fn, args = self._jobs.get()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # the waiting backward pass raises it
+                fut.set_exception(e)
+
+
+def _ring_bytes(payload: int, world: int) -> int:
+    """What each rank sends in a ring all-reduce of ``payload`` bytes."""
+    return 2 * (world - 1) * payload // world
+
+
+def _shards(tiles: int, world: int) -> list[int]:
+    """``tiles`` split among ``world`` shards as evenly as whole tiles allow (the first ones
+    one tile more)."""
+    q, r = divmod(tiles, world)
+    return [q + (j < r) for j in range(world)]
+
+
+def _unpack(part: torch.Tensor, rows: int, tiles: int, width: int, exp_shape) -> tuple:
+    """A packed shard's codes (``rows`` x ``width``, int8) and exponents (``tiles`` of them)."""
+    return part[:rows * width].view(torch.int8).view(rows, width), part[rows * width:].view(tiles, *exp_shape)
+
+
+def _tiles(flat: torch.Tensor, fmt) -> torch.Tensor:
+    """``flat`` in fp32, zero-padded to whole rows, as a matrix one tile wide: every tile a run
+    of consecutive gradient values (576 for HBFP8's 24 x 24 tiles, 32 for MXINT8's 1 x 32)."""
+    width = fmt.tile[1]
+    n = flat.numel()
+    rows = -(-n // width)
+    mat = torch.zeros(rows * width, dtype=torch.float32)
+    mat[:n] = flat.detach().to(torch.float32)
+    return mat.view(rows, width)
+
+
+def _quantize(mat, fmt, seed=None):
+    from hbfp import kernels
+
+    codes, exps = kernels.quantize(mat, fmt, seed=seed)
+    return codes.contiguous(), exps.contiguous()
+
+
+def _dequantize(codes, exps, fmt):
+    from hbfp import kernels
+
+    return kernels.dequantize(codes, exps, fmt)
 
 
 def _hook(state: GradExchange, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    fut = torch.futures.Future()
-    fut.set_result(state.exchange(bucket.buffer()))
-    return fut
+    return state.hook(bucket)
 
 
-def attach(model: "torch.nn.parallel.DistributedDataParallel", compression: str = "none", group=None) -> GradExchange:
+def attach(model: "torch.nn.parallel.DistributedDataParallel", compression: str = "none", group=None, *,
+           exchange: str = "two_step", error_feedback: bool = False, overlap: bool = True) -> GradExchange:
     """Register the gradient exchange on a DDP model; returns its state (``bytes_sent``)."""
-    state = GradExchange(compression, group)
+    state = GradExchange(compression, group, exchange=exchange, error_feedback=error_feedback, overlap=overlap)
     model.register_comm_hook(state, _hook)
     return state
 

@@ -27,6 +27,7 @@ import importlib
 import inspect
 import json
 import re
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -82,11 +83,18 @@ class Run:
     test_accuracies: list[float] = field(default_factory=list)  # per epoch
     test_accuracy: float = float("nan")  # after the last epoch
     seconds: float = 0.0
-    # data-parallel runs (hbfp.distributed): ranks, the gradient exchange, the bytes each rank
-    # sent in it, and whether the ranks ended with the same parameters bit for bit
+    step_seconds: float = 0.0  # the median training step (forward, backward, exchange, update) on rank 0
+    # data-parallel runs (hbfp.distributed): ranks, the gradient exchange (its compression,
+    # steps, error feedback, overlap with backward), the bytes rank 0 sent in it and what a
+    # fp32 ring all-reduce of the same buckets sends, and whether the ranks ended with the
+    # same parameters bit for bit
     nproc: int = 1
     grad_compression: str = "none"
+    grad_exchange: str | None = None
+    error_feedback: bool = False
+    grad_overlap: bool | None = None
     allreduce_bytes: int = 0
+    allreduce_bytes_fp32_ring: int = 0
     params_equal_across_ranks: bool | None = None
 
     @property
@@ -363,6 +371,7 @@ def make_model(kind: str, seed: int, vocab: int | None = None) -> torch.nn.Modul
 def train(kind: str | Task, precision: str, *, device=None, device_name: str | None = None, epochs: int = 10,
           seed: int = 0, batch_size: int | None = None, lr: float | None = None, max_batches: int | None = None,
           progress: bool = True, weight_storage: str = "hbfp16", grad_compression: str = "none",
+          grad_exchange: str = "two_step", error_feedback: bool = False, grad_overlap: bool = True,
           optimizer: str = "sgd", recipe=None) -> Run:
     """Train ``kind`` (``MODELS``, or your own ``Task`` from ``load_task``) in ``precision``
     ("fp32" or "hbfp8" on ``device``) with ``optimizer`` ("sgd": momentum 0.9; "adamw": weight
@@ -378,7 +387,8 @@ def train(kind: str | Task, precision: str, *, device=None, device_name: str | N
     Inside an initialized torch.distributed process group of N ranks the run is data-parallel:
     every rank trains a DDP replica on its share of each batch (split in N contiguous parts),
     the gradients exchanged by ``hbfp.distributed`` with ``grad_compression`` ("none",
-    "hbfp8", "mxint8"); every rank evaluates the whole test set and the run records the bytes
+    "hbfp8", "mxint8"), ``grad_exchange`` ("two_step" or "gather"), ``error_feedback`` and
+    ``grad_overlap`` (``GradExchange``); every rank evaluates the whole test set and the run records the bytes
     each rank sent and whether the ranks ended equal."""
     import contextlib
 
@@ -403,6 +413,10 @@ def train(kind: str | Task, precision: str, *, device=None, device_name: str | N
 
     if grad_compression not in hd.COMPRESSIONS:
         raise ValueError(f"grad_compression must be one of {hd.COMPRESSIONS}, got {grad_compression!r}")
+    if grad_exchange not in hd.EXCHANGES:
+        raise ValueError(f"grad_exchange must be one of {hd.EXCHANGES}, got {grad_exchange!r}")
+    if error_feedback and grad_compression == "none":
+        raise ValueError("error_feedback needs a compressed exchange (grad_compression hbfp8 or mxint8)")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
 
@@ -437,15 +451,20 @@ def train(kind: str | Task, precision: str, *, device=None, device_name: str | N
     exchange = None
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's parameters
-        exchange = hd.attach(model, grad_compression)
+        exchange = hd.attach(model, grad_compression, exchange=grad_exchange, error_feedback=error_feedback,
+                             overlap=grad_overlap)
     metric = task.metric if task is not None else ("loss" if lm else "accuracy")
+    compressed = world > 1 and grad_compression != "none"
     run = Run(name, precision, device_name, epochs, seed, weight_storage, nproc=world,
               grad_compression=grad_compression if world > 1 else "none", optimizer=optimizer,
-              recipe=r.name if r is not None else None, metric=metric)
+              grad_exchange=grad_exchange if compressed else None, error_feedback=compressed and error_feedback,
+              grad_overlap=grad_overlap if world > 1 else None, recipe=r.name if r is not None else None,
+              metric=metric)
     gen = torch.Generator().manual_seed(seed)
     batch_size = batch_size or (LM_BATCH if lm else TASK_BATCH)
     context = ht.offload(device, recipe=r) if routed else contextlib.nullcontext()
     t0 = time.perf_counter()
+    steps = []
     with context:
         for epoch in range(epochs):
             model.train()
@@ -468,6 +487,7 @@ def train(kind: str | Task, precision: str, *, device=None, device_name: str | N
             for idx in it:
                 if world > 1:
                     idx = torch.tensor_split(idx, world)[rank]  # this rank's share of the batch
+                t_step = time.perf_counter()
                 opt.zero_grad()
                 if task is not None:
                     x, y = _fetch(task.train, idx)
@@ -476,6 +496,7 @@ def train(kind: str | Task, precision: str, *, device=None, device_name: str | N
                     loss = _loss(kind, model, *(_lm_batch(kind, text, idx) if lm else (x_train[idx], y_train[idx])))
                 loss.backward()
                 opt.step()
+                steps.append(time.perf_counter() - t_step)
                 value = float(loss.detach())
                 run.batch_losses.append(value)
                 total += value
@@ -491,10 +512,12 @@ def train(kind: str | Task, precision: str, *, device=None, device_name: str | N
                     pred = model(x_test).argmax(1)
                     run.test_accuracies.append(float((pred == y_test).float().mean()))
     run.seconds = time.perf_counter() - t0
+    run.step_seconds = statistics.median(steps) if steps else 0.0
     run.test_accuracy = run.test_accuracies[-1] if run.test_accuracies else float("nan")
     run.val_loss = run.val_losses[-1] if run.val_losses else float("nan")
     if exchange is not None:
         run.allreduce_bytes = exchange.bytes_sent
+        run.allreduce_bytes_fp32_ring = exchange.bytes_fp32_ring
         run.params_equal_across_ranks = hd.params_equal(model)
     return run
 

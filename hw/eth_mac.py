@@ -114,14 +114,21 @@ class FrameFifo(wiring.Component):
         m.d.sync += push.eq(0)
         m.d.comb += [lengths.w_en.eq(push), lengths.w_data.eq(push_length)]
 
+        # The write side's inputs pass a register first (``w``): a writer's late decision then
+        # only reaches these registers in its cycle, and the buffer's own logic starts from
+        # registers in the next, for the link's 125 MHz. ``w_room`` answers for a byte whose
+        # write lands a cycle later, so it keeps three bytes (and three lengths) in hand.
+        # Beside them, the ``room`` and ``place`` the writer saw: what the buffer promised.
+        w = Signal(data.StructLayout({"w_valid": 1, "w_end": 1, "w_ok": 1, "w_data": 8,
+                                      "p_en": 1, "p_addr": bits, "p_data": 8, "room": 1, "place": 1}))
         start = Signal(bits + 1)   # where the current frame began (the committed end)
         wr = Signal(bits + 1)      # the next byte's address, wrap bit on top
         rd = Signal(bits + 1)
         broken = Signal()
         # Registers, so that what the writer decides late in its cycle (``w_valid``, ``w_end``,
         # ``w_ok``: a byte, an end) only selects among values ready early, for the link's 125 MHz:
-        # ``room``, at least two bytes free (a byte may go in during the cycle it is computed);
-        # ``place``, a place for two more frames' lengths (one may be ending); ``n0``/``n1``, the
+        # ``room``, at least three bytes free (a byte may go in during the cycle it is computed,
+        # and one may wait in ``w``); ``place``, a place for three more frames' lengths; ``n0``/``n1``, the
         # current frame's length less ``trim`` now and one byte on, ``ok0``/``ok1``, whether each
         # is > 0; ``end0``, where the frame ends if it ends now (``wr - trim``).
         room, place = Signal(init=1), Signal(init=1)
@@ -129,31 +136,34 @@ class FrameFifo(wiring.Component):
         n1 = Signal(range(-trim - 1, depth + 2), init=1 - trim)
         ok0, ok1 = Signal(), Signal(init=trim == 0)
         end0 = Signal(bits + 1, init=-trim % (2 * depth))
-        m.d.sync += [room.eq((wr - rd)[:bits + 1] <= depth - 2),
-                     place.eq(lengths.level + push <= self.max_frames - 2)]
+        m.d.sync += [room.eq((wr - rd)[:bits + 1] <= depth - 3),
+                     place.eq(lengths.level + push <= self.max_frames - 3)]
         m.d.comb += self.w_room.eq(room & place)
+        m.d.sync += [w.w_valid.eq(self.w_valid), w.w_end.eq(self.w_end), w.w_ok.eq(self.w_ok),
+                     w.w_data.eq(self.w_data), w.p_en.eq(self.p_en), w.p_addr.eq(self.p_addr),
+                     w.p_data.eq(self.p_data), w.room.eq(room), w.place.eq(place)]
 
-        write = self.w_valid & ~broken & room
+        write = w.w_valid & ~broken & w.room
         # each byte (or patch) reaches the block RAM a cycle later, through registers: a reader
         # sees a frame only cycles after its end, and a writer's data path ends here
-        m.d.sync += [wr_port.addr.eq(Mux(self.p_en, (start + self.p_addr)[:bits], wr[:bits])),
-                     wr_port.data.eq(Mux(self.p_en, self.p_data, self.w_data)), wr_port.en.eq(write | self.p_en)]
-        broken_now = broken | (self.w_valid & ~room)
+        m.d.sync += [wr_port.addr.eq(Mux(w.p_en, (start + w.p_addr)[:bits], wr[:bits])),
+                     wr_port.data.eq(Mux(w.p_en, w.p_data, w.w_data)), wr_port.en.eq(write | w.p_en)]
+        broken_now = broken | (w.w_valid & ~w.room)
         length, length_ok = Mux(write, n1, n0), Mux(write, ok1, ok0)
         m.d.sync += self.overflow.eq(0)
         # ``write`` is late: it selects among sums of registers (``Mux(write, x + 1, x)``, not
         # ``x + write``, which would run it through a carry chain)
         def plus_write(x):
             return Mux(write, x + 1, x)[:bits + 1]
-        with m.If(self.w_end):
-            commit = self.w_ok & ~broken_now & place & length_ok
+        with m.If(w.w_end):
+            commit = w.w_ok & ~broken_now & w.place & length_ok
             with m.If(commit):
                 end = plus_write(end0)  # = start + length
                 m.d.sync += [start.eq(end), wr.eq(end), end0.eq(plus_write(end0 - trim)),
                              push.eq(1), push_length.eq(length[:bits + 1])]
             with m.Else():  # the frame's bytes are forgotten
                 m.d.sync += [wr.eq(start), end0.eq(start - trim)]
-            m.d.sync += [broken.eq(0), self.overflow.eq(self.w_ok & (broken_now | ~place)),
+            m.d.sync += [broken.eq(0), self.overflow.eq(w.w_ok & (broken_now | ~w.place)),
                          n0.eq(-trim), n1.eq(1 - trim), ok0.eq(0), ok1.eq(trim == 0)]
         with m.Else():
             m.d.sync += [wr.eq(plus_write(wr)), end0.eq(plus_write(end0)), broken.eq(broken_now)]
@@ -266,7 +276,8 @@ class MacRx(wiring.Component):
                                  why.runt.eq(count < MIN_FRAME), why.bad.eq(crc != RESIDUE)]
                     m.next = "IDLE"
         # The judged frame ends in the buffer (its next frame's SFD is a cycle or more away);
-        # one that passed its checks but found no room is counted a cycle later.
+        # one that passed its checks but found no room is counted when the buffer says so, two
+        # cycles later (``FrameFifo``'s inputs pass a register).
         ok = ~why.error & ~why.long & ~why.runt & ~why.bad
         m.d.comb += [buf.w_end.eq(ending), buf.w_ok.eq(ok)]
         with m.If(ending):
@@ -278,8 +289,8 @@ class MacRx(wiring.Component):
                 m.d.sync += self.runts.eq(self.runts + 1)
             with m.Elif(why.bad):
                 m.d.sync += self.bad_fcs.eq(self.bad_fcs + 1)
-        kept = Signal()
-        m.d.sync += kept.eq(buf.w_end & buf.w_ok)
+        judged, kept = Signal(), Signal()
+        m.d.sync += [judged.eq(buf.w_end & buf.w_ok), kept.eq(judged)]
         with m.If(buf.overflow):
             m.d.sync += self.overflows.eq(self.overflows + 1)
         with m.Elif(kept):

@@ -33,9 +33,11 @@ __all__ = ["EthTop", "EthLoop", "DEFAULT_MAC", "DEFAULT_IP", "DEFAULT_PORT", "CR
 #: The address a device has unless its build says otherwise: a locally administered MAC
 #: ("HBFP" in it), 192.168.1.50, port 7000.
 DEFAULT_MAC, DEFAULT_IP, DEFAULT_PORT = 0x02_48_42_46_50_01, 0xC0A8_0132, 7000
-#: Beats of each FIFO between the link's domain and the core's (enough for a byte a cycle across
-#: the pointers' synchronizers; a deeper one's memory multiplexer costs the link's clock).
-CROSSING_DEPTH = 16
+#: Beats of each FIFO between the link's domain and the core's. On the boards one side is the
+#: slower (the Colorlight's core at 50 MHz; the ECPIX-5's link at 125 MB/s against its core's
+#: 150), so 8 keeps the faster side waiting on the slower one, not on the pointers'
+#: synchronizers; deeper pointers cost the link's clock a level of logic in their comparison.
+CROSSING_DEPTH = 8
 
 
 def stream_bytes_for(link_hz: int, core_hz: int) -> int:

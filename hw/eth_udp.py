@@ -344,6 +344,10 @@ class IcmpEcho(wiring.Component):
         whole = Signal()     # the message was a whole echo request
         early = Signal(range(5))  # the bytes written while below 4 (its first bytes' tests: a 3-bit counter)
         reply_sum = ~total[:16]
+        word, add = Signal(16), Signal()  # the message's last whole word, to be added to ``total``
+        m.d.sync += add.eq(0)
+        with m.If(add):  # the last word lands in LAST, before the folds
+            m.d.sync += total.eq(total + word)
         with m.FSM():
             with m.State("IDLE"):
                 with m.If(self.i.valid):
@@ -372,10 +376,11 @@ class IcmpEcho(wiring.Component):
                 with m.If(self.i.valid & buf.w_room):
                     m.d.sync += [left.eq(left - 1), at_final.eq(left == 1), odd.eq(~odd),
                                  early.eq(early + (early != 4))]
+                    # a word is added to the sum a cycle later, from registers (``word``)
                     with m.If(odd):
-                        m.d.sync += total.eq(total + Cat(out, high))
+                        m.d.sync += [word.eq(Cat(out, high)), add.eq(1)]
                     with m.Elif(last):  # an odd length: the last word's low byte is zero
-                        m.d.sync += total.eq(total + Cat(Const(0, 8), out))
+                        m.d.sync += [word.eq(Cat(Const(0, 8), out)), add.eq(1)]
                     with m.Else():
                         m.d.sync += high.eq(out)
                     with m.If(early == 0):
@@ -572,7 +577,13 @@ class UdpLink(wiring.Component):
             m.submodules.mac_rx = mac_rx = DomainRenamer(self.rx_domain)(mac_rx)
             m.submodules.rx_crossing = crossing = fifo.AsyncFIFOBuffered(
                 width=frame_layout().size, depth=16, w_domain=self.rx_domain, r_domain="sync")
-            wiring.connect(m, mac_rx.o, crossing.w_stream)
+            # and a skid buffer before it: the receiver's reader sees a register, not the
+            # crossing's write side (its Gray-coded pointers and fullness)
+            m.submodules.rx_in = rx_in = DomainRenamer(self.rx_domain)(
+                StreamRegister(frame_layout(), registered_ready=True))
+            wiring.connect(m, mac_rx.o, rx_in.i)
+            m.d.comb += [crossing.w_stream.valid.eq(rx_in.o.valid), crossing.w_stream.payload.eq(rx_in.o.payload),
+                         rx_in.o.ready.eq(crossing.w_stream.ready)]
             # a skid buffer: the crossing's read side (its pointer and memory) sees a register
             m.submodules.rx_skid = skid = StreamRegister(frame_layout(), registered_ready=True)
             m.d.comb += [skid.i.valid.eq(crossing.r_stream.valid), skid.i.payload.eq(crossing.r_stream.payload),

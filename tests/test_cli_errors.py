@@ -94,7 +94,9 @@ CASES: dict[str, dict[str, list[list[str]]]] = {
         "out": [["train", "-o", bad] for bad in BAD_FOLDERS],
         "nproc": [["train", "--nproc", "0", "-o", OUT]],
         "timeout": [["train", "--timeout", "0", "-o", OUT], ["train", "--timeout", "inf", "-o", OUT]],
-        "grad_compression": [["train", "--grad-compression", "zip", "-o", OUT]],
+        "grad_compression": [["train", "--grad-compression", "zip", "-o", OUT],
+                             ["train", "--error-feedback", "-o", OUT]],  # feedback with no compression
+        "grad_exchange": [["train", "--grad-compression", "hbfp8", "--grad-exchange", "three", "-o", OUT]],
     },
     "info": {
         "device": [["info", "bogus:"], ["info", "emu:nosuch=1"], ["info", "tcp:127.0.0.1:99999"]],

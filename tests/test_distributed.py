@@ -44,43 +44,81 @@ def _gradient(rank, n):
     return x
 
 
-def _exchange_rank(rank, world, port, compression, n, out):
+def _exchange_rank(rank, world, port, compression, kind, n, out):
     _init(rank, world, port)
     try:
-        state = hd.GradExchange(compression)
+        state = hd.GradExchange(compression, exchange=kind)
         flat = _gradient(rank, n)
         state.exchange(flat)
-        torch.save({"result": flat, "bytes": state.bytes_sent}, os.path.join(out, f"{rank}.pt"))
+        torch.save({"result": flat, "bytes": state.bytes_sent, "ring": state.bytes_fp32_ring},
+                   os.path.join(out, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("compression", hd.COMPRESSIONS)
-def test_the_exchange_is_its_definition_on_every_rank(tmp_path, compression):
-    world, n = 2, 1000  # not a whole number of tiles: padded with zeros
-    _ranks(_exchange_rank, world, compression, n, str(tmp_path))
+def _two_step_definition(grads, fmt, n, world):
+    """The two-step exchange written out with the golden model: each rank's bucket quantized
+    to nearest; shard j (whole tiles, the first shards one tile more) summed over the ranks in
+    rank order, its sum quantized stochastically (seed: the exchange, 1, and the shard), all
+    dequantized and divided by the number of ranks."""
+    width, tile_rows = fmt.tile[1], fmt.tile[0]
+    rows = -(-n // width)
+    deq = []
+    for g in grads:
+        m = np.zeros(rows * width, np.float32)
+        m[:n] = g.numpy()
+        deq.append(quantize(m.reshape(rows, width), fmt).dequantize())
+    tiles = -(-rows // tile_rows)
+    per = [tiles // world + (j < tiles % world) for j in range(world)]
+    out, start = [], 0
+    for j, t in enumerate(per):
+        end = min(start + t * tile_rows, rows)
+        if end > start:
+            total = deq[0][start:end]
+            for d in deq[1:]:
+                total = (total + d[start:end]).astype(np.float32)
+            out.append(quantize(total, fmt.with_rounding("stochastic"), seed=(1 << 8) + j).dequantize())
+        start = end
+    return (np.concatenate(out).reshape(-1)[:n] / np.float32(world)).astype(np.float32), per
+
+
+@pytest.mark.parametrize("compression,kind,world", [("none", "two_step", 2), ("hbfp8", "gather", 2),
+                                                    ("mxint8", "gather", 2), ("hbfp8", "two_step", 2),
+                                                    ("hbfp8", "two_step", 3), ("mxint8", "two_step", 3)])
+def test_the_exchange_is_its_definition_on_every_rank(tmp_path, compression, kind, world):
+    n = 1000 if compression == "mxint8" else 3000  # not a whole number of tiles: padded with zeros
+    _ranks(_exchange_rank, world, compression, kind, n, str(tmp_path))
     got = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
-    assert torch.equal(got[0]["result"].view(torch.int32), got[1]["result"].view(torch.int32))  # bit for bit
+    for r in range(1, world):  # bit for bit on every rank
+        assert torch.equal(got[0]["result"].view(torch.int32), got[r]["result"].view(torch.int32))
+    ring = 2 * (world - 1) * 4 * n // world
+    assert all(g["ring"] == ring for g in got)
     grads = [_gradient(r, n) for r in range(world)]
     if compression == "none":
-        want = (grads[0] + grads[1]) / world
+        want = sum(grads[1:], grads[0]) / world
         assert torch.allclose(got[0]["result"], want, rtol=1e-6, atol=0)
-        assert got[0]["bytes"] == 4 * n  # a ring all-reduce of 2 ranks sends its payload once
+        assert got[0]["bytes"] == ring
         return
     fmt = HBFP8 if compression == "hbfp8" else MXINT8
     width = fmt.tile[1]
     rows = -(-n // width)
-    total = None
-    for g in grads:  # quantize each rank's bucket, dequantize, add in rank order, divide
-        m = np.zeros(rows * width, np.float32)
-        m[:n] = g.numpy()
-        d = quantize(m.reshape(rows, width), fmt).dequantize().reshape(-1)[:n]
-        total = d if total is None else (total + d).astype(np.float32)
-    want = (total / np.float32(world)).astype(np.float32)
-    assert np.array_equal(got[0]["result"].numpy().view(np.int32), want.view(np.int32))
     tiles = -(-rows // fmt.tile[0]) * (width // fmt.tile[1])
-    assert got[0]["bytes"] == rows * width + tiles  # one byte a code, one an exponent, to the other rank
-    assert 4 * n / got[0]["bytes"] > 3.5
+    if kind == "gather":
+        total = None
+        for g in grads:  # quantize each rank's bucket, dequantize, add in rank order, divide
+            m = np.zeros(rows * width, np.float32)
+            m[:n] = g.numpy()
+            d = quantize(m.reshape(rows, width), fmt).dequantize().reshape(-1)[:n]
+            total = d if total is None else (total + d).astype(np.float32)
+        want = (total / np.float32(world)).astype(np.float32)
+        assert got[0]["bytes"] == (world - 1) * (rows * width + tiles)  # a byte a code, one an exponent
+    else:
+        want, per = _two_step_definition(grads, fmt, n, world)
+        for r in range(world):  # the others' shards out, then its own shard's sum to the others
+            mine = min(per[r] * fmt.tile[0], rows - sum(per[:r]) * fmt.tile[0]) * width + per[r]
+            assert got[r]["bytes"] == (rows * width + tiles - mine) + (world - 1) * mine
+        assert ring / got[0]["bytes"] > 3.5
+    assert np.array_equal(got[0]["result"].numpy().view(np.int32), want.view(np.int32))
 
 
 def _train_rank(rank, world, port, precision, compression, out):
@@ -153,6 +191,97 @@ def test_hbfp_train_under_torchrun(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     runs = json.loads((out / "runs.json").read_text())
     assert all(x["nproc"] == 2 and x["params_equal_across_ranks"] is True for x in runs)
+
+
+def test_hbfp_train_on_two_nodes_under_torchrun(tmp_path):
+    """Two torchrun "nodes" (``--nnodes 2 --node-rank R``, one rank each) meeting at a c10d
+    rendezvous endpoint, as two machines would: the two-step HBFP8 exchange keeps them equal."""
+    port = hd.free_port()
+    nodes = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "hbfp-test", "-m", "hbfp.cli", "train", "--grad-compression", "hbfp8", "--models", "mlp",
+               "--optimizers", "sgd", "--epochs", "1", "--sim-epochs", "0", "-o", str(tmp_path / f"node{node}")]
+        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [n.communicate(timeout=600) for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+    for n, (_, err) in zip(nodes, outs):
+        assert n.returncode == 0, err[-2000:]
+    written = [d for d in ("node0", "node1") if (tmp_path / d / "runs.json").exists()]
+    assert len(written) == 1  # rank 0 writes the report, on whichever node it landed
+    runs = json.loads((tmp_path / written[0] / "runs.json").read_text())
+    assert all(x["nproc"] == 2 and x["params_equal_across_ranks"] is True and x["grad_exchange"] == "two_step"
+               and x["allreduce_bytes_fp32_ring"] / x["allreduce_bytes"] > 3.5 for x in runs)
+
+
+def _feedback_rank(rank, world, port, out):
+    """Three exchanges of the same gradient with error feedback: what the first rounding
+    dropped is added to the second gradient, and so on."""
+    _init(rank, world, port)
+    try:
+        state = hd.GradExchange("hbfp8", error_feedback=True)
+        results = []
+        for _ in range(3):
+            flat = _gradient(rank, 2000)
+            results.append(state.exchange(flat, key=7).clone())
+        torch.save(results, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_error_feedback_carries_what_rounding_dropped(tmp_path):
+    """With error feedback, each rank quantizes its gradient plus its last residual (what its
+    own quantization dropped): the sum of the exchanged means approaches the sum of the true
+    means, where without it the same error repeats every time."""
+    _ranks(_feedback_rank, 2, str(tmp_path))
+    got = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(got[0], got[1]))  # ranks equal
+    grads = [_gradient(r, 2000) for r in range(2)]
+    true_mean = (grads[0] + grads[1]) / 2
+    # the first exchange has no residual yet: it is the plain exchange's result
+    _ranks(_exchange_rank, 2, "hbfp8", "two_step", 2000, str(tmp_path))
+    plain = torch.load(tmp_path / "0.pt")["result"]
+    assert torch.equal(got[0][0], plain)
+    assert not torch.equal(got[0][1], plain)  # the residual went in
+    # three steps: accumulated error with feedback well below three times one step's error
+    with_feedback = (sum(got[0]) - 3 * true_mean).abs().sum()
+    without = (3 * plain - 3 * true_mean).abs().sum()
+    assert with_feedback < 0.7 * without
+
+
+def _overlap_rank(rank, world, port, overlap, out):
+    _init(rank, world, port)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets
+        state = hd.attach(ddp, "hbfp8", overlap=overlap)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            opt.zero_grad()
+            ddp(torch.randn(16, 64, generator=g)).square().mean().backward()
+            opt.step()
+        torch.save({"params": [p.detach().clone() for p in model.parameters()], "exchanges": state.exchanges,
+                    "equal": hd.params_equal(model)}, os.path.join(out, f"{overlap}-{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+    hd.exit_rank(0)
+
+
+def test_overlapped_exchanges_give_the_bits_of_the_hook_s_own(tmp_path):
+    """Buckets exchanged on the worker thread while backward goes on: the same parameters, bit
+    for bit, as exchanges made in the hook itself, over several buckets and steps."""
+    for overlap in (True, False):
+        _ranks(_overlap_rank, 2, overlap, str(tmp_path))
+    on, off = (torch.load(tmp_path / f"{o}-0.pt") for o in (True, False))
+    assert on["equal"] and off["equal"] and on["exchanges"] == off["exchanges"] > 3
+    assert all(torch.equal(a, b) for a, b in zip(on["params"], off["params"]))
 
 
 def _ranks_of(launcher: subprocess.Popen, n: int, within: float = 60.0) -> list[int]:
