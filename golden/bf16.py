@@ -11,7 +11,8 @@ flushed to a zero of its sign when it is below 2**-126 in magnitude.
 
 from __future__ import annotations
 
-import ml_dtypes
+import functools
+
 import numpy as np
 
 __all__ = [
@@ -47,10 +48,19 @@ _F32_ABS = np.uint32(0x7FFF_FFFF)
 _F32_FTZ_EDGE = 2.0**-126 - 2.0**-151
 
 
+@functools.cache
+def _bfloat16() -> np.dtype:
+    """``ml_dtypes.bfloat16``, imported when first needed: its import takes half a second,
+    more than the rest of the ``hbfp`` command line's start."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
 def as_bits(x) -> np.ndarray:
     """bf16 bit patterns as ``uint16``: from ``uint16`` arrays or ``ml_dtypes.bfloat16``."""
     a = np.asarray(x)
-    if a.dtype == ml_dtypes.bfloat16:
+    if a.dtype == _bfloat16():
         return a.view(np.uint16)
     if a.dtype == np.uint16:
         return a
@@ -66,7 +76,7 @@ def as_bits(x) -> np.ndarray:
 
 def to_dtype(bits) -> np.ndarray:
     """The same patterns viewed as an ``ml_dtypes.bfloat16`` array (no copy)."""
-    return as_bits(bits).view(ml_dtypes.bfloat16)
+    return as_bits(bits).view(_bfloat16())
 
 
 def from_f32(x) -> np.ndarray:

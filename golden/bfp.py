@@ -17,7 +17,6 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from . import bf16
@@ -236,7 +235,7 @@ def _round(y: np.ndarray, rounding: str, rand: np.ndarray | None) -> np.ndarray:
 
 def _as_f32(x) -> np.ndarray:
     a = np.asarray(x)
-    if a.dtype == ml_dtypes.bfloat16:
+    if a.dtype == bf16._bfloat16():
         return bf16.to_f32(a)
     if a.dtype.kind == "f":
         return a.astype(np.float32, copy=False)

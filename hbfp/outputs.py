@@ -4,37 +4,81 @@ link, and refuses a folder it cannot use (a file in the way, ``-o FILE``) before
 
 What a command wrote into a folder is recorded there (its ``manifest``, one per command), so
 the next run of that command replaces those files, and only those: everything else in the
-folder is the user's and is kept (``Output``). ``OutputConflict`` says what is in the way."""
+folder is the user's and is kept (``Output``). ``OutputConflict`` says what is in the way,
+``OutputNotWritable`` why the folder cannot be made or written; both are ``OutputError``."""
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
-__all__ = ["OutputConflict", "Output", "check_folder"]
+__all__ = ["OutputError", "OutputConflict", "OutputNotWritable", "Output", "check_folder"]
 
 
-class OutputConflict(FileExistsError):
+class OutputError(OSError):
+    """An output folder that a command cannot use; raised before the command writes anything."""
+
+
+class OutputConflict(OutputError, FileExistsError):
     """Something that is not the command's own is in the way of its output: a file or a
     symbolic link where its folder goes, or, in that folder, files it would overwrite that no
     earlier run recorded as its own (the user's)."""
 
 
+class OutputNotWritable(OutputError, PermissionError):
+    """The output folder cannot be made or written: no permission, a read-only or special file
+    system, a name longer than the file system takes."""
+
+
 def check_folder(directory: Path, command: str) -> None:
-    """``directory`` is a folder or can be made one: no file or symbolic link in the way."""
+    """``directory`` is a folder or can be made one: no file or symbolic link in the way, and
+    the folder (or the nearest one above it that exists) takes new entries."""
     directory = Path(directory)
+    try:
+        os.lstat(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # to be made; a file on the way is named below
+    except OSError as e:  # a name too long, a loop of links
+        raise OutputNotWritable(f"{command} cannot use {directory}: {e.strerror or e}; choose another output folder "
+                                "(-o)") from None
     if directory.is_symlink():
         raise OutputConflict(f"{directory} is a symbolic link: {command} writes its output only into a real folder "
                              "(remove the link or choose another output folder, -o)")
     if directory.exists() and not directory.is_dir():
         raise OutputConflict(f"{directory} is a file, not a folder: it is in the way of {command}'s output "
                              "(move it or choose another output folder, -o)")
+    existing = directory if directory.is_dir() else None
     for parent in directory.parents:
+        if existing is not None:
+            break
         if os.path.lexists(parent):
             if not parent.is_dir():
                 raise OutputConflict(f"{parent} is not a folder: it is in the way of {command}'s output {directory}")
-            break
+            existing = parent
+    _check_writable(directory, existing or Path("."), command)
+
+
+def _check_writable(directory: Path, existing: Path, command: str) -> None:
+    """The folders still to be made below ``existing`` have names the file system takes, and
+    ``existing`` takes a new entry: tried by making an empty folder there and removing it (the
+    only test that also holds for root, read-only mounts and /proc)."""
+    try:
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    to_make = directory.relative_to(existing).parts if existing != directory else ()
+    for name in to_make:
+        if len(os.fsencode(name)) > name_max:
+            raise OutputNotWritable(f"{directory}: the folder name {name[:20]}... is longer than the file system "
+                                    f"takes ({name_max} bytes); choose another output folder (-o)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".hbfp-", dir=existing))
+    except OSError as e:
+        where = directory if existing == directory else f"{existing} (to make {directory})"
+        raise OutputNotWritable(f"{command} cannot write into {where}: {e.strerror or e}; choose another output "
+                                "folder (-o)") from None
 
 
 class Output:

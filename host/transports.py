@@ -126,6 +126,8 @@ def _split_host_port(arg: str) -> tuple[str, int]:
     host, sep, port = arg.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"expected HOST:PORT, got {arg!r}")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"a port is a number 1 .. 65535, got {port} in {arg!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 

@@ -146,9 +146,9 @@ def test_cli_build_lists_boards_and_refuses_bad_options(capsys):
     out = capsys.readouterr().out
     for name in boards.BOARDS:
         assert name in out
-    assert cli.main(["build", "--board", "nosuchboard"]) == 1
+    assert cli.main(["build", "--board", "nosuchboard"]) == 2
     assert "unknown board 'nosuchboard'" in capsys.readouterr().err
-    assert cli.main(["build", "--board", "stratix5", "--baud", "9600"]) == 1
+    assert cli.main(["build", "--board", "stratix5", "--baud", "9600"]) == 2
     assert "no UART" in capsys.readouterr().err
 
 
@@ -176,7 +176,7 @@ def test_cli_build_units(tmp_path, capsys):
                      "-o", str(tmp_path), "--units", "value_quantizer"]) == 0
     core = json.loads((tmp_path / "ulx3s" / "config.json").read_text())["core"]
     assert (core["value_quantizer"], core["bfp_output"], core["stochastic"]) == (True, False, False)
-    assert cli.main(["build", "--board", "ulx3s", "--no-run", "-o", str(tmp_path), "--units", "stochastic"]) == 1
+    assert cli.main(["build", "--board", "ulx3s", "--no-run", "-o", str(tmp_path), "--units", "stochastic"]) == 2
     assert "stochastic rounding needs a quantizer" in capsys.readouterr().err
     assert cli.main(["build", "--list"]) == 0
     assert "without value_quantizer, bfp_output, stochastic" in capsys.readouterr().out

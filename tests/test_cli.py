@@ -252,10 +252,16 @@ def test_commands_that_need_no_torch_import_none(args):
     assert r.returncode == 0 and r.stdout.strip().endswith("False"), (r.stdout[-500:], r.stderr[-2000:])
 
 
-def test_train_without_torch_says_what_to_install():
-    code = _NO_TORCH + "sys.exit(main(['train', '--models', 'mlp', '--sim-epochs', '0']))\n"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "pip install 'hbfp[torch]'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+def test_train_without_torch_says_what_to_install(tmp_path):
+    """``hbfp train`` needs the train extra (torch, scikit-learn, matplotlib, tqdm), whichever of
+    them is missing, and says so before any training: exit status 2, one line."""
+    for missing in ("torch", "sklearn", "matplotlib"):
+        code = (_NO_TORCH.replace("'torch'", repr(missing))
+                + f"sys.exit(main(['train', '--models', 'mlp', '--sim-epochs', '0', '-o', {str(tmp_path / 'o')!r}]))\n")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        err = r.stderr.strip()
+        assert r.returncode == 2 and "\n" not in err and "pip install 'hbfp[train]'" in err, (missing, err)
+        assert f"the module {missing!r} is missing" in err and not (tmp_path / "o").exists()
 
 
 def test_verilog_output_never_clobbers(tmp_path, capsys):
@@ -304,3 +310,16 @@ def test_train_output_is_checked_before_training(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("hbfp train: "), err
     assert afile.read_text() == "x" and (held / "runs.json").read_text() == "mine"
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path):
+    """A name longer than the file system takes, or a folder where nothing can be made (/proc, a
+    read-only mount; as root too): ``OutputNotWritable`` at once, and nothing is left behind."""
+    from hbfp.outputs import OutputError, OutputNotWritable, check_folder
+
+    for bad in (tmp_path / ("x" * 300), tmp_path / "a" / ("x" * 300), pathlib.Path("/proc/hbfp-output")):
+        with pytest.raises(OutputNotWritable) as e:
+            check_folder(bad, "hbfp train")
+        assert isinstance(e.value, OutputError) and "\n" not in str(e.value) and "choose another output folder" in str(e.value)
+    check_folder(tmp_path / "new" / "folder", "hbfp train")  # to be made: fine
+    assert list(tmp_path.iterdir()) == []  # the probe's folder is gone

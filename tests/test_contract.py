@@ -232,4 +232,8 @@ def test_hdl_commands_without_the_extra_say_what_to_install(tmp_path):
     assert r.returncode == 2
     assert "pip install 'hbfp[hw]'" in r.stderr and "Traceback" not in r.stderr
     r = _without_hdl("from hbfp.cli import main; sys.exit(main(sys.argv[1:]))", "info", "sim")
-    assert r.returncode != 0 and "pip install 'hbfp[" in r.stderr and "Traceback" not in r.stderr
+    # the sim device needs the simulators as well as the HDL: hbfp[sim], not hbfp[hw] (whose Amaranth is what it misses first)
+    assert r.returncode == 2 and "pip install 'hbfp[sim]'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = _without_hdl("import hbfp.host\ntry:\n    hbfp.host.open('sim')\nexcept hbfp.host.BackendError as e:\n    print(e)\n")
+    assert "pip install 'hbfp[sim]'" in r.stdout and "'amaranth' is missing" in r.stdout, (r.stdout, r.stderr[-2000:])

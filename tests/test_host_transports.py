@@ -147,7 +147,7 @@ def test_cli_info_and_gemm(capsys):
                      "--rounding", "stochastic", "--bias", "--activation", "gelu"]) == 0
     out = capsys.readouterr().out
     assert "bit-exact" in out and "done on the host: 3 quantizations, 1 activations" in out
-    assert cli.main(["info", "nope"]) == 1
+    assert cli.main(["info", "nope"]) == 2
     assert "no device backend" in capsys.readouterr().err
 
 
