@@ -280,9 +280,10 @@ def test_autocast_is_respected():
         with ht.offload():
             got = (mha(x, x, x)[0].dtype, lin(x), F.bilinear(x, x, torch.randn(3, 16, 16)).dtype)
     assert want == (torch.bfloat16, torch.bfloat16, torch.float32) == (got[0], got[1].dtype, got[2])
-    # the product saw what autocast gives it: operands in bf16
-    assert torch.equal(got[1], ht.matmul(x.bfloat16(), lin.weight.bfloat16().t()).to(torch.bfloat16)
-                       + lin.bias.bfloat16())
+    # the product saw what autocast gives it: operands in bf16; its fp32 result plus the (bf16)
+    # bias in fp32, rounded once to bf16
+    assert torch.equal(got[1], (ht.matmul(x.bfloat16(), lin.weight.bfloat16().t(), fp32_out=True)
+                                + lin.bias.bfloat16().float()).to(torch.bfloat16))
 
 
 # ---- torch.compile -----------------------------------------------------------------------------

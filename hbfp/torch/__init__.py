@@ -631,15 +631,17 @@ _HALF = {torch.bfloat16, torch.float16}
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, device=None, *, stored: _StoredOperand | None = None,
-           patches=None, grad_a_t: bool = False, out_t: bool = False) -> torch.Tensor:
+           patches=None, grad_a_t: bool = False, out_t: bool = False, fp32_out: bool = False) -> torch.Tensor:
     """``a @ b`` in HBFP with torch.matmul's shapes: matrices, stacks (leading axes broadcast)
-    and vectors (a 1-D operand is a one-row or one-column matrix, its axis removed after)."""
+    and vectors (a 1-D operand is a one-row or one-column matrix, its axis removed after).
+    The result has torch's dtype for the operands; ``fp32_out``: the device's fp32 result as
+    it is (a bias is then added in fp32 and the sum rounded once, as torch's kernels do)."""
     device = device or default_device()
     if a.dim() == 0 or b.dim() == 0:
         raise ValueError("hbfp matmul takes vectors, matrices or stacks of matrices, not scalars")
     if a.dtype != torch.float32 or b.dtype != torch.float32:
         # fp32 operands for the device; the result in torch's dtype for these operands
-        dtype = torch.promote_types(a.dtype, b.dtype)
+        dtype = torch.float32 if fp32_out else torch.promote_types(a.dtype, b.dtype)
         return matmul(a.float(), b.float(), device, stored=stored, patches=patches, grad_a_t=grad_a_t,
                       out_t=out_t).to(dtype)
     if b.dim() == 1:  # (..., K) @ (K,): a one-column product
@@ -781,8 +783,18 @@ def wide_weight_storage(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, device) -> torch.Tensor:
     # W is stored out x in; the product uses it transposed, which reuses its square tiles. A 1-D
     # input is one row (matmul's vector case).
-    y = matmul(x, weight.t(), device, stored=_stored_operand(weight, device))
-    return y + bias if bias is not None else y
+    if bias is None:
+        return matmul(x, weight.t(), device, stored=_stored_operand(weight, device))
+    y = matmul(x, weight.t(), device, stored=_stored_operand(weight, device), fp32_out=True)
+    return _add_bias(y, bias, x.dtype, weight.dtype)
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor, x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.Tensor:
+    """The device's fp32 product ``y`` plus ``bias``, added in fp32 (or wider) and rounded once
+    to torch's dtype for the operands: bf16 and fp16 layers round as torch's kernels do."""
+    dtype = torch.promote_types(torch.promote_types(x_dtype, w_dtype), bias.dtype)
+    acc = torch.promote_types(torch.float32, dtype)
+    return (y.to(acc) + bias.to(acc)).to(dtype)
 
 
 class _OnDevice:
@@ -898,6 +910,11 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return conv2d(x[None], weight, bias, stride, padding, dilation, groups, device, padding_mode=padding_mode)[0]
     if x.dim() != 4:
         raise ValueError(f"conv2d takes (N, C, H, W) or (C, H, W) input, got shape {tuple(x.shape)}")
+    if x.dtype != torch.float32:  # bf16, fp16: their patches in fp32 (exact), one rounding at the end
+        y = conv2d(x.float(), weight, None, stride, padding, dilation, groups, device, padding_mode=padding_mode)
+        if bias is not None:
+            return _add_bias(y, bias[:, None, None], x.dtype, weight.dtype)
+        return y.to(torch.promote_types(x.dtype, weight.dtype))
     kernel, stride, dilation = tuple(weight.shape[-2:]), _pair(stride), _pair(dilation)
     if isinstance(padding, str):
         if padding not in ("same", "valid"):
@@ -928,13 +945,13 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         patches = _Patches.apply(xi, kernel, stride, padding, dilation, lazy is not None)
         wi = matrix if groups == 1 else matrix[i * cout:(i + 1) * cout]
         ys.append(matmul(patches, wi.t(), device, stored=_stored_operand(weight, device, None if groups == 1 else wi),
-                         patches=lazy, grad_a_t=True, out_t=True))
+                         patches=lazy, grad_a_t=True, out_t=True, fp32_out=bias is not None))
     # (N*OH*OW) x OUT, each product made transposed: its channels' rows lie as the image's
     # planes, one copy from the image's layout (torch's own, where an activation and its
     # backward run several times faster than on mixed strides)
     y = ys[0] if groups == 1 else torch.cat(ys, dim=1)
     if bias is not None:
-        y = y + bias
+        y = _add_bias(y, bias, x.dtype, weight.dtype)
     return y.t().reshape(out_ch, n, oh * ow).transpose(0, 1).contiguous().view(n, out_ch, oh, ow)
 
 
