@@ -49,7 +49,7 @@ def _key(x: torch.Tensor):
     of a transposition of its matrices; and whether ``x`` is the transpose of that canonical
     form."""
     layout = _layout(x) if type(x) is torch.Tensor else None
-    if layout is None:
+    if layout is None or x.is_inference():  # an inference tensor keeps no version: not remembered
         return None, False
     try:
         base = x.untyped_storage().data_ptr()
