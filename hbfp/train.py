@@ -28,6 +28,7 @@ import inspect
 import json
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -478,7 +479,7 @@ def train(kind: str | Task, precision: str, *, device=None, device_name: str | N
             if max_batches is not None:
                 batches = batches[:max_batches]
             it = batches
-            if progress:
+            if progress and sys.stderr.isatty():  # a bar on a terminal; a line per epoch elsewhere
                 from tqdm import tqdm
 
                 it = tqdm(batches, desc=f"{name} {precision} {optimizer} epoch {epoch + 1}/{epochs}", leave=False,
@@ -511,6 +512,11 @@ def train(kind: str | Task, precision: str, *, device=None, device_name: str | N
                 else:
                     pred = model(x_test).argmax(1)
                     run.test_accuracies.append(float((pred == y_test).float().mean()))
+            if progress and not sys.stderr.isatty():
+                result = (f"test accuracy {100 * run.test_accuracies[-1]:.2f}%" if run.test_accuracies
+                          else f"validation loss {run.val_losses[-1]:.4f}")
+                print(f"{name} {precision} {optimizer} epoch {epoch + 1}/{epochs}: training loss "
+                      f"{run.losses[-1]:.4f}, {result}", file=sys.stderr, flush=True)
     run.seconds = time.perf_counter() - t0
     run.step_seconds = statistics.median(steps) if steps else 0.0
     run.test_accuracy = run.test_accuracies[-1] if run.test_accuracies else float("nan")
