@@ -606,17 +606,24 @@ def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None, 
     import matplotlib.pyplot as plt
 
     output = output if output is not None else report_output(Path(outdir))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.5))
+    # one colour per model and optimizer, a line style per precision (fp32 solid, HBFP8 on emu
+    # dashed, on another device dotted)
+    pairs = list(dict.fromkeys((r.model, r.optimizer) for r in runs))
+    palette = matplotlib.colormaps["tab10" if len(pairs) <= 10 else "tab20"]
     for r in runs:
         label = f"{r.model} {r.optimizer} {r.precision}" + (f" ({r.device})" if r.device else "")
         if r.precision != "fp32" and r.weight_storage != "fp32":
             label += f", {r.weight_storage} weights"
+        style = dict(color=palette(pairs.index((r.model, r.optimizer)) % palette.N), marker="o", markersize=3,
+                     linestyle="-" if r.precision == "fp32" else "--" if (r.device or "emu").startswith("emu") else ":",
+                     label=label)
         epochs = range(1, len(r.losses) + 1)
-        axes[0].plot(epochs, r.losses, marker="o", label=label)
+        axes[0].plot(epochs, r.losses, **style)
         if r.test_accuracies:
-            axes[1].plot(epochs, [100 * a for a in r.test_accuracies], marker="o", label=label)
+            axes[1].plot(epochs, [100 * a for a in r.test_accuracies], **style)
         if r.val_losses:
-            axes[2].plot(epochs, r.val_losses, marker="o", label=label)
+            axes[2].plot(epochs, r.val_losses, **style)
     if all(r.model in MODELS for r in runs):  # the demo's models
         axes[0].set(title="training loss", xlabel="epoch", ylabel="cross-entropy")
         axes[1].set(title="test accuracy (digits)", xlabel="epoch", ylabel="%")
@@ -628,7 +635,7 @@ def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None, 
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.lines:
-            ax.legend(fontsize=6)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
