@@ -280,12 +280,37 @@ def test_wide_storage_errors():
         ht.wide_weight_storage(torch.nn.Linear(2, 2), storage=HBFP16.with_rounding("stochastic"))
     from hbfp import host
 
+    assert MXINT8.tile != HBFP16.tile
+
+
+def test_wide_storage_under_a_device_of_other_tiles():
+    """HBFP16 storage (24 x 24 tiles) under an MXINT8 device (1 x 32): the device quantizes the
+    stored weight's values (points of the storage grid) as any operand, the same product as the
+    plain layer with those values, and a few training steps run."""
+    from hbfp import host
+
+    torch.manual_seed(4)
     lin = torch.nn.Linear(40, 8)
     ht.wide_weight_storage(lin)
     mx = host.open("emu:format=MXINT8")
-    with pytest.raises(ValueError, match="cannot be read by a device with tiles"):
-        ht.convert(torch.nn.Sequential(lin), mx)[0](torch.randn(3, 40))
-    assert MXINT8.tile != HBFP16.tile
+    x = torch.randn(3, 40)
+    plain = torch.nn.Linear(40, 8)
+    plain.load_state_dict(lin.state_dict())  # the stored values, in a layer without storage
+    y = ht.convert(torch.nn.Sequential(lin), mx)[0](x)
+    assert torch.equal(y, ht.convert(torch.nn.Sequential(plain), mx)[0](x))
+    m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ht.wide_weight_storage(m, opt)
+    data, labels = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        with ht.offload(recipe="mxint8"):
+            loss = torch.nn.functional.cross_entropy(m(data), labels)
+            loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
 def test_training_runs_equal_through_the_wire_and_in_process():

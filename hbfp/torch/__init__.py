@@ -693,8 +693,9 @@ def _stored_operand(weight: torch.Tensor, device, matrix: torch.Tensor | None = 
         return None
     fmt = device.format()
     if storage.tile != fmt.tile:
-        raise ValueError(f"wide weight storage in tiles {storage.tile} cannot be read by a device with tiles "
-                         f"{fmt.tile}: requantize keeps the tiles (use a storage format with the device's tiles)")
+        # requantize keeps the tiles: a device of other tiles (MXINT8's 1 x 32 under HBFP16's
+        # 24 x 24) quantizes the weight's values, points of the storage grid, as any operand
+        return None
     # exact: the weight is on the storage grid
     wide = kernels.quantize((_matrix(weight) if matrix is None else matrix).detach(), storage)
     return _StoredOperand(kernels.requantize(*wide, storage, fmt), transposed=True)
