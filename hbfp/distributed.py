@@ -36,7 +36,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMPRESSIONS", "EXCHANGES", "GradExchange", "attach", "rank_spec", "params_equal", "free_port", "exit_rank"]
+__all__ = ["COMPRESSIONS", "EXCHANGES", "GradExchange", "shard_seed", "attach", "rank_spec", "params_equal", "free_port", "exit_rank"]
 
 #: Gradient exchanges: fp32, or BFP codes and shared exponents in one of these formats.
 COMPRESSIONS = ("none", "hbfp8", "mxint8")
@@ -100,10 +100,8 @@ class GradExchange:
         """The mean over the ranks of ``flat`` (a 1-D fp32 gradient bucket), in place. ``key``
         names the bucket whose rounding error feeds back into its next exchange."""
         n, world = flat.numel(), self.world
-        self.exchanges += 1
-        self.bytes_fp32_ring += _ring_bytes(4 * n, world)
+        self._count(flat)
         if self.compression == "none":
-            self.bytes_sent += _ring_bytes(n * flat.element_size(), world)
             dist.all_reduce(flat, group=self.group)
             return flat.div_(world)
         fmt = _format(self.compression)
@@ -169,9 +167,16 @@ class GradExchange:
                           for part, r, t in zip(gathered.split(sizes), rows, shards) if r])
 
     def seed(self, shard: int) -> int:
-        """The seed of the stochastic rounding of ``shard``'s sum in the current exchange (each
-        exchange and shard its own stream)."""
-        return ((self.exchanges << 8) + shard) & 0xFFFF_FFFF
+        """The seed of the stochastic rounding of ``shard``'s sum in the current exchange."""
+        return shard_seed(self.exchanges, shard)
+
+    def _count(self, flat: torch.Tensor) -> None:
+        """An exchange of ``flat`` begins: counted, with what a fp32 ring all-reduce of it
+        sends (and, uncompressed, what this one sends: the same ring)."""
+        self.exchanges += 1
+        self.bytes_fp32_ring += _ring_bytes(4 * flat.numel(), self.world)
+        if self.compression == "none":
+            self.bytes_sent += _ring_bytes(flat.numel() * flat.element_size(), self.world)
 
     # ---- the hook ----------------------------------------------------------------------------
 
@@ -184,10 +189,8 @@ class GradExchange:
             fut.set_result(self.exchange(flat, key))
             return fut
         if self.compression == "none":  # gloo runs it in the background already
-            self.exchanges += 1
-            n, world = flat.numel(), self.world
-            self.bytes_fp32_ring += _ring_bytes(4 * n, world)
-            self.bytes_sent += _ring_bytes(n * flat.element_size(), world)
+            self._count(flat)
+            world = self.world
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             return work.get_future().then(lambda f: f.value()[0].div_(world))
         if bucket.is_last():  # nothing of backward left to overlap: after those queued, here
@@ -238,6 +241,13 @@ class _Worker:
                 fut.set_result(fn(*args))
             except BaseException as e:  # the waiting backward pass raises it
                 fut.set_exception(e)
+
+
+def shard_seed(exchange: int, shard: int) -> int:
+    """The seed of the stochastic rounding of ``shard``'s sum in exchange number ``exchange``
+    (counted from 1 by each ``GradExchange``, the same on every rank): each exchange and
+    shard a stream of its own."""
+    return ((exchange << 8) + shard) & 0xFFFF_FFFF
 
 
 def _ring_bytes(payload: int, world: int) -> int:

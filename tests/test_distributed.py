@@ -59,7 +59,7 @@ def _exchange_rank(rank, world, port, compression, kind, n, out):
 def _two_step_definition(grads, fmt, n, world):
     """The two-step exchange written out with the golden model: each rank's bucket quantized
     to nearest; shard j (whole tiles, the first shards one tile more) summed over the ranks in
-    rank order, its sum quantized stochastically (seed: the exchange, 1, and the shard), all
+    rank order, its sum quantized stochastically (``shard_seed`` of the exchange, 1, and the shard), all
     dequantized and divided by the number of ranks."""
     width, tile_rows = fmt.tile[1], fmt.tile[0]
     rows = -(-n // width)
@@ -77,7 +77,7 @@ def _two_step_definition(grads, fmt, n, world):
             total = deq[0][start:end]
             for d in deq[1:]:
                 total = (total + d[start:end]).astype(np.float32)
-            out.append(quantize(total, fmt.with_rounding("stochastic"), seed=(1 << 8) + j).dequantize())
+            out.append(quantize(total, fmt.with_rounding("stochastic"), seed=hd.shard_seed(1, j)).dequantize())
         start = end
     return (np.concatenate(out).reshape(-1)[:n] / np.float32(world)).astype(np.float32), per
 

@@ -35,7 +35,7 @@ def test_random_bf16_layers_with_bias_are_the_fp32_product_plus_bias_rounded_onc
     assert torch.equal(c, (c32 + kb.float()[:, None, None]).bfloat16())
     # a rounding of the product first would differ somewhere on these shapes
     assert not torch.equal(y, y32.bfloat16() + b) or not torch.equal(c, c32.bfloat16() + kb[:, None, None])
-    # the converted layers (hbfp.torch.Linear, Conv2d) round the same way
+    # a converted layer (hbfp.torch.Linear) rounds the same way
     lin = HT.Linear(48, 24, device_handle=dev).bfloat16()
     lin.weight.data.copy_(w)
     lin.bias.data.copy_(b)
