@@ -6,6 +6,10 @@ PYTHON  ?= python3
 VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+# pip with patience for a flaky network: each download resumed up to 20 times, and the whole
+# install tried up to 3 times (a download that fails after its resumes fails the install).
+PIP     := for try in 1 2 3; do $(PY) -m pip install --quiet --retries 10 --resume-retries 20
+PIP_END := && break; [ $$try = 3 ] && exit 1; echo "pip install failed (try $$try of 3); again in 10 s"; sleep 10; done
 
 .PHONY: demo test bench scaleout fidelity accuracy sim sim-full fuzz verilog fpga fpga-report clean distclean venv
 
@@ -18,10 +22,12 @@ $(STAMP): pyproject.toml
 	  else echo "note: apt-get install iverilog ccache (as root) for the Icarus runs and faster Verilator builds"; fi; \
 	fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	@# pip 25.1 or newer, for --resume-retries below
+	@for try in 1 2 3; do $(PY) -m pip install --quiet --retries 10 --upgrade 'pip>=25.1' && break; \
+	  [ $$try = 3 ] && exit 1; sleep 10; done
 	@# The CPU build of PyTorch first: a bare range with no torch installed pulls CUDA (GBs).
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	@$(PIP) torch==2.13.0 $(PIP_END)
+	@$(PIP) -e '.[dev]' $(PIP_END)
 	touch $(STAMP)
 
 ## demo: the main job: Verilog of the default core, then trainings in FP32 and HBFP8 (emu), with
@@ -84,7 +90,7 @@ accuracy: $(STAMP)
 FPGA_STAMP := $(VENV)/.fpga-installed
 
 $(FPGA_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[dev,fpga]'
+	@$(PIP) -e '.[dev,fpga]' $(PIP_END)
 	touch $(FPGA_STAMP)
 
 ## fpga: the open FPGA flow (YoWASP Yosys and nextpnr for ECP5 and iCE40) in the .venv
