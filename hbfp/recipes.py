@@ -123,15 +123,81 @@ def format_name(fmt) -> str:
     return f"BFP{fmt.mantissa_bits} {fmt.tile[0]}x{fmt.tile[1]}"
 
 
+#: How many ``offload`` contexts have read each weight's memory (its storage, weakly): where a
+#: context's stream of seeds starts (``Rounding.continuing``).
+_CONTEXTS_OF_WEIGHT = None
+
+
+def _contexts_of_weight():
+    global _CONTEXTS_OF_WEIGHT
+    if _CONTEXTS_OF_WEIGHT is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        _CONTEXTS_OF_WEIGHT = WeakIdKeyDictionary()
+    return _CONTEXTS_OF_WEIGHT
+
+
+def _weight_of(x):
+    """The weight ``x`` is or is a view of (a leaf tensor that requires grad), else None."""
+    base = getattr(x, "_base", None)
+    w = base if base is not None else x
+    return w if getattr(w, "requires_grad", False) and w.is_leaf else None
+
+
 @dataclass
 class Rounding:
     """A recipe in use: its products' configurations and the stream of seeds of its stochastic
     roundings (one per quantization, in the order they happen: the same run gives the same
-    seeds)."""
+    seeds).
+
+    ``continuing`` (``offload``'s, unless it is given a seed): the stream goes on where the
+    model's last context left it, so that a loop entering a context per step does not round
+    every step with the same seeds. A model is known by its weights' memory: the stream's
+    generation, fixed at its first stochastic rounding, is the most contexts any weight read so
+    far has been read in before (``note``); on exit (``finish``) each weight the context read
+    counts one context more. So two copies of a model (a compiled one beside the eager one)
+    start alike whatever else ran on the device, and generation 0, a model's first context,
+    gives the seeds of a fresh stream."""
 
     recipe: Recipe
+    continuing: bool = False
     _count: itertools.count = field(default_factory=lambda: itertools.count(1), repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _generation: int | None = field(default=None, repr=False)
+    _most: int = field(default=0, repr=False)  # the most contexts of a weight noted so far
+    _noted: object = field(default=None, repr=False)  # the storages of the weights read (weak keys)
+
+    def note(self, *operands) -> None:
+        """Operands of a product about to be quantized: the weights among them (leaf tensors
+        that require grad, or views of them)."""
+        if self.continuing:
+            self.note_weights(*(w for w in map(_weight_of, operands) if w is not None))
+
+    def note_weights(self, *weights) -> None:
+        """Weights a product reads (a compiled graph's, known when it was traced)."""
+        if not self.continuing:
+            return
+        counts = _contexts_of_weight()
+        with self._lock:
+            if self._noted is None:
+                from torch.utils.weak import WeakIdKeyDictionary
+
+                self._noted = WeakIdKeyDictionary()
+            for w in weights:
+                storage = w.untyped_storage()
+                if storage not in self._noted:
+                    self._noted[storage] = True
+                    self._most = max(self._most, counts.get(storage, 0))
+
+    def finish(self) -> None:
+        """The context ends: each weight it read counts one more context."""
+        if self._noted is None:
+            return
+        counts = _contexts_of_weight()
+        with self._lock:
+            for storage in list(self._noted.keys()):
+                counts[storage] = counts.get(storage, 0) + 1
+            self._noted = None
 
     def seed(self, cfg: ProductConfig) -> int | None:
         """The seed of the next quantization under ``cfg`` (None where it rounds to nearest
@@ -140,4 +206,7 @@ class Rounding:
             return None
         with self._lock:
             n = next(self._count)
-        return (self.recipe.seed * 0x9E3779B1 + n * 0x85EBCA77) & 0xFFFFFFFF
+            if self._generation is None:
+                self._generation = self._most if self.continuing else 0
+            g = self._generation
+        return (self.recipe.seed * 0x9E3779B1 + n * 0x85EBCA77 + g * 0xC2B2AE3D) & 0xFFFFFFFF

@@ -125,3 +125,42 @@ def test_nearest_gradients_are_biased_where_stochastic_ones_are_not():
     sr = torch.stack([torch.from_numpy(quantize(grad.numpy(), fmt.with_rounding("stochastic"), seed=s).dequantize())
                       for s in range(64)]).mean(0).sum(1)
     assert sr.abs().mean() < nearest.abs().mean() / 4, (sr.abs().mean(), nearest.abs().mean())
+
+
+def _linear_grad(layer, x, dev, **kw):
+    with ht.offload(dev, **kw):
+        return torch.autograd.grad(layer(x).square().sum(), layer.weight)[0]
+
+
+def test_the_seed_stream_continues_across_contexts_per_model():
+    """Each offload context on a model draws new seeds (its weights count the contexts they were
+    read in), a copy of the model starts where the model started, and a given seed restarts the
+    stream; every gradient is the golden model's with the seed the docstring of Rounding
+    defines (generation g mixed into the recipe's stream)."""
+    import copy
+
+    dev = hbfp.host.open("emu")
+    fmt = dev.format()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 24, generator=g)
+    torch.manual_seed(3)
+    layer = nn.Linear(24, 24)
+    twin = copy.deepcopy(layer)
+    first, second = _linear_grad(layer, x, dev), _linear_grad(layer, x, dev)
+    assert not torch.equal(first, second)
+    assert torch.equal(_linear_grad(twin, x, dev), first)  # a copy: its own first context
+    seeded = [_linear_grad(layer, x, dev, seed=11) for _ in range(2)]
+    assert torch.equal(seeded[0], seeded[1])
+    with pytest.raises(ValueError, match="seed"):
+        _linear_grad(layer, x, dev, seed=-1)
+
+    recipe = ht.RECIPES["default"]
+    y = x @ layer.weight.detach().t() + layer.bias.detach()
+    qx = quantize(x.numpy(), fmt)
+    qxt = BFPTensor(qx.codes.T.copy(), qx.exponents.T.copy(), fmt.transposed())
+    for generation, got in ((0, first), (1, second)):
+        with torch.no_grad(), ht.offload(dev, seed=99):  # the forward product, as the device computes it
+            y = layer(x)
+        seed = (recipe.seed * 0x9E3779B1 + 1 * 0x85EBCA77 + generation * 0xC2B2AE3D) & 0xFFFFFFFF
+        qg = quantize((2 * y).numpy(), fmt.with_rounding("stochastic"), seed=seed)
+        assert np.array_equal(u32(got.t()), u32(golden_gemm(qxt, qg))), generation

@@ -252,6 +252,8 @@ class _Product:
         return (recipe.forward if forward else recipe.grad_input), forward
 
     def _operand(self, x, cfg: ProductConfig, forward: bool):
+        if forward:
+            self.rounding.note(x)
         if self.forward is not None and (not forward or cfg.rounding == "nearest_even"):
             hit, codes = self.forward.lookup(x)
             if hit and not forward:
@@ -273,6 +275,8 @@ class _Product:
         """A stack's codes (``stack_codes``) on a device with square tiles, through ``forward``."""
         from hbfp.host.device import stack_codes
 
+        if forward:
+            self.rounding.note(x)
         if not forward:
             hit, codes = self.forward.lookup(x)
             if hit and codes is not None:
@@ -284,6 +288,8 @@ class _Product:
 
     def batched(self, a, b):
         cfg, forward = self._config()
+        if forward:
+            self.rounding.note(a, b)
         seed = self.rounding.seed(cfg)
         if self.forward is not None and a.shape[0] and a.shape[1] and b.shape[2] and a.shape[2]:
             from hbfp.host.device import _seeds
@@ -313,6 +319,7 @@ class HbfpBmm(torch.autograd.Function):
         ctx.device = device
         ctx.op = _report.current()
         ctx.save_for_backward(a, b)
+        current_rounding().note(a, b)
         return _device_bmm(device, a, b)
 
     @staticmethod
@@ -564,6 +571,7 @@ class HbfpMatmul(torch.autograd.Function):
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, device, stored: _StoredOperand | None = None,
                 rounding: Rounding | None = None, patches=None, grad_a_t: bool = False, out_t: bool = False):
         rounding = rounding or current_rounding()
+        rounding.note(a, b)
         cfg = rounding.recipe.forward
         ctx.device, ctx.stored, ctx.rounding = device, stored, rounding
         ctx.op = _report.current()
@@ -1223,19 +1231,23 @@ _ROUTES[torch.lstm] = _route_lstm()
 
 
 @contextlib.contextmanager
-def offload(device=None, precision: str | None = None, recipe=None):
+def offload(device=None, precision: str | None = None, recipe=None, seed: int | None = None):
     """Run the matrix products of an unchanged model on ``device`` while the context is
     active, forward and backward: the functions ``_Offload`` routes, and every other product at
     the ATen level (``hbfp.torch.aten``: attention, RNNs, einsum, tensordot, 3-d and transposed
     convolutions, ...). ``report()`` says what ran where. ``recipe`` (a name of ``RECIPES`` or a
     ``Recipe``; None: the recipe in use, ``use_recipe``'s, else "default": the device's format,
-    gradients rounded stochastically) configures each product, with a fresh stream of seeds;
-    without a ``device``, an ``emu`` of the recipe's format (default
-    ``emu``). ``precision``: the matmul precision while active (default: the device's format's
+    gradients rounded stochastically) configures each product. Its stochastic roundings' seeds
+    continue where the model's last context left them (``Rounding.continuing``: a context per
+    step draws new seeds each step; a copy of the model starts as the model did), unless
+    ``seed`` is given: then a fresh stream from that seed. Without a ``device``, an ``emu`` of
+    the recipe's format (default ``emu``). ``precision``: the matmul precision while active (default: the device's format's
     name, e.g. "hbfp8"). The precision, the recipe and the backend flags are restored on exit,
     exceptions included."""
     from .aten import AtenOffload, backend_flags
 
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"offload's seed must be an integer >= 0, got {seed!r}")
     r = _resolve_recipe(recipe) if recipe is not None else current_recipe()
     if device is None:
         formats = r.formats()
@@ -1249,10 +1261,12 @@ def offload(device=None, precision: str | None = None, recipe=None):
     precision = precision or format_name(device.format()).lower().replace(" ", "")
     from .compiled import compiling  # torch.compile'd code: its products as hbfp operators
 
-    with matmul_precision(precision), use_recipe(r) as _, backend_flags(), compiling():
-        product = _Product(device, current_rounding())
+    rounding = Rounding(r, continuing=True) if seed is None else Rounding(r.with_seed(seed))
+    with matmul_precision(precision), _rounding_scope(rounding), backend_flags(), compiling():
+        product = _Product(device, rounding)
         try:
             with AtenOffload(product, _routing_active), _Offload(device, product):
                 yield device
         finally:
             product.close()
+            rounding.finish()

@@ -162,13 +162,14 @@ def _like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("hbfp::mm", mutates_args=())
 @_unrouted
-def _mm(a: torch.Tensor, b: torch.Tensor, label: str, storage: list[int],
-        save: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _mm(a: torch.Tensor, b: torch.Tensor, label: str, storage: list[int], save: bool,
+        weights: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
     """``a @ b`` (2-D fp32) on the device as ``HbfpMatmul`` computes it, counted as a call of
     ``label``; ``storage``: b's transpose is a weight in wide storage of that format (mantissa
     bits, tile; empty: none); ``save``: keep the codes for the backward products (the returned
-    handle)."""
+    handle); ``weights``: whether a and b are (views of) weights, as traced (``_weights``)."""
     product = _context()
+    _note_weights(product, (a, b), weights)
     _report.count_call(label)
     with _report.routing(label):
         y, ctx = _mm_forward(product, a, b, storage)
@@ -176,7 +177,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, label: str, storage: list[int],
 
 
 @_mm.register_fake
-def _(a, b, label, storage, save):
+def _(a, b, label, storage, save, weights):
     return a.new_empty(a.shape[0], b.shape[1]), a.new_empty((), dtype=torch.int64)
 
 
@@ -206,7 +207,7 @@ def _(grad, a, b, handle, label, storage, need_a, need_b):
 
 
 def _mm_setup(ctx, inputs, output):
-    a, b, label, storage, _ = inputs
+    a, b, label, storage, _, _ = inputs
     ctx.save_for_backward(a, b, output[1])
     ctx.label, ctx.storage = label, storage
 
@@ -215,7 +216,7 @@ def _mm_grad(ctx, grad, _):
     a, b, handle = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad[:2]
     grad_a, grad_b = ops.mm_backward(grad, a, b, handle, ctx.label, ctx.storage, need_a, need_b)
-    return (grad_a if need_a else None), (grad_b if need_b else None), None, None, None
+    return (grad_a if need_a else None), (grad_b if need_b else None), None, None, None, None
 
 
 _mm.register_autograd(_mm_grad, setup_context=_mm_setup)
@@ -229,12 +230,15 @@ def _bmm_at_once(recipe) -> bool:
 
 @torch.library.custom_op("hbfp::bmm", mutates_args=())
 @_unrouted
-def _bmm(a: torch.Tensor, b: torch.Tensor, label: str, save: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _bmm(a: torch.Tensor, b: torch.Tensor, label: str, save: bool,
+         weights: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
     """The stack ``a[i] @ b[i]`` (3-D fp32) as ``matmul`` computes it: at once (``HbfpBmm``), or
-    matrix by matrix (``HbfpMatmul``) under a recipe that rounds otherwise than to nearest."""
+    matrix by matrix (``HbfpMatmul``) under a recipe that rounds otherwise than to nearest;
+    ``weights`` as ``hbfp::mm``'s."""
     from . import _device_bmm, current_rounding
 
     product = _context()
+    _note_weights(product, (a, b), weights)
     rounding = current_rounding()
     _report.count_call(label)
     with _report.routing(label):
@@ -247,7 +251,7 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, label: str, save: bool) -> tuple[torc
 
 
 @_bmm.register_fake
-def _(a, b, label, save):
+def _(a, b, label, save, weights):
     return a.new_empty(a.shape[0], a.shape[1], b.shape[2]), a.new_empty((), dtype=torch.int64)
 
 
@@ -288,7 +292,7 @@ def _(grad, a, b, handle, label, need_a, need_b):
 
 
 def _bmm_setup(ctx, inputs, output):
-    a, b, label, _ = inputs
+    a, b, label, _, _ = inputs
     ctx.save_for_backward(a, b, output[1])
     ctx.label = label
 
@@ -297,7 +301,7 @@ def _bmm_grad(ctx, grad, _):
     a, b, handle = ctx.saved_tensors
     need_a, need_b = ctx.needs_input_grad[:2]
     grad_a, grad_b = ops.bmm_backward(grad, a, b, handle, ctx.label, need_a, need_b)
-    return (grad_a if need_a else None), (grad_b if need_b else None), None, None
+    return (grad_a if need_a else None), (grad_b if need_b else None), None, None, None
 
 
 _bmm.register_autograd(_bmm_grad, setup_context=_bmm_setup)
@@ -603,9 +607,21 @@ _DECOMPOSITIONS = {getattr(torch.ops.aten, name).default: _decomposition(name) f
 
 # ---- the routed functions while Dynamo traces ---------------------------------------------------
 
+def _weights(*xs) -> list[bool]:
+    """Whether each traced operand is (a view of) a weight, for the stream of seeds
+    (``Rounding.note``: the compiled graph's operands no longer say so when it runs)."""
+    from hbfp.recipes import _weight_of
+
+    return [_weight_of(x) is not None for x in xs]
+
+
+def _note_weights(product, operands, weights: list[bool]) -> None:
+    product.rounding.note_weights(*(x for x, w in zip(operands, weights) if w))
+
+
 def _mm2(a, b, label: str, storage: list[int]):
     save = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
-    return ops.mm(a, b, label, storage, save)[0]
+    return ops.mm(a, b, label, storage, save, _weights(a, b))[0]
 
 
 def _matmul(a, b, label: str, storage: list[int]):
@@ -631,8 +647,9 @@ def _matmul(a, b, label: str, storage: list[int]):
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    weights = _weights(a, b)
     save = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
-    out = ops.bmm(a, b, label, save)[0]
+    out = ops.bmm(a, b, label, save, weights)[0]
     return out.reshape(*batch, *out.shape[-2:])
 
 
