@@ -594,6 +594,25 @@ def report_output(outdir: Path):
     return Output(outdir, REPORT_FILES, command="hbfp train", manifest=MANIFEST)
 
 
+def results_table(runs: list[Run]) -> list[str]:
+    """The markdown table of ``runs`` (results.md's, and README's demo table: its lines)."""
+    lines = ["| model | optimizer | products | master weights | device | epochs | final loss | result | seconds |",
+             "|---|---|---|---|---|---:|---:|---:|---:|"]
+    for r in runs:
+        products = r.precision + (f" ({r.recipe})" if r.recipe else "")
+        lines.append(f"| {r.model} | {r.optimizer} | {products} | {r.weight_storage} | {r.device or 'CPU'} | {r.epochs} | "
+                     f"{r.losses[-1]:.4f} | {_metric(r)} | {r.seconds:.1f} |")
+    return lines
+
+
+def load_runs(path: Path) -> list[Run]:
+    """The runs of a ``runs.json`` that ``write_report`` wrote."""
+    from dataclasses import fields
+
+    names = {f.name for f in fields(Run)}
+    return [Run(**{k: v for k, v in d.items() if k in names}) for d in json.loads(Path(path).read_text())]
+
+
 def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None, output=None) -> str:
     """Write curves (PNG), a markdown table and the runs (JSON) under ``outdir`` (through
     ``output``, a ``report_output`` of it checked earlier; default: checked now); return the
@@ -641,13 +660,7 @@ def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None, 
     fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
 
-    lines = ["| model | optimizer | products | master weights | device | epochs | final loss | result | seconds |",
-             "|---|---|---|---|---|---:|---:|---:|---:|"]
-    for r in runs:
-        products = r.precision + (f" ({r.recipe})" if r.recipe else "")
-        lines.append(f"| {r.model} | {r.optimizer} | {products} | {r.weight_storage} | {r.device or 'CPU'} | {r.epochs} | "
-                     f"{r.losses[-1]:.4f} | {_metric(r)} | {r.seconds:.1f} |")
-    table = "\n".join(lines + [""] + (extra or []))
+    table = "\n".join(results_table(runs) + [""] + (extra or []))
     output.write({"curves.png": png.getvalue(), "results.md": table + "\n",
                   "runs.json": json.dumps([asdict(r) for r in runs], indent=1)})
     return table
