@@ -91,6 +91,29 @@ def test_mlp_compiled_equals_eager_and_runs_on_the_device():
         assert torch.equal(torch.compile(model)(x), model(x))
 
 
+def test_offload_leaves_torch_compile_as_it_found_it():
+    """A model compiled and run under offload, then outside it: the same compiled model and a
+    new one of the same class are compiled again (Dynamo does not skip their code), compute in
+    fp32 on the host (nothing reaches the device) and give eager fp32's bits."""
+    torch.manual_seed(0)
+    model, x = _mlp(), torch.randn(32, 48)
+    compiled = torch.compile(model)
+    with torch.no_grad(), ht.offload(host.open("emu")):
+        on_device = compiled(x)
+    from torch._dynamo.testing import CompileCounter
+
+    counters, counter = torch._dynamo.utils.counters, CompileCounter()
+    for m in (compiled, torch.compile(copy.deepcopy(model), backend=counter)):
+        frames = counters["frames"]["ok"]
+        ht.reset_report()
+        with torch.no_grad():
+            y = m(x)
+        assert counters["frames"]["ok"] > frames  # compiled again, not run eagerly
+        assert torch.equal(y, model(x)) and not torch.equal(y, on_device)
+        assert not ht.report()
+    assert counter.frame_count == 1
+
+
 def test_transformer_compiled_equals_eager_and_runs_on_the_device():
     torch.manual_seed(0)
     model, x, y = _Encoder(), torch.randint(0, 20, (4, 12)), torch.randint(0, 20, (4,))
