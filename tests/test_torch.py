@@ -9,6 +9,8 @@ import torch
 
 import hbfp.host
 import hbfp.torch as ht
+from hbfp.torch import convolution
+from hbfp.torch import device as torch_device
 from hbfp.host.device import reference_gemm
 
 
@@ -145,7 +147,7 @@ class ExactDevice:
 
 def test_backward_formulas_pass_gradcheck_with_quantization_off(monkeypatch):
     # The driver's results come back as they are (fp64 here), so gradcheck sees exact math.
-    monkeypatch.setattr(ht, "_numpy", lambda t: t.detach().numpy())
+    monkeypatch.setattr(torch_device, "_numpy", lambda t: t.detach().numpy())
     a = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
     b = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x, y: ht.HbfpMatmul.apply(x, y, ExactDevice()), (a, b))
@@ -366,7 +368,7 @@ def test_convolution_patches_keep_unfolds_bits_forward_and_backward(compiled, mo
         x2 = x1.detach().clone().requires_grad_()
         cols = F.unfold(x1, k, dilation=d, padding=p, stride=s)
         want = cols.transpose(1, 2).reshape(-1, cols.shape[1])
-        got = ht._Patches.apply(x2, k, s, p, d)
+        got = convolution._Patches.apply(x2, k, s, p, d)
         g = torch.randn_like(want) * 100
         want.backward(g)
         got.backward(g)

@@ -50,7 +50,7 @@ def applies(args, kwargs) -> bool:
 def layers(device, x, hx, weights, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     """``torch.lstm``'s (output, h_n, c_n) of these arguments on ``device``, layer by layer
     (time-major inside: each step's rows contiguous)."""
-    from . import matmul
+    from .functional import matmul
 
     h0, c0 = hx
     per = 4 if has_biases else 2
@@ -82,7 +82,10 @@ class _Recurrence(torch.autograd.Function):
     def forward(ctx, xp, h0, c0, w_hh, device):
         from hbfp import kernels
 
-        from . import _device_work, _operand, _product, _report, current_rounding
+        from . import counts as _report
+        from .autograd import _operand, _product
+        from .config import current_rounding
+        from .device import _device_work
 
         rounding = current_rounding()
         fwd = rounding.recipe.forward
@@ -109,7 +112,9 @@ class _Recurrence(torch.autograd.Function):
     def backward(ctx, d_out, d_h, d_c):
         from hbfp import kernels
 
-        from . import _device_work, _operand, _product, _report
+        from . import counts as _report
+        from .autograd import _operand, _product
+        from .device import _device_work
 
         h0, c0, w_hh, acts, cell, tanh_c, out = ctx.saved_tensors
         device, rounding = ctx.device, ctx.rounding

@@ -1,0 +1,122 @@
+"""The HBFP layers (``Linear``, ``Conv1d``, ``Conv2d``: torch's, their products on the device,
+without a context) and ``convert(model)``, which swaps them into a model in place.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from hbfp.recipes import Rounding
+from hbfp.recipes import resolve as _resolve_recipe
+
+from .config import _rounding_scope
+from .convolution import conv1d, conv2d
+from .counts import HbfpFallbackWarning
+from .device import default_device
+from .functional import _linear
+
+__all__ = ["Linear", "Conv1d", "Conv2d", "convert"]
+
+
+class _OnDevice:
+    """What the HBFP layers add to torch's: ``device_handle`` (None: ``default_device()``),
+    ``rounding`` (the recipe of ``convert``; None: the recipe in use where the layer runs) and
+    a ``forward`` that torch.compile runs as it is and compiles around; ``_product(x, device)``
+    is the layer's own computation."""
+
+    def __init__(self, *args, device_handle=None, rounding: Rounding | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.device_handle = device_handle
+        self.rounding = rounding
+
+    @torch.compiler.disable
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with _rounding_scope(self.rounding):
+            return self._product(x, self.device_handle or default_device())
+
+
+class Linear(_OnDevice, torch.nn.Linear):
+    """``torch.nn.Linear`` whose product runs in HBFP on ``device`` (default: ``emu``)."""
+
+    def _product(self, x, device):
+        return _linear(x, self.weight, self.bias, device)
+
+
+class Conv2d(_OnDevice, torch.nn.Conv2d):
+    """``torch.nn.Conv2d`` whose products run in HBFP on ``device`` (``conv2d``)."""
+
+    def _product(self, x, device):
+        return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups, device,
+                      padding_mode=self.padding_mode)
+
+
+class Conv1d(_OnDevice, torch.nn.Conv1d):
+    """``torch.nn.Conv1d`` whose products run in HBFP on ``device`` (``conv1d``)."""
+
+    def _product(self, x, device):
+        return conv1d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups, device,
+                      padding_mode=self.padding_mode)
+
+
+def _converted(layer: torch.nn.Module, device, rounding: Rounding | None = None) -> torch.nn.Module | None:
+    """The HBFP version of a torch ``Linear``, ``Conv1d`` or ``Conv2d`` (the same parameter
+    tensors), else None."""
+    if isinstance(layer, torch.nn.Linear) and not isinstance(layer, Linear):
+        new = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device_handle=device,
+                     rounding=rounding)
+    elif isinstance(layer, (torch.nn.Conv1d, torch.nn.Conv2d)) and not isinstance(layer, (Conv1d, Conv2d)):
+        cls = Conv2d if isinstance(layer, torch.nn.Conv2d) else Conv1d
+        new = cls(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
+                  padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
+                  bias=layer.bias is not None, padding_mode=layer.padding_mode, device_handle=device, rounding=rounding)
+    else:
+        return None
+    new.weight = layer.weight
+    if layer.bias is not None:
+        new.bias = layer.bias
+    new.train(layer.training)
+    return new
+
+
+def convert(model: torch.nn.Module, device=None, recipe=None) -> torch.nn.Module:
+    """Swap every ``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` of ``model`` for the HBFP versions, in place,
+    keeping their parameters (the same tensors); returns the model. A bare layer comes back as
+    its HBFP version (use the returned module). ``recipe`` (a name of ``RECIPES`` or a
+    ``Recipe``): the products' configuration, with one stream of seeds for the model; None:
+    the recipe in use where the layers run (``offload``, ``use_recipe``, else the default)."""
+    rounding = None
+    if recipe is not None:
+        rounding = Rounding(_resolve_recipe(recipe))
+        if device is not None:
+            rounding.recipe.check(device)
+    bare = _converted(model, device, rounding)
+    if bare is not None:
+        return bare
+    left: set[str] = set()
+    _convert(model, device, rounding, left)
+    if left:
+        warnings.warn(f"convert left {', '.join(sorted(left))} as they are: their products run on the device under "
+                      "hbfp.torch.offload only (the ATen-level interception), in fp32 without it", HbfpFallbackWarning,
+                      stacklevel=2)
+    return model
+
+
+#: Layers with matrix products that ``convert`` does not swap: ``offload`` routes their
+#: products at the ATen level. (A MultiheadAttention's out_proj is not called as a module:
+#: ``F.multi_head_attention_forward`` reads its weight, so it stays as it is too.)
+_UNCONVERTED = (torch.nn.MultiheadAttention, torch.nn.RNNBase, torch.nn.Conv3d, torch.nn.modules.conv._ConvTransposeNd,
+                torch.nn.Bilinear)
+
+
+def _convert(model, device, rounding, left: set) -> None:
+    for name, child in list(model.named_children()):
+        if isinstance(child, _UNCONVERTED):
+            left.add(type(child).__name__)
+            continue
+        new = _converted(child, device, rounding)
+        if new is None:
+            _convert(child, device, rounding, left)
+        else:
+            setattr(model, name, new)
