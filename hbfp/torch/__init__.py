@@ -22,7 +22,7 @@ Everything else (loss, optimizer, bias additions) stays in fp32 on the CPU.
 from hbfp.recipes import DEFAULT_RECIPE, RECIPES, ProductConfig, Recipe
 
 from .autograd import HbfpBmm, HbfpMatmul
-from .config import (PRECISIONS, current_recipe, current_rounding, get_matmul_precision, matmul_precision,
+from .config import (PRECISIONS, current_recipe, get_matmul_precision, matmul_precision, recipe_in_use,
                      set_matmul_precision, use_recipe)
 from .convolution import conv1d, conv2d
 from .counts import HbfpFallbackWarning, OpCount, fallbacks, format_report, report, reset_fallbacks, reset_report
@@ -62,7 +62,7 @@ __all__ = [
     "DEFAULT_RECIPE",
     "use_recipe",
     "current_recipe",
-    "current_rounding",
+    "recipe_in_use",
     "wide_weight_storage",
     "WideWeightStorage",
     "weight_storage",

@@ -36,7 +36,7 @@ import warnings
 
 import torch
 
-from hbfp.recipes import ProductConfig, Rounding
+from hbfp.recipes import ProductConfig, RecipeInUse
 
 from . import counts
 from .autograd import _operand, _out, _product
@@ -231,35 +231,35 @@ class AtenOffload:
 
 class _Product:
     """The device's products as the ATen-level kernels call them: ``product(a, b)`` (2-D) and
-    ``product.batched(a, b)`` (stacks), under ``rounding``'s recipe: its forward product's
+    ``product.batched(a, b)`` (stacks), under the recipe in use (``in_use``): its forward product's
     configuration outside a backward pass, its ``grad_input`` one inside. An ATen product does
     not say which operand is the gradient: on a device with square tiles, a backward product's
     operand that was a forward operand (the same tensor, not written since: ``operands``) is
     read as the forward products read it, the other (the output gradient) is rounded as the
     backward configuration says; elsewhere both are."""
 
-    def __init__(self, device, rounding: Rounding):
+    def __init__(self, device, in_use: RecipeInUse):
         from .operands import ForwardOperands
 
-        self.device, self.rounding = device, rounding
+        self.device, self.in_use = device, in_use
         self.forward = ForwardOperands() if _square(device) else None
         self.direct = device.in_process
 
     def _config(self) -> tuple[ProductConfig, bool]:
-        recipe = self.rounding.recipe
+        recipe = self.in_use.recipe
         forward = torch._C._current_autograd_node() is None
         return (recipe.forward if forward else recipe.grad_input), forward
 
     def _operand(self, x, cfg: ProductConfig, forward: bool):
         if forward:
-            self.rounding.note(x)
+            self.in_use.note(x)
         if self.forward is not None and (not forward or cfg.rounding == "nearest_even"):
             hit, codes = self.forward.lookup(x)
             if hit and not forward:
                 return x if codes is None else codes
             if hit and codes is not None:  # a forward operand again (an RNN's weight at every time
                 return codes               # step): to nearest, its codes are the same; quantized once
-        q = _operand(self.device, x, cfg, self.rounding)
+        q = _operand(self.device, x, cfg, self.in_use)
         if self.forward is not None and forward:
             self.forward.remember(x, q if isinstance(q, tuple) else None)
         return q
@@ -268,14 +268,14 @@ class _Product:
         cfg, forward = self._config()
         with _device_work():
             qa, qb = self._operand(a, cfg, forward), self._operand(b, cfg, forward)
-        return _product(self.device, qa, qb, cfg, self.rounding)
+        return _product(self.device, qa, qb, cfg, self.in_use)
 
     def _stack(self, x, cfg: ProductConfig, forward: bool, seed: int):
         """A stack's codes (``stack_codes``) on a device with square tiles, through ``forward``."""
         from hbfp.host.device import stack_codes
 
         if forward:
-            self.rounding.note(x)
+            self.in_use.note(x)
         if not forward:
             hit, codes = self.forward.lookup(x)
             if hit and codes is not None:
@@ -288,8 +288,8 @@ class _Product:
     def batched(self, a, b):
         cfg, forward = self._config()
         if forward:
-            self.rounding.note(a, b)
-        seed = self.rounding.seed(cfg)
+            self.in_use.note(a, b)
+        seed = self.in_use.seed(cfg)
         if self.forward is not None and a.shape[0] and a.shape[1] and b.shape[2] and a.shape[2]:
             from hbfp.host.device import _seeds
 

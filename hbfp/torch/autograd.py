@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hbfp.recipes import ProductConfig, Rounding
+from hbfp.recipes import ProductConfig, RecipeInUse
 
 from . import counts as _report
-from .config import current_rounding
+from .config import recipe_in_use
 from .device import _compiled_cpu, _device_bmm, _device_gemm, _device_work, _quantized, _square
 from .lean import _Lean
 
@@ -31,15 +31,15 @@ if TYPE_CHECKING:
 __all__ = ["HbfpMatmul", "HbfpBmm"]
 
 
-def _operand(device, x, cfg: ProductConfig, rounding: Rounding):
-    return _quantized(device, x, cfg.rounding, rounding.seed(cfg) if _square(device) else None)
+def _operand(device, x, cfg: ProductConfig, in_use: RecipeInUse):
+    return _quantized(device, x, cfg.rounding, in_use.seed(cfg) if _square(device) else None)
 
 
-def _product(device, a, b, cfg: ProductConfig, rounding: Rounding, **kw) -> torch.Tensor:
+def _product(device, a, b, cfg: ProductConfig, in_use: RecipeInUse, **kw) -> torch.Tensor:
     """``_device_gemm`` under ``cfg``: a device with blocks along K rounds both operands as
     ``cfg`` says (its operands go as values); the result in ``cfg.out``."""
     if not _square(device) and cfg.rounding != "nearest_even":
-        kw.update(rounding=cfg.rounding, seed=rounding.seed(cfg))
+        kw.update(rounding=cfg.rounding, seed=in_use.seed(cfg))
     return _out(_device_gemm(device, a, b, **kw), cfg)
 
 
@@ -65,21 +65,21 @@ class HbfpMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, device, stored: _StoredOperand | None = None,
-                rounding: Rounding | None = None, patches=None, grad_a_t: bool = False, out_t: bool = False):
-        rounding = rounding or current_rounding()
-        rounding.note(a, b)
-        cfg = rounding.recipe.forward
-        ctx.device, ctx.stored, ctx.rounding = device, stored, rounding
+                in_use: RecipeInUse | None = None, patches=None, grad_a_t: bool = False, out_t: bool = False):
+        in_use = in_use or recipe_in_use()
+        in_use.note(a, b)
+        cfg = in_use.recipe.forward
+        ctx.device, ctx.stored, ctx.in_use = device, stored, in_use
         ctx.op = _report.current()
         ctx.lean = None
-        if stored is None and patches is None and not (grad_a_t or out_t) and _Lean.fits(a, b, rounding.recipe):
+        if stored is None and patches is None and not (grad_a_t or out_t) and _Lean.fits(a, b, in_use.recipe):
             lean, lib = _Lean.of(device), _compiled_cpu()
             if lean is not None and lib is not None:  # the general path's codes, made leaner
                 ctx.lean, ctx.transposed, ctx.a_t = lean, False, False
-                y, ctx.qa, ctx.qb, ctx.b_view = lean.forward(lib, a, b, rounding)
+                y, ctx.qa, ctx.qb, ctx.b_view = lean.forward(lib, a, b, in_use)
                 return y
-        ctx.qa = patches.codes(device, cfg, rounding) if patches is not None else _operand(device, a, cfg, rounding)
-        ctx.qb = stored.codes if stored is not None else _operand(device, b, cfg, rounding)
+        ctx.qa = patches.codes(device, cfg, in_use) if patches is not None else _operand(device, a, cfg, in_use)
+        ctx.qb = stored.codes if stored is not None else _operand(device, b, cfg, in_use)
         ctx.transposed = stored is not None and stored.transposed
         # b a transposed view of a matrix (a Linear's weight as in x out): its gradient is made
         # in the matrix's layout, so that autograd hands it to the weight without a copy
@@ -87,9 +87,9 @@ class HbfpMatmul(torch.autograd.Function):
         # grad_a_t: a's gradient made transposed (a patch matrix's: col2im reads runs of it there)
         ctx.a_t = grad_a_t
         if out_t:  # (b^T @ a^T)^T: the same sums, the same bits, a transposed view
-            return _product(device, ctx.qb, ctx.qa, cfg, rounding, transpose_a=not ctx.transposed,
+            return _product(device, ctx.qb, ctx.qa, cfg, in_use, transpose_a=not ctx.transposed,
                             transpose_b=True).t()
-        return _product(device, ctx.qa, ctx.qb, cfg, rounding, transpose_b=ctx.transposed)
+        return _product(device, ctx.qa, ctx.qb, cfg, in_use, transpose_b=ctx.transposed)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -100,30 +100,30 @@ class HbfpMatmul(torch.autograd.Function):
     def _backward(ctx, grad: torch.Tensor):
         lib = _compiled_cpu() if ctx.lean is not None else None
         if lib is not None and grad.dtype == torch.float32 and grad.device.type == "cpu":
-            grad_a, grad_b = ctx.lean.backward(lib, grad, ctx.qa, ctx.qb, ctx.b_view, ctx.rounding,
+            grad_a, grad_b = ctx.lean.backward(lib, grad, ctx.qa, ctx.qb, ctx.b_view, ctx.in_use,
                                                *ctx.needs_input_grad[:2])
             return grad_a, grad_b, None, None, None, None, None, None
         grad_a = grad_b = None
-        dev, rounding = ctx.device, ctx.rounding
-        gi, gw = rounding.recipe.grad_input, rounding.recipe.grad_weight
+        dev, in_use = ctx.device, ctx.in_use
+        gi, gw = in_use.recipe.grad_input, in_use.recipe.grad_weight
         qg = {}  # the output gradient quantized once per rounding the products ask for
 
         def quantized(cfg):
             if cfg.rounding not in qg:
-                qg[cfg.rounding] = _operand(dev, grad, cfg, rounding)
+                qg[cfg.rounding] = _operand(dev, grad, cfg, in_use)
             return qg[cfg.rounding]
 
         if ctx.needs_input_grad[0]:  # grad @ b^T (b stored as in the forward product)
             if ctx.a_t:  # (b @ grad^T)^T: the same sums, the same bits, a transposed view
-                grad_a = _product(dev, ctx.qb, quantized(gi), gi, rounding, transpose_a=ctx.transposed,
+                grad_a = _product(dev, ctx.qb, quantized(gi), gi, in_use, transpose_a=ctx.transposed,
                                   transpose_b=True).t()
             else:
-                grad_a = _product(dev, quantized(gi), ctx.qb, gi, rounding, transpose_b=not ctx.transposed)
+                grad_a = _product(dev, quantized(gi), ctx.qb, gi, in_use, transpose_b=not ctx.transposed)
         if ctx.needs_input_grad[1]:  # a^T @ grad, or (grad^T @ a)^T: the same sums, the same bits
             if ctx.b_view:
-                grad_b = _product(dev, quantized(gw), ctx.qa, gw, rounding, transpose_a=True).t()
+                grad_b = _product(dev, quantized(gw), ctx.qa, gw, in_use, transpose_a=True).t()
             else:
-                grad_b = _product(dev, ctx.qa, quantized(gw), gw, rounding, transpose_a=True)
+                grad_b = _product(dev, ctx.qa, quantized(gw), gw, in_use, transpose_a=True)
         return grad_a, grad_b, None, None, None, None, None, None
 
 
@@ -136,7 +136,7 @@ class HbfpBmm(torch.autograd.Function):
         ctx.device = device
         ctx.op = _report.current()
         ctx.save_for_backward(a, b)
-        current_rounding().note(a, b)
+        recipe_in_use().note(a, b)
         return _device_bmm(device, a, b)
 
     @staticmethod

@@ -77,10 +77,10 @@ def _context():
     return product
 
 
-def _forward_config(rounding):
-    cfg = rounding.recipe.forward
+def _forward_config(in_use):
+    cfg = in_use.recipe.forward
     if cfg.rounding == "stochastic":
-        raise NotImplementedError(f"recipe {rounding.recipe.name!r} rounds forward operands stochastically: compiled "
+        raise NotImplementedError(f"recipe {in_use.recipe.name!r} rounds forward operands stochastically: compiled "
                                   "products under offload support forward roundings to nearest or toward zero only "
                                   "(run the model eagerly)")
     return cfg
@@ -141,13 +141,13 @@ def _mm_forward(product, a, b, storage: list[int]):
     """``HbfpMatmul``'s forward on the context's device: the product and the context its
     backward reads."""
     from .autograd import HbfpMatmul
-    from .config import current_rounding
+    from .config import recipe_in_use
 
-    rounding = current_rounding()
-    _forward_config(rounding)
+    in_use = recipe_in_use()
+    _forward_config(in_use)
     stored = _stored_codes(b, storage, product.device) if storage else None
     ctx = SimpleNamespace()
-    y = HbfpMatmul.forward(ctx, a, b, product.device, stored, rounding)
+    y = HbfpMatmul.forward(ctx, a, b, product.device, stored, in_use)
     return y, ctx
 
 
@@ -236,15 +236,15 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, label: str, save: bool,
     """The stack ``a[i] @ b[i]`` (3-D fp32) as ``matmul`` computes it: at once (``HbfpBmm``), or
     matrix by matrix (``HbfpMatmul``) under a recipe that rounds otherwise than to nearest;
     ``weights`` as ``hbfp::mm``'s."""
-    from .config import current_rounding
+    from .config import recipe_in_use
     from .device import _device_bmm
 
     product = _context()
     _note_weights(product, (a, b), weights)
-    rounding = current_rounding()
+    in_use = recipe_in_use()
     _report.count_call(label)
     with _report.routing(label):
-        if _bmm_at_once(rounding.recipe):
+        if _bmm_at_once(in_use.recipe):
             y, ctx = _device_bmm(product.device, a, b), None
         else:
             pairs = [_mm_forward(product, a[i], b[i], []) for i in range(a.shape[0])]
@@ -264,13 +264,13 @@ def _bmm_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, handle: 
     """The backward products of ``hbfp::bmm``: ``HbfpBmm``'s, or each matrix's ``HbfpMatmul``
     ones, the last matrix's first (the autograd engine's order: the latest node first)."""
     from .autograd import HbfpMatmul
-    from .config import current_rounding
+    from .config import recipe_in_use
     from .device import _device_bmm
 
     product = _context()
     grad_a = grad_b = None
     with _report.routing(label):
-        if _bmm_at_once(current_rounding().recipe):
+        if _bmm_at_once(recipe_in_use().recipe):
             if need_a:
                 grad_a = _device_bmm(product.device, grad, b.transpose(1, 2))
             if need_b:
@@ -313,14 +313,14 @@ _bmm.register_autograd(_bmm_grad, setup_context=_bmm_setup)
 
 def _weights(*xs) -> list[bool]:
     """Whether each traced operand is (a view of) a weight, for the stream of seeds
-    (``Rounding.note``: the compiled graph's operands no longer say so when it runs)."""
+    (``RecipeInUse.note``: the compiled graph's operands no longer say so when it runs)."""
     from hbfp.recipes import _weight_of
 
     return [_weight_of(x) is not None for x in xs]
 
 
 def _note_weights(product, operands, weights: list[bool]) -> None:
-    product.rounding.note_weights(*(x for x, w in zip(operands, weights) if w))
+    product.in_use.note_weights(*(x for x, w in zip(operands, weights) if w))
 
 
 for _op in (_mm, _mm_backward, _bmm, _bmm_backward):

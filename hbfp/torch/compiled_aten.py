@@ -33,8 +33,8 @@ def _aten_operand(product, x, cfg, backward: bool, forward_operand: bool):
         hit, codes = product.forward.lookup(x)
         if hit and codes is not None:
             return codes
-        return _operand(product.device, x, _forward_config(product.rounding), product.rounding)
-    return _operand(product.device, x, cfg, product.rounding)
+        return _operand(product.device, x, _forward_config(product.in_use), product.in_use)
+    return _operand(product.device, x, cfg, product.in_use)
 
 
 def _aten_stack(product, x, cfg, backward: bool, forward_operand: bool, seed: int):
@@ -48,13 +48,13 @@ def _aten_stack(product, x, cfg, backward: bool, forward_operand: bool, seed: in
         hit, codes = product.forward.lookup(x)
         if hit and codes is not None:
             return codes
-        return stack_codes(x.detach(), product.device.format(_forward_config(product.rounding).rounding), 0)
+        return stack_codes(x.detach(), product.device.format(_forward_config(product.in_use).rounding), 0)
     return stack_codes(x.detach(), product.device.format(cfg.rounding), seed)
 
 
 def _aten_config(product, backward: bool):
-    recipe = product.rounding.recipe
-    return recipe.grad_input if backward else _forward_config(product.rounding)
+    recipe = product.in_use.recipe
+    return recipe.grad_input if backward else _forward_config(product.in_use)
 
 
 @torch.library.custom_op("hbfp::aten_mm", mutates_args=())
@@ -73,7 +73,7 @@ def _aten_mm(a: torch.Tensor, b: torch.Tensor, label: str, backward: bool, a_for
         with _device_work():
             qa = _aten_operand(product, a, cfg, backward, a_forward)
             qb = _aten_operand(product, b, cfg, backward, b_forward)
-        return _product(product.device, qa, qb, cfg, product.rounding).contiguous()
+        return _product(product.device, qa, qb, cfg, product.in_use).contiguous()
 
 
 @_aten_mm.register_fake
@@ -96,7 +96,7 @@ def _aten_bmm(a: torch.Tensor, b: torch.Tensor, label: str, backward: bool, a_fo
     cfg = _aten_config(product, backward)
     _report.count_call(label)
     with _report.routing(label):
-        seed = product.rounding.seed(cfg)
+        seed = product.in_use.seed(cfg)
         if product.direct and product.forward is not None and a.shape[0] and a.shape[1] and b.shape[2] and a.shape[2]:
             sa, sb, _ = _seeds(seed, cfg.rounding)
             with _device_work():

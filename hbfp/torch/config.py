@@ -7,7 +7,7 @@ recipe in use.
   exceptions included.
 - The recipe in use (``use_recipe``, ``current_recipe``; ``hbfp.recipes``): per product
   (forward, grad_input, grad_weight) the format, the rounding and the output format, with the
-  stream of seeds its stochastic roundings draw (``current_rounding``).
+  stream of seeds its stochastic roundings draw (``recipe_in_use``).
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from hbfp.recipes import Recipe, Rounding
+from hbfp.recipes import Recipe, RecipeInUse
 from hbfp.recipes import resolve as _resolve_recipe
 
 __all__ = ["PRECISIONS", "set_matmul_precision", "get_matmul_precision", "matmul_precision", "use_recipe",
-           "current_recipe", "current_rounding"]
+           "current_recipe", "recipe_in_use"]
 
 
 #: "highest": fp32 products by PyTorch; a format's name in lower case ("hbfp8", "mxint8",
 #: "hbfp16"): products on the hbfp device, in that format (``offload`` sets its device's).
 PRECISIONS = ("highest", "hbfp8", "hbfp16", "mxint8")
 
-#: This thread's: ``precision``, ``rounding`` (the recipe in use) and ``on_device`` (inside the
+#: This thread's: ``precision``, ``in_use`` (the recipe in use) and ``on_device`` (inside the
 #: device's own work: ``hbfp.torch.device._device_work``).
 _state = threading.local()
 
@@ -53,32 +53,32 @@ def matmul_precision(precision: str):
         set_matmul_precision(previous)
 
 
-def current_rounding() -> Rounding:
+def recipe_in_use() -> RecipeInUse:
     """The recipe in use on this thread (``offload``, ``use_recipe``; else the default's
     stream of seeds)."""
-    r = getattr(_state, "rounding", None)
-    return r if r is not None else _DEFAULT_ROUNDING
+    r = getattr(_state, "in_use", None)
+    return r if r is not None else _DEFAULT_IN_USE
 
 
 def current_recipe() -> Recipe:
-    return current_rounding().recipe
+    return recipe_in_use().recipe
 
 
-_DEFAULT_ROUNDING = Rounding(_resolve_recipe(None))
+_DEFAULT_IN_USE = RecipeInUse(_resolve_recipe(None))
 
 
 @contextlib.contextmanager
-def _rounding_scope(rounding: Rounding | None):
-    """``rounding`` in use in the body (None: unchanged)."""
-    if rounding is None:
+def _using(in_use: RecipeInUse | None):
+    """``in_use`` is this thread's recipe in use in the body (None: unchanged)."""
+    if in_use is None:
         yield
         return
-    previous = getattr(_state, "rounding", None)
-    _state.rounding = rounding
+    previous = getattr(_state, "in_use", None)
+    _state.in_use = in_use
     try:
         yield
     finally:
-        _state.rounding = previous
+        _state.in_use = previous
 
 
 @contextlib.contextmanager
@@ -86,7 +86,7 @@ def use_recipe(recipe=None, seed: int | None = None):
     """Products issued in the body follow ``recipe`` (a name of ``RECIPES`` or a ``Recipe``;
     ``seed`` replaces its seed), with a fresh stream of seeds; restored on exit."""
     r = _resolve_recipe(recipe)
-    with _rounding_scope(Rounding(r if seed is None else r.with_seed(seed))):
+    with _using(RecipeInUse(r if seed is None else r.with_seed(seed))):
         yield current_recipe()
 
 

@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hbfp.recipes import ProductConfig, Rounding
+from hbfp.recipes import ProductConfig, RecipeInUse
 
 from . import counts
 from .device import _device_work, _square, default_device
@@ -61,10 +61,10 @@ class _LazyPatches:
                 and x.device.type == "cpu" and kernels._conv_lib(x) is not None)
 
     @torch.compiler.disable
-    def codes(self, device, cfg: ProductConfig, rounding: Rounding):
+    def codes(self, device, cfg: ProductConfig, in_use: RecipeInUse):
         from hbfp import kernels
 
-        seed = rounding.seed(cfg)  # as _operand draws it: one a quantization
+        seed = in_use.seed(cfg)  # as _operand draws it: one a quantization
         with _device_work():
             return kernels.im2col_quantize(self.x, *self.geometry, device.format(cfg.rounding), seed=seed)
 

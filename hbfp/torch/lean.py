@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hbfp.recipes import ProductConfig, Recipe, Rounding
+from hbfp.recipes import ProductConfig, Recipe, RecipeInUse
 
 from . import counts as _report
 from .device import _device_work, _square
@@ -52,11 +52,11 @@ class _Lean:
         return (a.dtype == torch.float32 and b.dtype == torch.float32 and a.dim() == 2 and b.dim() == 2
                 and a.device.type == "cpu" and b.device.type == "cpu" and _fp32_results(recipe))
 
-    def _quantize(self, lib, x: torch.Tensor, cfg: ProductConfig, rounding: Rounding):
+    def _quantize(self, lib, x: torch.Tensor, cfg: ProductConfig, in_use: RecipeInUse):
         """``x``'s codes and exponents under ``cfg`` (``_operand``'s)."""
         from hbfp.kernels import _seed_key, default_threads
 
-        seed = rounding.seed(cfg)
+        seed = in_use.seed(cfg)
         fmt = self.fmt[cfg.rounding]
         transposed = seed is None and not x.is_contiguous() and x.t().is_contiguous()  # a Linear's weight
         if transposed:
@@ -85,31 +85,31 @@ class _Lean:
             lib.gemm_tensor(qa[0], qa[1], fmt, qb[0], qb[1], fmt, y, default_threads(), qmax, qmax)
         return y
 
-    def forward(self, lib, a: torch.Tensor, b: torch.Tensor, rounding: Rounding):
+    def forward(self, lib, a: torch.Tensor, b: torch.Tensor, in_use: RecipeInUse):
         """``a @ b``, the operands' codes and whether ``b`` is a transposed view (what the
         backward products read)."""
         from hbfp.host.device import check_product_size
 
-        cfg = rounding.recipe.forward
+        cfg = in_use.recipe.forward
         code_bytes = 1 if self.fmt["nearest_even"].mantissa_bits <= 8 else 2
         check_product_size(a.shape[0], b.shape[1], a.shape[1], code_bytes=code_bytes)
         with _device_work():
-            qa, qb = self._quantize(lib, a, cfg, rounding), self._quantize(lib, b, cfg, rounding)
+            qa, qb = self._quantize(lib, a, cfg, in_use), self._quantize(lib, b, cfg, in_use)
             b_view = not b.is_contiguous() and b.t().is_contiguous()
             return self._gemm(lib, qa, qb, a.shape[0], b.shape[1], a.shape[1]), qa, qb, b_view
 
-    def backward(self, lib, grad: torch.Tensor, qa, qb, b_view: bool, rounding: Rounding, need_a: bool,
+    def backward(self, lib, grad: torch.Tensor, qa, qb, b_view: bool, in_use: RecipeInUse, need_a: bool,
                  need_b: bool):
         """``HbfpMatmul._backward``'s products: grad @ b^T, then a^T @ grad (made as
         (grad^T @ a)^T where b is a transposed view: the layout of its matrix), the output
         gradient quantized once per rounding they ask for."""
         (ca, ea), (cb, eb) = qa, qb
-        recipe = rounding.recipe
+        recipe = in_use.recipe
         qg: dict = {}
 
         def quantized(cfg):
             if cfg.rounding not in qg:
-                qg[cfg.rounding] = self._quantize(lib, grad, cfg, rounding)
+                qg[cfg.rounding] = self._quantize(lib, grad, cfg, in_use)
             return qg[cfg.rounding]
 
         grad_a = grad_b = None

@@ -8,10 +8,10 @@ import warnings
 
 import torch
 
-from hbfp.recipes import Rounding
+from hbfp.recipes import RecipeInUse
 from hbfp.recipes import resolve as _resolve_recipe
 
-from .config import _rounding_scope
+from .config import _using
 from .convolution import conv1d, conv2d
 from .counts import HbfpFallbackWarning
 from .device import default_device
@@ -22,18 +22,18 @@ __all__ = ["Linear", "Conv1d", "Conv2d", "convert"]
 
 class _OnDevice:
     """What the HBFP layers add to torch's: ``device_handle`` (None: ``default_device()``),
-    ``rounding`` (the recipe of ``convert``; None: the recipe in use where the layer runs) and
+    ``in_use`` (the recipe of ``convert``; None: the recipe in use where the layer runs) and
     a ``forward`` that torch.compile runs as it is and compiles around; ``_product(x, device)``
     is the layer's own computation."""
 
-    def __init__(self, *args, device_handle=None, rounding: Rounding | None = None, **kwargs):
+    def __init__(self, *args, device_handle=None, in_use: RecipeInUse | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.device_handle = device_handle
-        self.rounding = rounding
+        self.in_use = in_use
 
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with _rounding_scope(self.rounding):
+        with _using(self.in_use):
             return self._product(x, self.device_handle or default_device())
 
 
@@ -60,17 +60,17 @@ class Conv1d(_OnDevice, torch.nn.Conv1d):
                       padding_mode=self.padding_mode)
 
 
-def _converted(layer: torch.nn.Module, device, rounding: Rounding | None = None) -> torch.nn.Module | None:
+def _converted(layer: torch.nn.Module, device, in_use: RecipeInUse | None = None) -> torch.nn.Module | None:
     """The HBFP version of a torch ``Linear``, ``Conv1d`` or ``Conv2d`` (the same parameter
     tensors), else None."""
     if isinstance(layer, torch.nn.Linear) and not isinstance(layer, Linear):
         new = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device_handle=device,
-                     rounding=rounding)
+                     in_use=in_use)
     elif isinstance(layer, (torch.nn.Conv1d, torch.nn.Conv2d)) and not isinstance(layer, (Conv1d, Conv2d)):
         cls = Conv2d if isinstance(layer, torch.nn.Conv2d) else Conv1d
         new = cls(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
                   padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
-                  bias=layer.bias is not None, padding_mode=layer.padding_mode, device_handle=device, rounding=rounding)
+                  bias=layer.bias is not None, padding_mode=layer.padding_mode, device_handle=device, in_use=in_use)
     else:
         return None
     new.weight = layer.weight
@@ -86,16 +86,16 @@ def convert(model: torch.nn.Module, device=None, recipe=None) -> torch.nn.Module
     its HBFP version (use the returned module). ``recipe`` (a name of ``RECIPES`` or a
     ``Recipe``): the products' configuration, with one stream of seeds for the model; None:
     the recipe in use where the layers run (``offload``, ``use_recipe``, else the default)."""
-    rounding = None
+    in_use = None
     if recipe is not None:
-        rounding = Rounding(_resolve_recipe(recipe))
+        in_use = RecipeInUse(_resolve_recipe(recipe))
         if device is not None:
-            rounding.recipe.check(device)
-    bare = _converted(model, device, rounding)
+            in_use.recipe.check(device)
+    bare = _converted(model, device, in_use)
     if bare is not None:
         return bare
     left: set[str] = set()
-    _convert(model, device, rounding, left)
+    _convert(model, device, in_use, left)
     if left:
         warnings.warn(f"convert left {', '.join(sorted(left))} as they are: their products run on the device under "
                       "hbfp.torch.offload only (the ATen-level interception), in fp32 without it", HbfpFallbackWarning,
@@ -110,13 +110,13 @@ _UNCONVERTED = (torch.nn.MultiheadAttention, torch.nn.RNNBase, torch.nn.Conv3d, 
                 torch.nn.Bilinear)
 
 
-def _convert(model, device, rounding, left: set) -> None:
+def _convert(model, device, in_use, left: set) -> None:
     for name, child in list(model.named_children()):
         if isinstance(child, _UNCONVERTED):
             left.add(type(child).__name__)
             continue
-        new = _converted(child, device, rounding)
+        new = _converted(child, device, in_use)
         if new is None:
-            _convert(child, device, rounding, left)
+            _convert(child, device, in_use, left)
         else:
             setattr(model, name, new)

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from hbfp.recipes import Rounding, format_name
+from hbfp.recipes import RecipeInUse, format_name
 from hbfp.recipes import resolve as _resolve_recipe
 
 from . import counts as _report
-from .config import _rounding_scope, _routing_active, current_recipe, matmul_precision
+from .config import _routing_active, _using, current_recipe, matmul_precision
 from .convolution import Convolution, _same_padding, conv1d, conv2d
 from .device import default_device
 from .functional import _linear, bilinear, matmul
@@ -192,7 +192,7 @@ def offload(device=None, precision: str | None = None, recipe=None, seed: int | 
     convolutions, ...). ``report()`` says what ran where. ``recipe`` (a name of ``RECIPES`` or a
     ``Recipe``; None: the recipe in use, ``use_recipe``'s, else "default": the device's format,
     gradients rounded stochastically) configures each product. Its stochastic roundings' seeds
-    continue where the model's last context left them (``Rounding.continuing``: a context per
+    continue where the model's last context left them (``RecipeInUse.continuing``: a context per
     step draws new seeds each step; a copy of the model starts as the model did), unless
     ``seed`` is given: then a fresh stream from that seed. Without a ``device``, an ``emu`` of
     the recipe's format (default ``emu``). ``precision``: the matmul precision while active (default: the device's format's
@@ -215,12 +215,12 @@ def offload(device=None, precision: str | None = None, recipe=None, seed: int | 
     precision = precision or format_name(device.format()).lower().replace(" ", "")
     from .compiled_trace import compiling  # torch.compile'd code: its products as hbfp operators
 
-    rounding = Rounding(r, continuing=True) if seed is None else Rounding(r.with_seed(seed))
-    with matmul_precision(precision), _rounding_scope(rounding), backend_flags(), compiling():
-        product = _Product(device, rounding)
+    in_use = RecipeInUse(r, continuing=True) if seed is None else RecipeInUse(r.with_seed(seed))
+    with matmul_precision(precision), _using(in_use), backend_flags(), compiling():
+        product = _Product(device, in_use)
         try:
             with AtenOffload(product, _routing_active), _Offload(device, product):
                 yield device
         finally:
             product.close()
-            rounding.finish()
+            in_use.finish()
