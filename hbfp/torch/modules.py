@@ -60,19 +60,23 @@ class Conv1d(_OnDevice, torch.nn.Conv1d):
                       padding_mode=self.padding_mode)
 
 
-def _converted(layer: torch.nn.Module, device, in_use: RecipeInUse | None = None) -> torch.nn.Module | None:
-    """The HBFP version of a torch ``Linear``, ``Conv1d`` or ``Conv2d`` (the same parameter
-    tensors), else None."""
-    if isinstance(layer, torch.nn.Linear) and not isinstance(layer, Linear):
+def _swapped(layer: torch.nn.Module) -> bool:
+    """Whether ``convert`` swaps ``layer``: a torch ``Linear``, ``Conv1d`` or ``Conv2d`` (not ours)."""
+    return (isinstance(layer, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d))
+            and not isinstance(layer, (Linear, Conv1d, Conv2d)))
+
+
+def _converted(layer: torch.nn.Module, device, in_use: RecipeInUse | None = None) -> torch.nn.Module:
+    """The HBFP version of a torch ``Linear``, ``Conv1d`` or ``Conv2d`` (``_swapped``), with the
+    same parameter tensors."""
+    if isinstance(layer, torch.nn.Linear):
         new = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device_handle=device,
                      in_use=in_use)
-    elif isinstance(layer, (torch.nn.Conv1d, torch.nn.Conv2d)) and not isinstance(layer, (Conv1d, Conv2d)):
+    else:
         cls = Conv2d if isinstance(layer, torch.nn.Conv2d) else Conv1d
         new = cls(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
                   padding=layer.padding, dilation=layer.dilation, groups=layer.groups,
                   bias=layer.bias is not None, padding_mode=layer.padding_mode, device_handle=device, in_use=in_use)
-    else:
-        return None
     new.weight = layer.weight
     if layer.bias is not None:
         new.bias = layer.bias
@@ -80,22 +84,24 @@ def _converted(layer: torch.nn.Module, device, in_use: RecipeInUse | None = None
     return new
 
 
-def convert(model: torch.nn.Module, device=None, recipe=None) -> torch.nn.Module:
+def convert(model: torch.nn.Module, device=None, recipe=None, *, module_filter_fn=None) -> torch.nn.Module:
     """Swap every ``nn.Linear``, ``nn.Conv1d`` and ``nn.Conv2d`` of ``model`` for the HBFP versions, in place,
     keeping their parameters (the same tensors); returns the model. A bare layer comes back as
     its HBFP version (use the returned module). ``recipe`` (a name of ``RECIPES`` or a
     ``Recipe``): the products' configuration, with one stream of seeds for the model; None:
-    the recipe in use where the layers run (``offload``, ``use_recipe``, else the default)."""
+    the recipe in use where the layers run (``offload``, ``use_recipe``, else the default).
+    ``module_filter_fn(module, fqn) -> bool`` (as torchao's ``convert_to_float8_training``):
+    whether to swap each of those layers, ``fqn`` its name in ``model`` (``named_modules``'s; ""
+    for ``model`` itself); None: every one."""
     in_use = None
     if recipe is not None:
         in_use = RecipeInUse(_resolve_recipe(recipe))
         if device is not None:
             in_use.recipe.check(device)
-    bare = _converted(model, device, in_use)
-    if bare is not None:
-        return bare
+    if _swapped(model):
+        return _converted(model, device, in_use) if module_filter_fn is None or module_filter_fn(model, "") else model
     left: set[str] = set()
-    _convert(model, device, in_use, left)
+    _convert(model, "", device, in_use, module_filter_fn, left)
     if left:
         warnings.warn(f"convert left {', '.join(sorted(left))} as they are: their products run on the device under "
                       "hbfp.torch.offload only (the ATen-level interception), in fp32 without it", HbfpFallbackWarning,
@@ -110,13 +116,12 @@ _UNCONVERTED = (torch.nn.MultiheadAttention, torch.nn.RNNBase, torch.nn.Conv3d, 
                 torch.nn.Bilinear)
 
 
-def _convert(model, device, in_use, left: set) -> None:
+def _convert(model, prefix: str, device, in_use, module_filter_fn, left: set) -> None:
     for name, child in list(model.named_children()):
+        fqn = f"{prefix}{name}"
         if isinstance(child, _UNCONVERTED):
             left.add(type(child).__name__)
-            continue
-        new = _converted(child, device, in_use)
-        if new is None:
-            _convert(child, device, in_use, left)
-        else:
-            setattr(model, name, new)
+        elif not _swapped(child):
+            _convert(child, f"{fqn}.", device, in_use, module_filter_fn, left)
+        elif module_filter_fn is None or module_filter_fn(child, fqn):
+            setattr(model, name, _converted(child, device, in_use))
