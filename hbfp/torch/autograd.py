@@ -32,6 +32,8 @@ __all__ = ["HbfpMatmul", "HbfpBmm"]
 
 
 def _operand(device, x, cfg: ProductConfig, in_use: RecipeInUse):
+    """``x`` as a product under ``cfg`` reads it (``_quantized``), its seed the next of
+    ``in_use``'s stream where the device's tiles are square."""
     return _quantized(device, x, cfg.rounding, in_use.seed(cfg) if _square(device) else None)
 
 

@@ -125,6 +125,18 @@ def _handle(value: int) -> torch.Tensor:
     return torch.full((), value, dtype=torch.int64)
 
 
+def _weights(*xs) -> list[bool]:
+    """Whether each traced operand is (a view of) a weight, for the stream of seeds
+    (``RecipeInUse.note``: the compiled graph's operands no longer say so when it runs)."""
+    from hbfp.recipes import _weight_of
+
+    return [_weight_of(x) is not None for x in xs]
+
+
+def _note_weights(product, operands, weights: list[bool]) -> None:
+    product.in_use.note_weights(*(x for x, w in zip(operands, weights) if w))
+
+
 # ---- the routed functions' products: hbfp::mm, hbfp::bmm ---------------------------------------
 
 def _stored_codes(b: torch.Tensor, storage: list[int], device):
@@ -309,18 +321,6 @@ def _bmm_grad(ctx, grad, _):
 
 
 _bmm.register_autograd(_bmm_grad, setup_context=_bmm_setup)
-
-
-def _weights(*xs) -> list[bool]:
-    """Whether each traced operand is (a view of) a weight, for the stream of seeds
-    (``RecipeInUse.note``: the compiled graph's operands no longer say so when it runs)."""
-    from hbfp.recipes import _weight_of
-
-    return [_weight_of(x) is not None for x in xs]
-
-
-def _note_weights(product, operands, weights: list[bool]) -> None:
-    product.in_use.note_weights(*(x for x, w in zip(operands, weights) if w))
 
 
 for _op in (_mm, _mm_backward, _bmm, _bmm_backward):

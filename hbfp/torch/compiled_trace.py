@@ -26,7 +26,6 @@ ops = torch.ops.hbfp
 
 # ---- the routed functions while Dynamo traces ---------------------------------------------------
 
-
 def _mm2(a, b, label: str, storage: list[int]):
     save = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
     return ops.mm(a, b, label, storage, save, _weights(a, b))[0]

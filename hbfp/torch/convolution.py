@@ -30,7 +30,6 @@ __all__ = ["conv2d", "conv1d", "patches", "col2im", "conv", "conv_backward", "Co
 
 # ---- conv2d and conv1d: im2col products -------------------------------------------------
 
-
 @torch.compiler.disable  # compiled kernels: a call torch.compile leaves as it is
 def _im2col(x, kernel, stride, padding, dilation):
     from hbfp import kernels
