@@ -17,7 +17,7 @@ import itertools
 import threading
 from dataclasses import dataclass, field
 
-__all__ = ["ProductConfig", "Recipe", "RECIPES", "DEFAULT_RECIPE", "resolve", "Rounding"]
+__all__ = ["ProductConfig", "Recipe", "RECIPES", "DEFAULT_RECIPE", "resolve", "RecipeInUse"]
 
 ROUNDINGS = ("nearest_even", "toward_zero", "stochastic")
 OUTPUTS = ("fp32", "bf16")
@@ -124,7 +124,7 @@ def format_name(fmt) -> str:
 
 
 #: How many ``offload`` contexts have read each weight's memory (its storage, weakly): where a
-#: context's stream of seeds starts (``Rounding.continuing``).
+#: context's stream of seeds starts (``RecipeInUse.continuing``).
 _CONTEXTS_OF_WEIGHT = None
 
 
@@ -145,7 +145,7 @@ def _weight_of(x):
 
 
 @dataclass
-class Rounding:
+class RecipeInUse:
     """A recipe in use: its products' configurations and the stream of seeds of its stochastic
     roundings (one per quantization, in the order they happen: the same run gives the same
     seeds).

@@ -9,6 +9,8 @@ import torch
 
 import hbfp.host
 import hbfp.torch as ht
+from hbfp.torch import convolution
+from hbfp.torch import device as torch_device
 from hbfp.host.device import reference_gemm
 
 
@@ -145,7 +147,7 @@ class ExactDevice:
 
 def test_backward_formulas_pass_gradcheck_with_quantization_off(monkeypatch):
     # The driver's results come back as they are (fp64 here), so gradcheck sees exact math.
-    monkeypatch.setattr(ht, "_numpy", lambda t: t.detach().numpy())
+    monkeypatch.setattr(torch_device, "_numpy", lambda t: t.detach().numpy())
     a = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
     b = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x, y: ht.HbfpMatmul.apply(x, y, ExactDevice()), (a, b))
@@ -366,7 +368,7 @@ def test_convolution_patches_keep_unfolds_bits_forward_and_backward(compiled, mo
         x2 = x1.detach().clone().requires_grad_()
         cols = F.unfold(x1, k, dilation=d, padding=p, stride=s)
         want = cols.transpose(1, 2).reshape(-1, cols.shape[1])
-        got = ht._Patches.apply(x2, k, s, p, d)
+        got = convolution._Patches.apply(x2, k, s, p, d)
         g = torch.randn_like(want) * 100
         want.backward(g)
         got.backward(g)
@@ -443,6 +445,36 @@ def test_unbatched_input_bare_layers_and_vectors():
     assert torch.equal(mv, ht.matmul(a, b[:, None], dev)[:, 0])
     with pytest.raises(ValueError, match="scalars"):
         ht.matmul(torch.tensor(2.0), a, dev)
+
+
+def test_convert_swaps_the_layers_its_filter_takes_under_its_recipe():
+    """``module_filter_fn(module, fqn)`` is asked about each layer convert would swap, by its name
+    in the model; the layers it refuses stay torch's; ``recipe`` is the swapped layers' recipe."""
+    dev = hbfp.host.open("emu")
+    torch.manual_seed(8)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)))
+    weights = [p for p in model.parameters()]
+    asked = []
+
+    def keep(module, fqn):
+        asked.append((fqn, type(module)))
+        return fqn != "3.2"
+
+    assert ht.convert(model, dev, recipe="nearest", module_filter_fn=keep) is model
+    assert asked == [("0", torch.nn.Conv2d), ("3.0", torch.nn.Linear), ("3.2", torch.nn.Linear)]
+    assert isinstance(model[0], ht.Conv2d) and isinstance(model[3][0], ht.Linear)
+    assert type(model[3][2]) is torch.nn.Linear  # refused: torch's own
+    assert all(a is b for a, b in zip(model.parameters(), weights))  # the same parameter tensors
+    assert model[0].in_use.recipe is ht.RECIPES["nearest"] and model[3][0].in_use is model[0].in_use
+    x = torch.randn(5, 2, 6, 6)
+    hidden = model[3][1](model[3][0](model[:3](x)))
+    assert torch.equal(model(x), torch.nn.functional.linear(hidden, model[3][2].weight, model[3][2].bias))  # fp32
+    assert not torch.equal(model[3][0](model[:3](x)), torch.nn.functional.linear(model[:3](x), model[3][0].weight,
+                                                                                 model[3][0].bias))  # HBFP
+    bare = torch.nn.Linear(4, 4)
+    assert ht.convert(bare, dev, module_filter_fn=lambda m, fqn: fqn != "") is bare  # refused: as it was
+    assert isinstance(ht.convert(bare, dev, module_filter_fn=lambda m, fqn: fqn == ""), ht.Linear)
 
 
 @pytest.mark.parametrize("kw", [dict(stride=2, padding=1), dict(dilation=2, padding=2, groups=3),

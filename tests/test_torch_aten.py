@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import hbfp.host
 import hbfp.torch as ht
 from hbfp.host.device import reference_gemm
-from hbfp.torch import aten
+from hbfp.torch import aten, convolution
 
 
 def bits(t):
@@ -62,10 +62,11 @@ def test_convolution_geometry_equals_torch_forward_and_backward(case):
     want = torch.ops.aten.convolution(x, w, bias, s, p, d, transposed, op, g)
     grad = torch.randn_like(want)
     gx, gw, gb = torch.autograd.grad(want, (x, w, bias), grad)
-    got = aten.conv(exact, x.float(), w.float(), bias.float(), s, p, d, transposed, op, g)
+    got = convolution.conv(exact, x.float(), w.float(), bias.float(), s, p, d, transposed, op, g)
     assert got.shape == want.shape
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    back = aten.conv_backward(exact, grad.float(), x.float(), w.float(), s, p, d, transposed, op, g, (True, True, True))
+    back = convolution.conv_backward(exact, grad.float(), x.float(), w.float(), s, p, d, transposed, op, g,
+                                     (True, True, True))
     for mine, theirs in zip(back, (gx, gw, gb)):
         torch.testing.assert_close(mine.double(), theirs, rtol=1e-5, atol=1e-5)
 
@@ -75,12 +76,12 @@ def test_patches_match_unfold_and_col2im_is_its_adjoint():
     x = torch.randn(2, 3, 7, 6)
     geometry = ((3, 2), (2, 1), (1, 1), (1, 2))
     want = F.unfold(x, *geometry[:1], dilation=geometry[3], padding=geometry[2], stride=geometry[1])
-    got = aten.patches(x.double(), *geometry)  # the generic path (fp64: not the compiled one)
+    got = convolution.patches(x.double(), *geometry)  # the generic path (fp64: not the compiled one)
     assert torch.equal(got.float(), want.transpose(1, 2).reshape(-1, want.shape[1]))
     cols = torch.randn_like(got)
     # <patches(x), cols> == <x, col2im(cols)>
     lhs = (got * cols).sum()
-    rhs = (x.double() * aten.col2im(cols, x.shape, *geometry)).sum()
+    rhs = (x.double() * convolution.col2im(cols, x.shape, *geometry)).sum()
     torch.testing.assert_close(lhs, rhs)
 
 

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 import hbfp.host as host
 import hbfp.torch as ht
+from hbfp.torch import storage as hbfp_storage
+from hbfp.torch.lean import _Lean
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's own use of torch.jit
 
@@ -146,11 +148,9 @@ def test_compiled_on_other_devices(spec, recipe):
 def test_compiled_wide_weight_storage_and_convolutions(monkeypatch):
     """Weights in wide storage are read as their stored codes; a convolution (routed as a whole,
     ``hbfp::routed``) runs its eager route inside the compiled graph."""
-    import hbfp.torch as package
-
     reads = []
-    stored_operand = package._stored_operand
-    monkeypatch.setattr(package, "_stored_operand",
+    stored_operand = hbfp_storage._stored_operand
+    monkeypatch.setattr(hbfp_storage, "_stored_operand",
                         lambda *a, **k: reads.append(k.get("storage")) or stored_operand(*a, **k))
     torch.manual_seed(3)
     model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
@@ -208,13 +208,13 @@ _BF16_OUT = ht.Recipe("bf16", grad_weight=ht.ProductConfig(out="bf16"))
 @pytest.mark.parametrize("recipe,lean", [("default", True), ("nearest", True), (_TOWARD_ZERO, True),
                                          (_BF16_OUT, False)])
 def test_lean_products_equal_the_general_path(monkeypatch, recipe, lean):
-    """``HbfpMatmul``'s lean path (``hbfp.torch._Lean``: the kernels called without the general
+    """``HbfpMatmul``'s lean path (``hbfp.torch.lean._Lean``: the kernels called without the general
     path's layers) gives the general path's bits, seeds and counts, device cycles included,
     eager and compiled, under recipes with gradients rounded each way; a recipe with a bf16
     result takes the general path."""
     calls = []
-    forward, of = ht._Lean.forward, ht._Lean.of
-    monkeypatch.setattr(ht._Lean, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
+    forward, of = _Lean.forward, _Lean.of
+    monkeypatch.setattr(_Lean, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
     torch.manual_seed(4)
     model, x, y = _Products(), torch.randn(35, 30), torch.randint(0, 26, (35,))
 
@@ -222,10 +222,10 @@ def test_lean_products_equal_the_general_path(monkeypatch, recipe, lean):
         device = host.open("emu")
         return _train(model, x, y, device, compiled, steps=2, recipe=recipe), (device.stats.cycles, device.stats.macs)
 
-    monkeypatch.setattr(ht._Lean, "of", classmethod(lambda cls, device: None))
+    monkeypatch.setattr(_Lean, "of", classmethod(lambda cls, device: None))
     general, general_stats = run(False)
     assert not calls
-    monkeypatch.setattr(ht._Lean, "of", of)
+    monkeypatch.setattr(_Lean, "of", of)
     for compiled in (False, True):
         result, stats = run(compiled)
         _same(general, result)
@@ -244,16 +244,16 @@ def test_lean_products_of_empty_and_strided_operands():
         for lean in (False, True):
             device = host.open("emu")
             a, b = a0.clone().requires_grad_() if a0.is_contiguous() else a0.requires_grad_(), b0.requires_grad_()
-            of = ht._Lean.of
+            of = _Lean.of
             if not lean:
-                ht._Lean.of = classmethod(lambda cls, d: None)
+                _Lean.of = classmethod(lambda cls, d: None)
             try:
                 ht.reset_report()
                 with ht.offload(device):
                     y = ht.matmul(a, b, device)
                     y.sum().backward()
             finally:
-                ht._Lean.of = of
+                _Lean.of = of
             results.append((y.detach(), a.grad, b.grad, ht.report(), device.stats.cycles, device.stats.macs))
             a.grad = b.grad = None
         (y0, ga0, gb0, r0, c0, m0), (y1, ga1, gb1, r1, c1, m1) = results

@@ -10,7 +10,7 @@ import hbfp.host
 import hbfp.torch as ht
 from hbfp.golden import BFPTensor, quantize
 from hbfp.golden.gemm import gemm as golden_gemm
-from hbfp.recipes import Rounding
+from hbfp.recipes import RecipeInUse
 
 
 def u32(t):
@@ -53,7 +53,7 @@ def test_stochastic_gradients_equal_the_golden_model_with_the_recipes_seeds():
         y.backward(grad)
     # the forward to nearest; the output gradient rounded stochastically once, with the first
     # seed of the recipe's stream, for both backward products
-    seed = Rounding(recipe).seed(recipe.grad_input)
+    seed = RecipeInUse(recipe).seed(recipe.grad_input)
     qa, qb = quantize(a.detach().numpy(), fmt), quantize(b.detach().numpy(), fmt)
     qg = quantize(grad.numpy(), fmt.with_rounding("stochastic"), seed=seed)
     assert np.array_equal(u32(y), u32(golden_gemm(qa, qb)))
@@ -135,7 +135,7 @@ def _linear_grad(layer, x, dev, **kw):
 def test_the_seed_stream_continues_across_contexts_per_model():
     """Each offload context on a model draws new seeds (its weights count the contexts they were
     read in), a copy of the model starts where the model started, and a given seed restarts the
-    stream; every gradient is the golden model's with the seed the docstring of Rounding
+    stream; every gradient is the golden model's with the seed the docstring of RecipeInUse
     defines (generation g mixed into the recipe's stream)."""
     import copy
 

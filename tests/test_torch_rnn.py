@@ -11,19 +11,21 @@ import torch.nn as nn
 
 import hbfp.host
 import hbfp.torch as ht
-from hbfp.torch import rnn
+from hbfp.torch import autograd, rnn
+from hbfp.torch.device import _device_work
+from hbfp.torch.lean import _Lean
 
 
 def _exact_products(monkeypatch):
     """Every product of hbfp.torch in fp32 (operands unquantized): what remains is the
     recurrence's own arithmetic."""
     def product(device, a, b, cfg, rounding, transpose_a=False, transpose_b=False, **kw):
-        with ht._device_work():
+        with _device_work():
             return (a.t() if transpose_a else a).detach() @ (b.t() if transpose_b else b).detach()
 
-    monkeypatch.setattr(ht, "_product", product)
-    monkeypatch.setattr(ht, "_operand", lambda device, x, cfg, rounding: x)
-    monkeypatch.setattr(ht._Lean, "of", classmethod(lambda cls, device: None))  # HbfpMatmul's general path
+    monkeypatch.setattr(autograd, "_product", product)
+    monkeypatch.setattr(autograd, "_operand", lambda device, x, cfg, rounding: x)
+    monkeypatch.setattr(_Lean, "of", classmethod(lambda cls, device: None))  # HbfpMatmul's general path
 
 
 def _run(lstm, x, hx, context):

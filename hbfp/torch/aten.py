@@ -17,168 +17,34 @@ process-wide and restored on exit.
 
 Routed: ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``addbmm`` (one product with the batches along
 K), ``mv``, ``addmv``, ``dot``, ``vdot``. Convolutions of every kind are routed where torch's
-functional API is called (``F.conv1d`` .. ``F.conv_transpose3d``: ``hbfp.torch``'s functional
-routes, with ``conv`` below). Products of non-floating operands run on the host, warned about
+functional API is called (``F.conv1d`` .. ``F.conv_transpose3d``: ``hbfp.torch.routes``, with
+``hbfp.torch.convolution``). Products of non-floating operands run on the host, warned about
 once and counted (``hbfp.torch.report()``). Floating inputs of other dtypes (bf16, fp16) go to
 the device as fp32 (exactly) and the fp32 result is rounded to their dtype (to nearest even, as
 a bf16 output of the device is).
+
+The device's products are ``_Product``'s (``offload`` makes one per context): under the recipe
+in use, with the forward operands remembered for the backward products (``hbfp.torch.operands``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import math
 import os
 import threading
 import warnings
 
 import torch
-import torch.nn.functional as F
+
+from hbfp.recipes import ProductConfig, RecipeInUse
 
 from . import counts
+from .autograd import _operand, _out, _product
+from .device import _device_bmm, _device_gemm, _device_work, _square
 
-__all__ = ["AtenOffload", "backend_flags", "patches", "col2im", "conv", "conv_backward", "ROUTED"]
+__all__ = ["AtenOffload", "backend_flags", "ROUTED"]
 
 aten = torch.ops.aten
-
-
-# ---- convolution geometry, any number of spatial dimensions ------------------------------
-
-def patches(x: torch.Tensor, kernel, stride, padding, dilation) -> torch.Tensor:
-    """The patches of ``x`` (N, C, *S) as one matrix (N * prod(O), C * prod(K)), rows in
-    (n, *o) order, columns in (c, *k) order (``F.unfold``'s columns as rows); zero padding."""
-    from hbfp import kernels
-
-    n, c = x.shape[:2]
-    if len(kernel) == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
-        return kernels.im2col(x, tuple(kernel), tuple(stride), tuple(padding), tuple(dilation))
-    pads = [p for q in reversed(padding) for p in (q, q)]
-    v = F.pad(x, pads) if any(pads) else x
-    for d, (k, s, dl) in enumerate(zip(kernel, stride, dilation)):
-        v = v.unfold(2 + d, dl * (k - 1) + 1, s)
-    nd = len(kernel)
-    v = v[(..., *(slice(None, None, dl) for dl in dilation))]
-    out = v.shape[2:2 + nd]
-    v = v.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd))
-    return v.reshape(n * math.prod(out), c * math.prod(kernel))
-
-
-def col2im(cols: torch.Tensor, shape, kernel, stride, padding, dilation) -> torch.Tensor:
-    """The adjoint of ``patches``: every patch entry of ``cols`` added back onto an image of
-    ``shape`` (N, C, *S) (each kernel offset in turn; rows and columns past the last patch
-    position, such as a transposed convolution's output padding, stay zero)."""
-    from hbfp import kernels
-
-    n, c, *size = shape
-    nd = len(kernel)
-    if nd == 2 and cols.dtype == torch.float32 and cols.device.type == "cpu":
-        return kernels.col2im(cols, tuple(shape), tuple(kernel), tuple(stride), tuple(padding), tuple(dilation))
-    out = [(s + 2 * p - dl * (k - 1) - 1) // st + 1 for s, k, st, p, dl in zip(size, kernel, stride, padding, dilation)]
-    c6 = cols.reshape(n, *out, c, *kernel).permute(0, nd + 1, *range(1, nd + 1), *range(nd + 2, 2 * nd + 2))
-    image = torch.zeros(n, c, *(s + 2 * p for s, p in zip(size, padding)), dtype=cols.dtype, device=cols.device)
-    for offs in itertools.product(*(range(k) for k in kernel)):
-        where = tuple(slice(o * dl, o * dl + st * (q - 1) + 1, st) for o, dl, st, q in zip(offs, dilation, stride, out))
-        image[(slice(None), slice(None), *where)] += c6[(..., *offs)]
-    return image[(slice(None), slice(None), *(slice(p, p + s) for p, s in zip(padding, size)))]
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """(N, C, *S) as a matrix (N * prod(S), C)."""
-    return x.movedim(1, -1).reshape(-1, x.shape[1])
-
-
-def _image(rows: torch.Tensor, n: int, size) -> torch.Tensor:
-    """The inverse of ``_rows``: (N * prod(S), C) to (N, C, *S)."""
-    return rows.reshape(n, *size, rows.shape[1]).movedim(-1, 1)
-
-
-def _out_size(size, kernel, stride, padding, dilation, transposed, output_padding):
-    if transposed:
-        return [(i - 1) * st - 2 * p + dl * (k - 1) + op + 1
-                for i, k, st, p, dl, op in zip(size, kernel, stride, padding, dilation, output_padding)]
-    return [(s + 2 * p - dl * (k - 1) - 1) // st + 1 for s, k, st, p, dl in zip(size, kernel, stride, padding, dilation)]
-
-
-def conv(product, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    """``aten.convolution`` with every matrix product by ``product(a, b)`` (2-D fp32):
-    a convolution is patches @ W^T per group; a transposed one (weight Cin x Cout/g x K) is
-    col2im(x @ W) onto the output."""
-    nd = x.dim() - 2
-    kernel = list(weight.shape[2:])
-    n, size = x.shape[0], list(x.shape[2:])
-    out = _out_size(size, kernel, stride, padding, dilation, transposed, output_padding)
-    ys = []
-    for g in range(groups):
-        if transposed:
-            cin = x.shape[1] // groups
-            wg = weight[g * cin:(g + 1) * cin]
-            cols = product(_rows(x[:, g * cin:(g + 1) * cin]), wg.reshape(cin, -1))
-            ys.append(col2im(cols, (n, wg.shape[1], *out), kernel, stride, padding, dilation))
-        else:
-            cout, cin = weight.shape[0] // groups, x.shape[1] // groups
-            wg = weight[g * cout:(g + 1) * cout].reshape(cout, -1)
-            y = product(patches(x[:, g * cin:(g + 1) * cin], kernel, stride, padding, dilation), wg.t())
-            ys.append(_image(y, n, out))
-    y = ys[0] if groups == 1 else torch.cat(ys, dim=1)
-    if bias is not None:
-        y = y + bias.reshape(1, -1, *([1] * nd))
-    assert y.dim() == nd + 2
-    return y
-
-
-def conv_backward(product, grad, x, weight, stride, padding, dilation, transposed, output_padding, groups, mask):
-    """``aten.convolution_backward``: (grad_input, grad_weight, grad_bias) where ``mask`` asks
-    for them, every matrix product by ``product``; the bias gradient is a sum on the host."""
-    nd = x.dim() - 2
-    kernel = list(weight.shape[2:])
-    n, size = x.shape[0], list(x.shape[2:])
-    gi, gw = [], []
-    for g in range(groups):
-        if transposed:
-            cin, cout = x.shape[1] // groups, weight.shape[1]
-            wg = weight[g * cin:(g + 1) * cin].reshape(cin, -1)  # Cin/g x (Cout/g * K)
-            gcols = patches(grad[:, g * cout:(g + 1) * cout], kernel, stride, padding, dilation)
-            if mask[0]:
-                gi.append(_image(product(gcols, wg.t()), n, size))
-            if mask[1]:
-                xg = _rows(x[:, g * cin:(g + 1) * cin])
-                gw.append(product(xg.t(), gcols).reshape(cin, cout, *kernel))
-        else:
-            cout, cin = weight.shape[0] // groups, x.shape[1] // groups
-            wg = weight[g * cout:(g + 1) * cout].reshape(cout, -1)  # Cout/g x (Cin/g * K)
-            gg = _rows(grad[:, g * cout:(g + 1) * cout])
-            if mask[0]:
-                gi.append(col2im(product(gg, wg), (n, cin, *size), kernel, stride, padding, dilation))
-            if mask[1]:
-                pg = patches(x[:, g * cin:(g + 1) * cin], kernel, stride, padding, dilation)
-                gw.append(product(pg.t(), gg).t().reshape(cout, cin, *kernel))
-    grad_input = (gi[0] if groups == 1 else torch.cat(gi, dim=1)) if mask[0] else None
-    grad_weight = (gw[0] if groups == 1 else torch.cat(gw, dim=0)) if mask[1] else None
-    grad_bias = grad.sum(dim=(0, *range(2, nd + 2))) if mask[2] else None
-    return grad_input, grad_weight, grad_bias
-
-
-class Convolution(torch.autograd.Function):
-    """A convolution of any kind (``conv``) with its backward (``conv_backward``), every matrix
-    product by ``product`` (``offload``'s ATen-level products: forward operands rounded by the
-    recipe's forward configuration, backward ones by its backward configuration)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, product, stride, padding, dilation, transposed, output_padding, groups):
-        ctx.product = product
-        ctx.geometry = (stride, padding, dilation, transposed, output_padding, groups)
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, weight)
-        return conv(product, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        mask = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
-        with counts.routing("conv"):
-            gi, gw, gb = conv_backward(ctx.product, grad, x, weight, *ctx.geometry, mask)
-        return gi, gw, gb, None, None, None, None, None, None, None
 
 
 # ---- the interception -----------------------------------------------------------------------
@@ -359,6 +225,88 @@ class AtenOffload:
         finally:
             _unregister()
         return False
+
+
+# ---- the device's products -------------------------------------------------------------------
+
+class _Product:
+    """The device's products as the ATen-level kernels call them: ``product(a, b)`` (2-D) and
+    ``product.batched(a, b)`` (stacks), under the recipe in use (``in_use``): its forward product's
+    configuration outside a backward pass, its ``grad_input`` one inside. An ATen product does
+    not say which operand is the gradient: on a device with square tiles, a backward product's
+    operand that was a forward operand (the same tensor, not written since: ``operands``) is
+    read as the forward products read it, the other (the output gradient) is rounded as the
+    backward configuration says; elsewhere both are."""
+
+    def __init__(self, device, in_use: RecipeInUse):
+        from .operands import ForwardOperands
+
+        self.device, self.in_use = device, in_use
+        self.forward = ForwardOperands() if _square(device) else None
+        self.direct = device.in_process
+
+    def _config(self) -> tuple[ProductConfig, bool]:
+        recipe = self.in_use.recipe
+        forward = torch._C._current_autograd_node() is None
+        return (recipe.forward if forward else recipe.grad_input), forward
+
+    def _operand(self, x, cfg: ProductConfig, forward: bool):
+        if forward:
+            self.in_use.note(x)
+        if self.forward is not None and (not forward or cfg.rounding == "nearest_even"):
+            hit, codes = self.forward.lookup(x)
+            if hit and not forward:
+                return x if codes is None else codes
+            if hit and codes is not None:  # a forward operand again (an RNN's weight at every time
+                return codes               # step): to nearest, its codes are the same; quantized once
+        q = _operand(self.device, x, cfg, self.in_use)
+        if self.forward is not None and forward:
+            self.forward.remember(x, q if isinstance(q, tuple) else None)
+        return q
+
+    def __call__(self, a, b):
+        cfg, forward = self._config()
+        with _device_work():
+            qa, qb = self._operand(a, cfg, forward), self._operand(b, cfg, forward)
+        return _product(self.device, qa, qb, cfg, self.in_use)
+
+    def _stack(self, x, cfg: ProductConfig, forward: bool, seed: int):
+        """A stack's codes (``stack_codes``) on a device with square tiles, through ``forward``."""
+        from hbfp.host.device import stack_codes
+
+        if forward:
+            self.in_use.note(x)
+        if not forward:
+            hit, codes = self.forward.lookup(x)
+            if hit and codes is not None:
+                return codes
+        codes = stack_codes(x.detach(), self.device.format(cfg.rounding), seed)
+        if forward:
+            self.forward.remember(x, codes)
+        return codes
+
+    def batched(self, a, b):
+        cfg, forward = self._config()
+        if forward:
+            self.in_use.note(a, b)
+        seed = self.in_use.seed(cfg)
+        if self.forward is not None and a.shape[0] and a.shape[1] and b.shape[2] and a.shape[2]:
+            from hbfp.host.device import _seeds
+
+            sa, sb, _ = _seeds(seed, cfg.rounding)
+            with _device_work():
+                qa, qb = self._stack(a, cfg, forward, sa), self._stack(b, cfg, forward, sb)
+            if self.direct:
+                return _out(_device_bmm(self.device, qa, qb), cfg)
+            # through the driver, matrix by matrix: the same codes (a forward operand's, read
+            # again by a backward product, as the forward read it)
+            return _out(torch.stack([_device_gemm(self.device, (qa[0][i], qa[1][i]), (qb[0][i], qb[1][i]))
+                                     for i in range(a.shape[0])]), cfg)
+        return _out(_device_bmm(self.device, a, b, cfg.rounding, seed), cfg)
+
+    def close(self) -> None:
+        if self.forward is not None:
+            self.forward.clear()
 
 
 _heap_tuned = False

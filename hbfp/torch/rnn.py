@@ -50,7 +50,7 @@ def applies(args, kwargs) -> bool:
 def layers(device, x, hx, weights, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     """``torch.lstm``'s (output, h_n, c_n) of these arguments on ``device``, layer by layer
     (time-major inside: each step's rows contiguous)."""
-    from . import matmul
+    from .functional import matmul
 
     h0, c0 = hx
     per = 4 if has_biases else 2
@@ -82,10 +82,13 @@ class _Recurrence(torch.autograd.Function):
     def forward(ctx, xp, h0, c0, w_hh, device):
         from hbfp import kernels
 
-        from . import _device_work, _operand, _product, _report, current_rounding
+        from . import counts as _report
+        from .autograd import _operand, _product
+        from .config import recipe_in_use
+        from .device import _device_work
 
-        rounding = current_rounding()
-        fwd = rounding.recipe.forward
+        in_use = recipe_in_use()
+        fwd = in_use.recipe.forward
         hid = w_hh.shape[1]
         with _device_work():
             xp = xp.detach().contiguous()
@@ -93,14 +96,14 @@ class _Recurrence(torch.autograd.Function):
             cell = xp.new_empty(*xp.shape[:2], hid)    # c_t
             tanh_c = torch.empty_like(cell)            # tanh(c_t)
             out = torch.empty_like(cell)               # h_t
-            q_w = _operand(device, w_hh.detach().t(), fwd, rounding)  # once for every step
+            q_w = _operand(device, w_hh.detach().t(), fwd, in_use)  # once for every step
             h, c = h0.detach().contiguous(), c0.detach().contiguous()
             for x_t, a_t, c_t, tc_t, h_t in zip(xp.unbind(0), acts.unbind(0), cell.unbind(0), tanh_c.unbind(0),
                                                 out.unbind(0)):
-                p = _product(device, _operand(device, h, fwd, rounding), q_w, fwd, rounding)
+                p = _product(device, _operand(device, h, fwd, in_use), q_w, fwd, in_use)
                 kernels.lstm_cell(p, x_t, c, a_t, c_t, tc_t, h_t)
                 h, c = h_t, c_t
-        ctx.device, ctx.rounding, ctx.q_w = device, rounding, q_w
+        ctx.device, ctx.in_use, ctx.q_w = device, in_use, q_w
         ctx.op = _report.current()
         ctx.save_for_backward(h0, c0, w_hh, acts, cell, tanh_c, out)
         return out, h.clone(), c.clone()
@@ -109,11 +112,13 @@ class _Recurrence(torch.autograd.Function):
     def backward(ctx, d_out, d_h, d_c):
         from hbfp import kernels
 
-        from . import _device_work, _operand, _product, _report
+        from . import counts as _report
+        from .autograd import _operand, _product
+        from .device import _device_work
 
         h0, c0, w_hh, acts, cell, tanh_c, out = ctx.saved_tensors
-        device, rounding = ctx.device, ctx.rounding
-        gi, gw, fwd = rounding.recipe.grad_input, rounding.recipe.grad_weight, rounding.recipe.forward
+        device, in_use = ctx.device, ctx.in_use
+        gi, gw, fwd = in_use.recipe.grad_input, in_use.recipe.grad_weight, in_use.recipe.forward
         steps, hid = acts.shape[0], w_hh.shape[1]
         need_h0 = ctx.needs_input_grad[1]
         with _report.routing(ctx.op or "lstm"), _device_work():
@@ -129,13 +134,13 @@ class _Recurrence(torch.autograd.Function):
                 kernels.lstm_cell_backward(a_t, c_prev[t], tc_t, dy_t, dh, dc, dg_t, dc_prev)
                 dc = dc_prev
                 if t or need_h0:  # dh_{t-1} = dG_t @ W_hh (W_hh as the forward read it)
-                    dh = _product(device, _operand(device, dg_t, gi, rounding), ctx.q_w, gi, rounding, transpose_b=True)
+                    dh = _product(device, _operand(device, dg_t, gi, in_use), ctx.q_w, gi, in_use, transpose_b=True)
             d_w = None
             if ctx.needs_input_grad[3]:
                 # dW_hh = sum_t dG_t^T h_{t-1}: one product over every step (K = steps x batch)
                 prev = torch.cat([h0.detach()[None], out[:-1]]).reshape(-1, hid)
-                d_w = _product(device, _operand(device, d_gates.reshape(-1, 4 * hid), gw, rounding),
-                               _operand(device, prev, fwd, rounding), gw, rounding, transpose_a=True)
+                d_w = _product(device, _operand(device, d_gates.reshape(-1, 4 * hid), gw, in_use),
+                               _operand(device, prev, fwd, in_use), gw, in_use, transpose_a=True)
         return d_gates, (dh if need_h0 else None), (dc.clone() if ctx.needs_input_grad[2] else None), d_w, None
 
 
