@@ -30,11 +30,12 @@ Everything runs in one clock domain (the link's 125 MHz in a board top).
 from __future__ import annotations
 
 from amaranth import Cat, Const, DomainRenamer, Module, Mux, Signal
-from amaranth.lib import data, fifo, stream, wiring
+from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from hbfp.host import datagrams as D
 
+from .crossing import AsyncStreamFifo
 from .eth_mac import FrameFifo, MacRx, MacTx, frame_layout
 from .link import StreamRegister
 
@@ -51,6 +52,10 @@ TTL = 64
 HEADER_BYTES = D.FRAME_HEADERS
 #: Bytes of an ARP request or reply after the Ethernet header.
 ARP_BYTES = 28
+#: Bytes of the FIFO from the receive clock (RGMII's) to the link's, both 125 MHz nominally (a
+#: byte each cycle of either while a frame passes): twice the pointers' round trip at equal
+#: clocks (``AsyncStreamFifo`` keeps a byte a cycle from 8), as the two clocks drift.
+RX_CROSSING_DEPTH = 16
 
 
 def _check_address(component, mac, ip, port):
@@ -549,7 +554,7 @@ class UdpLink(wiring.Component):
     (``datagrams.RECEIVE_BUFFER``: the host's ``datagrams.WINDOW`` of request bytes in
     flight); ``buffer_bytes``: each transmit buffer. ``rx_domain``: the receive side's own
     clock domain (RGMII's ``rx_clk``): ``MacRx`` runs there (its counters too) and its frames
-    cross to this one through an asynchronous FIFO."""
+    cross to this one through an asynchronous FIFO (``hw.crossing.AsyncStreamFifo``)."""
 
     def __init__(self, mac: int, ip: int, port: int, *, buffer_bytes: int = 4096,
                  rx_buffer_bytes: int = D.RECEIVE_BUFFER,
@@ -575,19 +580,17 @@ class UdpLink(wiring.Component):
             wiring.connect(m, mac_rx.o, udp_rx.i)
         else:
             m.submodules.mac_rx = mac_rx = DomainRenamer(self.rx_domain)(mac_rx)
-            m.submodules.rx_crossing = crossing = fifo.AsyncFIFOBuffered(
-                width=frame_layout().size, depth=16, w_domain=self.rx_domain, r_domain="sync")
-            # and a skid buffer before it: the receiver's reader sees a register, not the
-            # crossing's write side (its Gray-coded pointers and fullness)
+            m.submodules.rx_crossing = crossing = AsyncStreamFifo(
+                frame_layout(), depth=RX_CROSSING_DEPTH, w_domain=self.rx_domain, r_domain="sync")
+            # and skid buffers on either side: the receiver's reader sees a register, not the
+            # crossing's write enable (its pointers and memory); the crossing's read side sees a
+            # register as its ready, not UdpRx's decision
             m.submodules.rx_in = rx_in = DomainRenamer(self.rx_domain)(
                 StreamRegister(frame_layout(), registered_ready=True))
-            wiring.connect(m, mac_rx.o, rx_in.i)
-            m.d.comb += [crossing.w_stream.valid.eq(rx_in.o.valid), crossing.w_stream.payload.eq(rx_in.o.payload),
-                         rx_in.o.ready.eq(crossing.w_stream.ready)]
-            # a skid buffer: the crossing's read side (its pointer and memory) sees a register
             m.submodules.rx_skid = skid = StreamRegister(frame_layout(), registered_ready=True)
-            m.d.comb += [skid.i.valid.eq(crossing.r_stream.valid), skid.i.payload.eq(crossing.r_stream.payload),
-                         crossing.r_stream.ready.eq(skid.i.ready)]
+            wiring.connect(m, mac_rx.o, rx_in.i)
+            wiring.connect(m, rx_in.o, crossing.i)
+            wiring.connect(m, crossing.o, skid.i)
             wiring.connect(m, skid.o, udp_rx.i)
         m.submodules.arp = arp = ArpResponder(self.mac, self.ip)
         m.submodules.udp_tx = udp_tx = UdpTx(self.mac, self.ip, self.port, buffer_bytes=self.buffer_bytes,
