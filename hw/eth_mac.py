@@ -25,12 +25,13 @@ Both units run in one clock domain (``sync``; a top renames it to the link's 125
 from __future__ import annotations
 
 from amaranth import Module, Mux, Signal
-from amaranth.lib import data, fifo, stream, wiring
+from amaranth.lib import data, stream, wiring
+from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from hbfp.host import datagrams as D
 
-from .block_ram import BlockRam
+from .block_ram import NO_RW_CHECK, BlockRam
 from .crc import PRESET, RESIDUE, crc32_step
 from .link import StreamRegister
 
@@ -105,14 +106,27 @@ class FrameFifo(wiring.Component):
         # so that its slow clock-to-output does not share a cycle with anything)
         m.submodules.mem = mem = BlockRam(8, depth, stall=True)
         wr_port, rd_port = mem.write, mem.read(0)
-        # the committed frames' lengths, each written a cycle after its frame ends (``push``)
-        push, push_length = Signal(), Signal(bits + 1)
-        # (read through a register: a deep list goes to block RAM, a shallow one's multiplexer
-        # ends in a register)
-        m.submodules.lengths = lengths = fifo.SyncFIFOBuffered(width=bits + 1, depth=self.max_frames)
+        # the committed frames' lengths, each written a cycle after its frame ends (``push``), in
+        # a list (a deep one goes to block RAM) read (``pop``) into a register; ``held`` of them
+        # not yet read, and ``any_held`` (``held != 0``) a register computed a cycle ahead, so
+        # that ``pop`` is a gate of registers, not behind a comparison of ``held`` and the adder
+        # that updates it (SyncFIFOBuffered's level: the receive clock's slowest path)
+        push, push_length, pop = Signal(), Signal(bits + 1), Signal()
+        max_frames = self.max_frames
+        m.submodules.lengths = lengths = Memory(shape=bits + 1, depth=max_frames, init=[], attrs=NO_RW_CHECK)
+        lengths_w, lengths_r = lengths.write_port(), lengths.read_port()
+        l_wr, l_rd = Signal(range(max_frames)), Signal(range(max_frames))
+        held, any_held = Signal(range(max_frames + 1)), Signal()
+        m.d.comb += [lengths_w.addr.eq(l_wr), lengths_w.data.eq(push_length), lengths_w.en.eq(push),
+                     lengths_r.addr.eq(l_rd), lengths_r.en.eq(pop)]
+        with m.If(push):
+            m.d.sync += l_wr.eq(Mux(l_wr == max_frames - 1, 0, l_wr + 1))
+        with m.If(pop):
+            m.d.sync += l_rd.eq(Mux(l_rd == max_frames - 1, 0, l_rd + 1))
+        # (a pop needs a length held: after a push at least one is)
+        m.d.sync += [held.eq(held + push - pop), any_held.eq(push | Mux(pop, held >= 2, any_held))]
         trim = self.trim
         m.d.sync += push.eq(0)
-        m.d.comb += [lengths.w_en.eq(push), lengths.w_data.eq(push_length)]
 
         # The write side's inputs pass a register first (``w``): a writer's late decision then
         # only reaches these registers in its cycle, and the buffer's own logic starts from
@@ -137,7 +151,7 @@ class FrameFifo(wiring.Component):
         ok0, ok1 = Signal(), Signal(init=trim == 0)
         end0 = Signal(bits + 1, init=-trim % (2 * depth))
         m.d.sync += [room.eq((wr - rd)[:bits + 1] <= depth - 3),
-                     place.eq(lengths.level + push <= self.max_frames - 3)]
+                     place.eq(held + push <= max_frames - 3)]
         m.d.comb += self.w_room.eq(room & place)
         m.d.sync += [w.w_valid.eq(self.w_valid), w.w_end.eq(self.w_end), w.w_ok.eq(self.w_ok),
                      w.w_data.eq(self.w_data), w.p_en.eq(self.p_en), w.p_addr.eq(self.p_addr),
@@ -179,13 +193,13 @@ class FrameFifo(wiring.Component):
         m.submodules.out = out = StreamRegister(data.StructLayout({"byte": frame_layout(), "length": bits + 1}))
         advance = out.i.ready
         fetch = advance & (remaining != 0)
-        # a length leaves its list into ``next_length`` (a register straight behind the list's
-        # block RAM), and from there into the reader
-        next_length, has_next = Signal(bits + 1), Signal()
-        pop = lengths.r_rdy & ~has_next
-        m.d.comb += lengths.r_en.eq(~has_next)
-        with m.If(pop):
-            m.d.sync += [next_length.eq(lengths.r_data), has_next.eq(1)]
+        # a length leaves its list (``pop``: read from the block RAM) into ``next_length`` (a
+        # register straight behind it) a cycle later, and from there into the reader
+        next_length, has_next, popped = Signal(bits + 1), Signal(), Signal()
+        m.d.comb += pop.eq(any_held & ~has_next & ~popped)
+        m.d.sync += popped.eq(pop)
+        with m.If(popped):
+            m.d.sync += [next_length.eq(lengths_r.data), has_next.eq(1)]
         m.d.comb += [rd_port.addr.eq(rd[:bits]), rd_port.en.eq(advance),
                      out.i.valid.eq(s2.valid), out.i.payload.byte.data.eq(rd_port.data),
                      out.i.payload.byte.last.eq(s2.last), out.i.payload.length.eq(s2.length)]

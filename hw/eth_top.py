@@ -2,14 +2,15 @@
 
 ```
  GMII rx -> UdpLink -> BytesToBeats (link domain) -> FIFO -> AcceleratorTop(stream_bytes) (sync)
- GMII tx <- UdpLink <- BeatsToBytes (link domain) <- FIFO <-
+ GMII tx <- UdpLink <- BeatsToBytes <- StreamRegister (link domain) <- FIFO <-
 ```
 
 - ``EthTop``: what a board top instantiates, its GMII pins in the link's clock domain (125 MHz
-  at 1 Gb/s), the core in ``sync``; two asynchronous FIFOs of beats cross between them (one
-  clock domain, ``link_domain="sync"``: synchronous FIFOs). The link moves a byte a cycle; the
-  core takes and gives ``stream_bytes`` a cycle (``stream_bytes_for``: enough that a core
-  clock slower than the link's is not the bottleneck).
+  at 1 Gb/s), the core in ``sync``; two asynchronous FIFOs of beats cross between them
+  (``hw.crossing.AsyncStreamFifo``, ``CROSSING_DEPTH``; with ``link_domain="sync"`` both their
+  sides on one clock). The link moves a byte a cycle; the core takes and gives
+  ``stream_bytes`` a cycle (``stream_bytes_for``: enough that a core clock slower than the
+  link's is not the bottleneck).
 - ``EthLoop``: a simulation harness with ``AcceleratorTop``'s ports (streams ``i`` and ``o`` of
   ``beat_layout(1)``), so that the ``sim`` backend (``sim:link=eth``) drives the network path:
   a host-side ``MacTx`` and ``MacRx`` on the ``EthTop``'s GMII, each frame on ``i`` and ``o`` as
@@ -19,9 +20,10 @@
 from __future__ import annotations
 
 from amaranth import DomainRenamer, Module, Signal
-from amaranth.lib import fifo, stream, wiring
+from amaranth.lib import stream, wiring
 from amaranth.lib.wiring import In, Out
 
+from .crossing import AsyncStreamFifo
 from .eth_mac import MacRx, MacTx
 from .eth_udp import LINK_COUNTERS, UdpLink
 from .link import BeatsToBytes, BytesToBeats, StreamRegister, beat_layout
@@ -33,10 +35,11 @@ __all__ = ["EthTop", "EthLoop", "DEFAULT_MAC", "DEFAULT_IP", "DEFAULT_PORT", "CR
 #: The address a device has unless its build says otherwise: a locally administered MAC
 #: ("HBFP" in it), 192.168.1.50, port 7000.
 DEFAULT_MAC, DEFAULT_IP, DEFAULT_PORT = 0x02_48_42_46_50_01, 0xC0A8_0132, 7000
-#: Beats of each FIFO between the link's domain and the core's. On the boards one side is the
-#: slower (the Colorlight's core at 50 MHz; the ECPIX-5's link at 125 MB/s against its core's
-#: 150), so 8 keeps the faster side waiting on the slower one, not on the pointers'
-#: synchronizers; deeper pointers cost the link's clock a level of logic in their comparison.
+#: Beats of each FIFO between the link's domain and the core's (``AsyncStreamFifo``'s memory; its
+#: output register holds one more). 8 covers the pointers' round trip through their
+#: synchronizers even at equal clocks (a beat each cycle of the slower clock:
+#: tests/test_hw_crossing.py), so the faster side waits on the slower one, not on the
+#: synchronizers; deeper pointers cost a level of logic in their comparisons.
 CROSSING_DEPTH = 8
 
 
@@ -79,28 +82,22 @@ class EthTop(wiring.Component):
         link_side = DomainRenamer(link_domain)
         m.submodules.pack = pack = link_side(BytesToBeats(n))
         m.submodules.unpack = unpack = link_side(BeatsToBytes(n))
-        # a skid buffer: the crossing's read side (its pointer and memory) sees a register
+        # a skid buffer: the ready the crossing's read side sees (the enable of its pointers
+        # and output register) is a register, not the unpacker's decision
         m.submodules.skid = skid = link_side(StreamRegister(beat_layout(n), registered_ready=True))
-        width = beat_layout(n).size
-        if link_domain == "sync":
-            to_core = fifo.SyncFIFOBuffered(width=width, depth=CROSSING_DEPTH)
-            to_link = fifo.SyncFIFOBuffered(width=width, depth=CROSSING_DEPTH)
-        else:
-            to_core = fifo.AsyncFIFOBuffered(width=width, depth=CROSSING_DEPTH, w_domain=link_domain, r_domain="sync")
-            to_link = fifo.AsyncFIFOBuffered(width=width, depth=CROSSING_DEPTH, w_domain="sync", r_domain=link_domain)
-        m.submodules.to_core, m.submodules.to_link = to_core, to_link
+        # (with link_domain "sync", EthLoop's, both sides of each crossing run on one clock)
+        m.submodules.to_core = to_core = AsyncStreamFifo(beat_layout(n), depth=CROSSING_DEPTH,
+                                                         w_domain=link_domain, r_domain="sync")
+        m.submodules.to_link = to_link = AsyncStreamFifo(beat_layout(n), depth=CROSSING_DEPTH,
+                                                         w_domain="sync", r_domain=link_domain)
         m.d.comb += [link.rx_dv.eq(self.rx_dv), link.rx_er.eq(self.rx_er), link.rxd.eq(self.rxd),
                      self.tx_en.eq(link.tx_en), self.tx_er.eq(link.tx_er), self.txd.eq(link.txd)]
         m.d.comb += [getattr(self, c).eq(getattr(link, c)) for c in LINK_COUNTERS]
         wiring.connect(m, link.o, pack.i)
-        m.d.comb += [to_core.w_stream.valid.eq(pack.o.valid), to_core.w_stream.payload.eq(pack.o.payload),
-                     pack.o.ready.eq(to_core.w_stream.ready),
-                     top.i.valid.eq(to_core.r_stream.valid), top.i.payload.eq(to_core.r_stream.payload),
-                     to_core.r_stream.ready.eq(top.i.ready)]
-        m.d.comb += [to_link.w_stream.valid.eq(top.o.valid), to_link.w_stream.payload.eq(top.o.payload),
-                     top.o.ready.eq(to_link.w_stream.ready),
-                     skid.i.valid.eq(to_link.r_stream.valid), skid.i.payload.eq(to_link.r_stream.payload),
-                     to_link.r_stream.ready.eq(skid.i.ready)]
+        wiring.connect(m, pack.o, to_core.i)
+        wiring.connect(m, to_core.o, top.i)
+        wiring.connect(m, top.o, to_link.i)
+        wiring.connect(m, to_link.o, skid.i)
         wiring.connect(m, skid.o, unpack.i)
         wiring.connect(m, unpack.o, link.i)
         return m

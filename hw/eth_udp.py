@@ -30,11 +30,12 @@ Everything runs in one clock domain (the link's 125 MHz in a board top).
 from __future__ import annotations
 
 from amaranth import Cat, Const, DomainRenamer, Module, Mux, Signal
-from amaranth.lib import data, fifo, stream, wiring
+from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 
 from hbfp.host import datagrams as D
 
+from .crossing import AsyncStreamFifo
 from .eth_mac import FrameFifo, MacRx, MacTx, frame_layout
 from .link import StreamRegister
 
@@ -51,6 +52,12 @@ TTL = 64
 HEADER_BYTES = D.FRAME_HEADERS
 #: Bytes of an ARP request or reply after the Ethernet header.
 ARP_BYTES = 28
+#: The last byte of a frame that ``UdpRx`` reads as a header (a datagram header's version).
+LAST_HEADER_BYTE = 45
+#: Bytes of the FIFO from the receive clock (RGMII's) to the link's, both 125 MHz nominally (a
+#: byte each cycle of either while a frame passes): twice the pointers' round trip at equal
+#: clocks (``AsyncStreamFifo`` keeps a byte a cycle from 8), as the two clocks drift.
+RX_CROSSING_DEPTH = 16
 
 
 def _check_address(component, mac, ip, port):
@@ -139,16 +146,20 @@ class UdpRx(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         byte = self.i.payload.data
-        pos = Signal(range(2048))  # the byte's place in its frame (saturating)
+        # The byte's place in its frame while it is in the headers read here, one-hot (``at[k]``:
+        # byte k; none past byte ``LAST_HEADER_BYTE``): each header register's enable is then
+        # ``take`` and a flip-flop, not ``take`` and a comparison of a counter's 11 bits, for the
+        # link's 125 MHz.
+        at = Signal(LAST_HEADER_BYTE + 1, init=1)
         sh = Signal(64)            # the frame's last eight bytes, the newest in the low bits
         nxt = Cat(byte, sh[:56])   # ... with this one
         take = self.i.valid & self.i.ready
         with m.If(take):
             m.d.sync += sh.eq(nxt)
             with m.If(self.i.payload.last):
-                m.d.sync += pos.eq(0)
-            with m.Elif(pos != 2047):
-                m.d.sync += pos.eq(pos + 1)
+                m.d.sync += at.eq(1)
+            with m.Else():
+                m.d.sync += at.eq(at << 1)
 
         unicast, for_us = Signal(), Signal()  # to our MAC; to it or broadcast
         src_mac, etype = Signal(48), Signal(16)
@@ -169,84 +180,83 @@ class UdpRx(wiring.Component):
         ip_hi, ip_lo = self.ip >> 16, self.ip & 0xFFFF
         csum, csum_ok = Signal(20), Signal()
         with m.If(take):
-            with m.If(pos == 14):
+            with m.If(at[14]):
                 m.d.sync += csum.eq(ip_hi + ip_lo)
-            with m.Elif((pos <= 29) & pos[0]):
+            with m.Elif(at[15:30:2].any()):
                 m.d.sync += csum.eq(csum + nxt[:16])
-            with m.Elif((pos == 30) | (pos == 31)):
+            with m.Elif(at[30] | at[31]):
                 m.d.sync += csum.eq(csum[:16] + csum[16:])
-            with m.Elif(pos == 32):
+            with m.Elif(at[32]):
                 m.d.sync += csum_ok.eq(csum == 0xFFFF)
 
         with m.If(take):
-            with m.Switch(pos):
-                with m.Case(0):
-                    m.d.sync += [arp_ok.eq(0), ip_hdr.eq(0)]
-                with m.Case(5):
-                    m.d.sync += [unicast.eq(nxt[:48] == self.mac), for_us.eq((nxt[:48] == self.mac) |
-                                                                             (nxt[:48] == BROADCAST))]
-                with m.Case(11):
-                    m.d.sync += src_mac.eq(nxt[:48])
-                with m.Case(13):
-                    m.d.sync += etype.eq(nxt[:16])
-                # ARP: hardware Ethernet, protocol IPv4, lengths 6 and 4, a request
-                with m.Case(21):
-                    m.d.sync += arp_ok.eq(for_us & (etype == ETHERTYPE_ARP) & (nxt == 0x0001_0800_0604_0001))
-                with m.Case(27):
-                    m.d.sync += arp_sha.eq(nxt[:48])
-                with m.Case(31):
-                    m.d.sync += arp_spa.eq(nxt[:32])
-                with m.Case(41):
-                    with m.If(arp_ok & (nxt[:32] == self.ip)):
-                        m.d.sync += self.arp_requests.eq(self.arp_requests + 1)
-                        with m.If(~self.arp.valid):  # one at a time: the requester asks again
-                            m.d.sync += [self.arp.valid.eq(1), self.arp.payload.mac.eq(arp_sha),
-                                         self.arp.payload.ip.eq(arp_spa)]
-                # IPv4: version 4, 5 words of header (no options), not a fragment, to our address
-                with m.Case(14):
-                    m.d.sync += ip_hdr.eq(unicast & (etype == ETHERTYPE_IPV4) & (byte == 0x45))
-                with m.Case(17):
-                    m.d.sync += total_len.eq(nxt[:16])
-                with m.Case(18):
-                    m.d.sync += ip_payload.eq(total_len - D.IPV4_HEADER)
-                with m.Case(19):
-                    m.d.sync += ident.eq(nxt[:16])
-                with m.Case(23):
-                    frag = sh[8:24]  # bytes 20-21: flags and fragment offset; byte 22 TTL
-                    m.d.sync += [ip_hdr.eq(ip_hdr & ((frag & 0x3FFF) == 0) & (total_len >= D.IPV4_HEADER + D.UDP_HEADER)), proto.eq(byte)]
-                with m.Case(29):
-                    m.d.sync += src_ip.eq(nxt[:32])
-                with m.Case(33):
-                    hdr_ok = ip_hdr & (nxt[:32] == self.ip) & csum_ok
-                    is_icmp = hdr_ok & (proto == IP_PROTO_ICMP)
-                    m.d.sync += [ip_ok.eq(hdr_ok & (proto == IP_PROTO_UDP) & (total_len >= D.IPV4_HEADER + D.UDP_HEADER + D.HEADER.size)),
-                                 echo.eq(is_icmp & ~self.i.payload.last), echo_left.eq(ip_payload),
-                                 self.icmp_from.mac.eq(src_mac), self.icmp_from.ip.eq(src_ip),
-                                 self.icmp_from.ident.eq(ident), self.icmp_from.length.eq(ip_payload)]
-                with m.Case(35):
-                    m.d.sync += udp_src.eq(nxt[:16])
-                with m.Case(37):
-                    m.d.sync += ip_ok.eq(ip_ok & (nxt[:16] == self.port))
-                with m.Case(39):
-                    m.d.sync += [stream_len.eq(nxt[:16] - (D.UDP_HEADER + D.HEADER.size)),
-                                 ip_ok.eq(ip_ok & (nxt[:16] >= D.UDP_HEADER + D.HEADER.size) & (nxt[:16] <= ip_payload))]
-                with m.Case(43):
-                    m.d.sync += seq.eq(Cat(nxt[8:16], nxt[:8]))  # little-endian
-                with m.Case(44):
-                    m.d.sync += [flags.eq(byte), ahead.eq(seq - expected)]
-                with m.Case(45):  # the datagram header is whole: take it or not
-                    in_order = ~synced | flags[0] | ~ahead[15]
-                    ok = ip_ok & (byte == D.VERSION)
-                    with m.If(ok & in_order):
-                        m.d.sync += [forward.eq((stream_len != 0) & ~self.i.payload.last), forward_left.eq(stream_len),
-                                     synced.eq(1), expected.eq(seq + 1),
-                                     self.datagrams.eq(self.datagrams + 1),
-                                     self.peer.mac.eq(src_mac), self.peer.ip.eq(src_ip), self.peer.port.eq(udp_src),
-                                     self.peer_valid.eq(1)]
-                        with m.If(synced & ~flags[0]):
-                            m.d.sync += self.lost.eq(self.lost + ahead)
-                    with m.Elif(ok):
-                        m.d.sync += self.late.eq(self.late + 1)
+            with m.If(at[0]):
+                m.d.sync += [arp_ok.eq(0), ip_hdr.eq(0)]
+            with m.If(at[5]):
+                m.d.sync += [unicast.eq(nxt[:48] == self.mac), for_us.eq((nxt[:48] == self.mac) |
+                                                                         (nxt[:48] == BROADCAST))]
+            with m.If(at[11]):
+                m.d.sync += src_mac.eq(nxt[:48])
+            with m.If(at[13]):
+                m.d.sync += etype.eq(nxt[:16])
+            # ARP: hardware Ethernet, protocol IPv4, lengths 6 and 4, a request
+            with m.If(at[21]):
+                m.d.sync += arp_ok.eq(for_us & (etype == ETHERTYPE_ARP) & (nxt == 0x0001_0800_0604_0001))
+            with m.If(at[27]):
+                m.d.sync += arp_sha.eq(nxt[:48])
+            with m.If(at[31]):
+                m.d.sync += arp_spa.eq(nxt[:32])
+            with m.If(at[41]):
+                with m.If(arp_ok & (nxt[:32] == self.ip)):
+                    m.d.sync += self.arp_requests.eq(self.arp_requests + 1)
+                    with m.If(~self.arp.valid):  # one at a time: the requester asks again
+                        m.d.sync += [self.arp.valid.eq(1), self.arp.payload.mac.eq(arp_sha),
+                                     self.arp.payload.ip.eq(arp_spa)]
+            # IPv4: version 4, 5 words of header (no options), not a fragment, to our address
+            with m.If(at[14]):
+                m.d.sync += ip_hdr.eq(unicast & (etype == ETHERTYPE_IPV4) & (byte == 0x45))
+            with m.If(at[17]):
+                m.d.sync += total_len.eq(nxt[:16])
+            with m.If(at[18]):
+                m.d.sync += ip_payload.eq(total_len - D.IPV4_HEADER)
+            with m.If(at[19]):
+                m.d.sync += ident.eq(nxt[:16])
+            with m.If(at[23]):
+                frag = sh[8:24]  # bytes 20-21: flags and fragment offset; byte 22 TTL
+                m.d.sync += [ip_hdr.eq(ip_hdr & ((frag & 0x3FFF) == 0) & (total_len >= D.IPV4_HEADER + D.UDP_HEADER)), proto.eq(byte)]
+            with m.If(at[29]):
+                m.d.sync += src_ip.eq(nxt[:32])
+            with m.If(at[33]):
+                hdr_ok = ip_hdr & (nxt[:32] == self.ip) & csum_ok
+                is_icmp = hdr_ok & (proto == IP_PROTO_ICMP)
+                m.d.sync += [ip_ok.eq(hdr_ok & (proto == IP_PROTO_UDP) & (total_len >= D.IPV4_HEADER + D.UDP_HEADER + D.HEADER.size)),
+                             echo.eq(is_icmp & ~self.i.payload.last), echo_left.eq(ip_payload),
+                             self.icmp_from.mac.eq(src_mac), self.icmp_from.ip.eq(src_ip),
+                             self.icmp_from.ident.eq(ident), self.icmp_from.length.eq(ip_payload)]
+            with m.If(at[35]):
+                m.d.sync += udp_src.eq(nxt[:16])
+            with m.If(at[37]):
+                m.d.sync += ip_ok.eq(ip_ok & (nxt[:16] == self.port))
+            with m.If(at[39]):
+                m.d.sync += [stream_len.eq(nxt[:16] - (D.UDP_HEADER + D.HEADER.size)),
+                             ip_ok.eq(ip_ok & (nxt[:16] >= D.UDP_HEADER + D.HEADER.size) & (nxt[:16] <= ip_payload))]
+            with m.If(at[43]):
+                m.d.sync += seq.eq(Cat(nxt[8:16], nxt[:8]))  # little-endian
+            with m.If(at[44]):
+                m.d.sync += [flags.eq(byte), ahead.eq(seq - expected)]
+            with m.If(at[45]):  # the datagram header is whole: take it or not
+                in_order = ~synced | flags[0] | ~ahead[15]
+                ok = ip_ok & (byte == D.VERSION)
+                with m.If(ok & in_order):
+                    m.d.sync += [forward.eq((stream_len != 0) & ~self.i.payload.last), forward_left.eq(stream_len),
+                                 synced.eq(1), expected.eq(seq + 1),
+                                 self.datagrams.eq(self.datagrams + 1),
+                                 self.peer.mac.eq(src_mac), self.peer.ip.eq(src_ip), self.peer.port.eq(udp_src),
+                                 self.peer_valid.eq(1)]
+                    with m.If(synced & ~flags[0]):
+                        m.d.sync += self.lost.eq(self.lost + ahead)
+                with m.Elif(ok):
+                    m.d.sync += self.late.eq(self.late + 1)
         with m.If(self.arp.valid & self.arp.ready):
             m.d.sync += self.arp.valid.eq(0)
 
@@ -549,7 +559,7 @@ class UdpLink(wiring.Component):
     (``datagrams.RECEIVE_BUFFER``: the host's ``datagrams.WINDOW`` of request bytes in
     flight); ``buffer_bytes``: each transmit buffer. ``rx_domain``: the receive side's own
     clock domain (RGMII's ``rx_clk``): ``MacRx`` runs there (its counters too) and its frames
-    cross to this one through an asynchronous FIFO."""
+    cross to this one through an asynchronous FIFO (``hw.crossing.AsyncStreamFifo``)."""
 
     def __init__(self, mac: int, ip: int, port: int, *, buffer_bytes: int = 4096,
                  rx_buffer_bytes: int = D.RECEIVE_BUFFER,
@@ -575,19 +585,17 @@ class UdpLink(wiring.Component):
             wiring.connect(m, mac_rx.o, udp_rx.i)
         else:
             m.submodules.mac_rx = mac_rx = DomainRenamer(self.rx_domain)(mac_rx)
-            m.submodules.rx_crossing = crossing = fifo.AsyncFIFOBuffered(
-                width=frame_layout().size, depth=16, w_domain=self.rx_domain, r_domain="sync")
-            # and a skid buffer before it: the receiver's reader sees a register, not the
-            # crossing's write side (its Gray-coded pointers and fullness)
+            m.submodules.rx_crossing = crossing = AsyncStreamFifo(
+                frame_layout(), depth=RX_CROSSING_DEPTH, w_domain=self.rx_domain, r_domain="sync")
+            # and skid buffers on either side: the receiver's reader sees a register, not the
+            # crossing's write enable (its pointers and memory); the crossing's read side sees a
+            # register as its ready, not UdpRx's decision
             m.submodules.rx_in = rx_in = DomainRenamer(self.rx_domain)(
                 StreamRegister(frame_layout(), registered_ready=True))
-            wiring.connect(m, mac_rx.o, rx_in.i)
-            m.d.comb += [crossing.w_stream.valid.eq(rx_in.o.valid), crossing.w_stream.payload.eq(rx_in.o.payload),
-                         rx_in.o.ready.eq(crossing.w_stream.ready)]
-            # a skid buffer: the crossing's read side (its pointer and memory) sees a register
             m.submodules.rx_skid = skid = StreamRegister(frame_layout(), registered_ready=True)
-            m.d.comb += [skid.i.valid.eq(crossing.r_stream.valid), skid.i.payload.eq(crossing.r_stream.payload),
-                         crossing.r_stream.ready.eq(skid.i.ready)]
+            wiring.connect(m, mac_rx.o, rx_in.i)
+            wiring.connect(m, rx_in.o, crossing.i)
+            wiring.connect(m, crossing.o, skid.i)
             wiring.connect(m, skid.o, udp_rx.i)
         m.submodules.arp = arp = ArpResponder(self.mac, self.ip)
         m.submodules.udp_tx = udp_tx = UdpTx(self.mac, self.ip, self.port, buffer_bytes=self.buffer_bytes,

@@ -61,13 +61,15 @@ from types import SimpleNamespace
 
 import cocotb
 from amaranth import Cat, ClockDomain, DomainRenamer, Module, Mux
-from amaranth.lib import fifo, io, stream, wiring
+from amaranth.lib import io, stream, wiring
 from amaranth.lib.wiring import In, Out
 from cocotb.clock import Clock
 from cocotb.triggers import FallingEdge, First, ReadOnly, RisingEdge, Timer
 from cocotb.utils import get_sim_time
 
+from hbfp.hw.crossing import AsyncStreamFifo
 from hbfp.hw.eth_mac import IFG_CYCLES, MacRx, MacTx, frame_layout
+from hbfp.hw.eth_udp import RX_CROSSING_DEPTH
 from hbfp.hw.rgmii import RgmiiRx, RgmiiTx
 from hbfp.sim import tb_eth_mac as ref
 from hbfp.sim.runner import tb_config
@@ -156,18 +158,18 @@ class RgmiiLoop(wiring.Component):
         m.d.comb += self.tx_frames.eq(mac_tx.frames)
 
         # The loop: the receive clock's frames into the transmit clock's, as hw.eth_udp crosses.
-        m.submodules.crossing = crossing = fifo.AsyncFIFOBuffered(
-            width=frame_layout().size, depth=16, w_domain="eth_rx", r_domain="eth")
+        m.submodules.crossing = crossing = AsyncStreamFifo(frame_layout(), depth=RX_CROSSING_DEPTH,
+                                                           w_domain="eth_rx", r_domain="eth")
         loop = self.loop
         m.d.comb += [
             self.o.valid.eq(mac_rx.o.valid & ~loop),
             self.o.payload.eq(mac_rx.o.payload),
-            crossing.w_en.eq(mac_rx.o.valid & loop),
-            crossing.w_data.eq(mac_rx.o.payload),
-            mac_rx.o.ready.eq(Mux(loop, crossing.w_rdy, self.o.ready)),
-            mac_tx.i.valid.eq(Mux(loop, crossing.r_rdy, self.i.valid)),
-            mac_tx.i.payload.eq(Mux(loop, crossing.r_data, self.i.payload)),
-            crossing.r_en.eq(loop & mac_tx.i.ready),
+            crossing.i.valid.eq(mac_rx.o.valid & loop),
+            crossing.i.payload.eq(mac_rx.o.payload),
+            mac_rx.o.ready.eq(Mux(loop, crossing.i.ready, self.o.ready)),
+            mac_tx.i.valid.eq(Mux(loop, crossing.o.valid, self.i.valid)),
+            mac_tx.i.payload.eq(Mux(loop, crossing.o.payload, self.i.payload)),
+            crossing.o.ready.eq(loop & mac_tx.i.ready),
             self.i.ready.eq(~loop & mac_tx.i.ready),
         ]
         return m

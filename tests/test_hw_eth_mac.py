@@ -132,6 +132,56 @@ def test_rx_full_buffer_drops_whole_frames():
     assert got == frames[:3] + [after[-1].data[:-4]] and counts["frames"] == 4 and counts["overflows"] == 3
 
 
+def test_frame_fifo_keeps_no_more_frames_than_its_list_of_lengths():
+    """``FrameFifo`` with room for many more bytes than frames (``max_frames`` 8): short frames
+    written while nothing is read fill its list of lengths; those that find no place are
+    dropped whole (``overflow``), those kept come out intact, each with its ``length``, in
+    order; drained, it takes as many again (its pointers wrapping), three rounds."""
+    dut = FrameFifo(1024, max_frames=8)
+    rng = random.Random(3)
+    rounds = [[bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 20))) for _ in range(14)] for _ in range(3)]
+    kept, dropped = [], []
+
+    async def bench(ctx):
+        for frames in rounds:
+            ctx.set(dut.o.ready, 0)
+            for frame in frames:
+                for i, b in enumerate(frame):
+                    ctx.set(dut.w_valid, 1)
+                    ctx.set(dut.w_data, b)
+                    ctx.set(dut.w_end, i == len(frame) - 1)
+                    ctx.set(dut.w_ok, 1)
+                    await ctx.tick()
+                ctx.set(dut.w_valid, 0)
+                ctx.set(dut.w_end, 0)
+                for _ in range(3):  # the verdict a cycle or two after the frame's end
+                    dropped.append(ctx.get(dut.overflow))
+                    await ctx.tick()
+            out, cur = [], []
+            ctx.set(dut.o.ready, 1)
+            for _ in range(400):
+                if ctx.get(dut.o.valid):
+                    if not cur:
+                        length = ctx.get(dut.length)
+                    cur.append(ctx.get(dut.o.payload.data))
+                    if ctx.get(dut.o.payload.last):
+                        assert length == len(cur), (length, len(cur))
+                        out.append(bytes(cur))
+                        cur = []
+                await ctx.tick()
+            kept.append(out)
+
+    sim = Simulator(dut)
+    sim.add_clock(8e-9)
+    sim.add_testbench(bench)
+    sim.run()
+    for frames, out in zip(rounds, kept):
+        # the first frames are kept, 8 of them: the list's 5 (max_frames less the three it
+        # keeps in hand) and those whose lengths have left it for the reader; the rest dropped
+        assert out == frames[:8], [len(f) for f in out]
+    assert sum(dropped) == sum(len(frames) - len(out) for frames, out in zip(rounds, kept))
+
+
 def test_rx_fuzz_keeps_working():
     rng = random.Random(6)
     for _ in range(3):
