@@ -314,7 +314,8 @@ def main(argv=None) -> int:
             old_note = [ln for ln in before_md.splitlines() if ln.startswith(f"- **{name}**")]
             if args.keep_others and old_row and "not measured" not in old_row[0]:
                 rows.append(old_row[0])
-                notes.extend(n + " (An earlier run's figures: this run left the board out.)" for n in old_note)
+                kept = " (An earlier run's figures: this run left the board out.)"
+                notes.extend(n.replace(kept, "") + kept for n in old_note)
                 key = board.summary_name
                 summary.update({k: before.get(k) for k in SUMMARY_KEYS if k.startswith(f"board_{key}_")})
                 continue
