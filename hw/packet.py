@@ -15,7 +15,8 @@ Components, each with named ports, in the order a frame meets them:
 - ``FrameReceiver``: hunt, header, payload into the buffer, CRC, timeouts and the skipping
   of an oversize frame; hands each frame over as one ``FRAME`` record;
 - ``FrameChecker``: the validation order of docs/protocol.md as a function of a ``FRAME``:
-  the status and the ``plan`` (``plan_layout``) of what to execute and reply;
+  the status and the ``plan`` (``plan_layout``) of what to execute and reply, from the checks
+  of each command (``WriteCheck``, ``CommandCheck`` for GEMM and READ, ``ElementwiseCheck``);
 - ``PayloadReader``: buffer words back out as byte chunks of one or two regions (a WRITE's
   data; ELEMENTWISE's x and g);
 - ``LaneAssembler``: a window of payload bytes to a beat of 32-bit lanes, one a cycle;
@@ -70,6 +71,9 @@ __all__ = [
     "plan_layout",
     "FrameReceiver",
     "FrameChecker",
+    "WriteCheck",
+    "CommandCheck",
+    "ElementwiseCheck",
     "PayloadReader",
     "LaneAssembler",
     "WriteReplay",
@@ -413,6 +417,249 @@ class FrameReceiver(wiring.Component):
         return m
 
 
+def _early(m: Module, value, name: str) -> Signal:
+    """``value`` of a received frame, registered (the frame holds still while offered): valid
+    from the cycle after the frame is offered, a cycle after the registers it reads."""
+    r = Signal(Value.cast(value).shape(), name=name, reset_less=True)
+    m.d.sync += r.eq(value)
+    return r
+
+
+class WriteCheck(wiring.Component):
+    """``FrameChecker``'s checks of a WRITE, and its replay's plan.
+
+    Ports: ``frame`` (``frame_layout()``, held while offered); registered (valid from the
+    second cycle after the frame is offered, some from the first): ``short`` (a length too
+    short for WRITE's header), ``address_ok`` (the region fits the target's buffer and its
+    alignment; an unknown target is a bad address), ``desc_ok`` (encoding and rounding of
+    values; a reduced device's omitted units), ``length_ok`` (the length is the header and the
+    region's elements); ``plan`` (``write_plan_layout``, from the frame's fields).
+    """
+
+    def __init__(self, cfg: CoreConfig, *, stream_bytes: int):
+        self.cfg, self.stream_bytes = cfg, stream_bytes
+        super().__init__({
+            "frame": In(frame_layout()),
+            "short": Out(1),
+            "address_ok": Out(1),
+            "desc_ok": Out(1),
+            "length_ok": Out(1),
+            "plan": Out(write_plan_layout(cfg)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg = self.cfg
+        D, R, C = cfg.size, cfg.rows, cfg.cols
+        th, tw = cfg.tile
+        cb = 1 if cfg.mantissa_bits <= 8 else 2
+        length = self.frame.head.length
+
+        def early(value, name):
+            return _early(m, value, name)
+
+        w_desc = data.View(layout(protocol.WRITE), self.frame.desc[:8 * WRITE_HEADER])
+        w_target, w_encoding, w_rounding = w_desc.target, w_desc.encoding, w_desc.rounding
+        w_row, w_col, w_rows, w_cols = w_desc.row, w_desc.col, w_desc.rows, w_desc.cols
+        w_row_end = Signal(17)
+        w_col_end = Signal(17)
+        m.d.comb += [w_row_end.eq(w_row + w_rows), w_col_end.eq(w_col + w_cols)]
+        # Stage 1: the parts of the region check; stage 2: the check for the target.
+        in_elements = early((w_row_end <= D) & (w_col_end <= D), "in_elements")
+        in_tiles = early((w_row_end <= D // th) & (w_col_end <= D // tw), "in_tiles")
+        # Row chunks: A's codes go R to a chunk, B's codes, the accumulator's and the bias's C.
+        chunked_c = early(_multiple_of(w_col, C, D) & _multiple_of(w_cols, C, D), "chunked_c")
+        chunked_r = chunked_c if R == C else early(_multiple_of(w_col, R, D) & _multiple_of(w_cols, R, D), "chunked_r")
+        tiled = early(_multiple_of(w_row, th, D) & _multiple_of(w_rows, th, D)
+                      & _multiple_of(w_col, tw, D) & _multiple_of(w_cols, tw, D), "tiled")
+        bias_row = early((w_row == 0) & (w_rows == 1), "bias_row")
+        is_a_codes = w_target == Target.A_CODES
+        is_codes = is_a_codes | (w_target == Target.B_CODES)
+        is_exps = (w_target == Target.A_EXPONENTS) | (w_target == Target.B_EXPONENTS)
+        is_values = (w_target == Target.A_VALUES) | (w_target == Target.B_VALUES)
+        m.d.comb += self.address_ok.eq(early(Mux(
+            is_a_codes, in_elements & chunked_r,
+            Mux((w_target == Target.B_CODES) | (w_target == Target.ACC), in_elements & chunked_c,
+                Mux(is_exps, in_tiles,
+                    Mux(w_target == Target.BIAS, bias_row & in_elements & chunked_c,
+                        Mux(is_values, in_elements & tiled, 0))))), "address_ok"))
+        # The elements of a replay beat: a row chunk (R or C), an exponent, or a quantizer beat.
+        chunk_lanes = Mux(is_exps, 1, Mux(is_a_codes, R, C))
+        value_bf16 = w_encoding == Encoding.BF16
+        write_desc_ok = ~is_values | ((w_encoding <= max(Encoding)) & (w_rounding <= max(Rounding)))
+        # A reduced device refuses the work of the units it was built without (CoreConfig).
+        if not cfg.value_quantizer:
+            write_desc_ok = ~is_values
+        elif not cfg.stochastic:
+            write_desc_ok = write_desc_ok & (w_rounding != Rounding.STOCHASTIC)
+        m.d.comb += self.desc_ok.eq(early(write_desc_ok, "write_desc_ok"))
+        element_bytes = Mux(is_codes, cb, Mux(is_exps, 1, Mux(is_values & value_bf16, 2, 4)))
+        region = early(_bounded_product(w_rows, w_cols, D), "region")  # exact in a WRITE that address_ok admits
+        # region * element_bytes (1, 2 or 4): a shift of the registered product
+        write_bytes = Signal(35)
+        element_shift = Mux(element_bytes == 4, 2, Mux(element_bytes == 2, 1, 0))
+        m.d.comb += write_bytes.eq(region << early(element_shift, "element_shift"))
+        m.d.comb += [self.length_ok.eq(early(length == WRITE_HEADER + write_bytes, "write_length_ok")),
+                     self.short.eq(early(length < WRITE_HEADER, "short_write"))]
+
+        wp = self.plan
+        beat_elems = Mux(is_values, value_lanes(cfg, self.stream_bytes), chunk_lanes)
+        m.d.comb += [
+            # Paths to units a reduced device lacks are never taken (refused above): their
+            # logic is not built.
+            wp.values.eq(is_values if cfg.value_quantizer else 0),
+            wp.target.eq(Mux(is_values, w_target - (Target.A_VALUES - Target.A_CODES), w_target)),
+            wp.row.eq(w_row), wp.col.eq(w_col), wp.col_end.eq(w_col_end), wp.row_end.eq(w_row_end),
+            wp.step.eq(chunk_lanes),
+            wp.empty.eq((w_rows == 0) | (w_cols == 0)),
+            wp.erow.eq(_quotient_of_multiple(w_row, th, D)),
+            wp.ecol.eq(_quotient_of_multiple(w_col, tw, D)),
+            wp.rounding.eq(w_rounding),
+            wp.seed.eq(w_desc.seed),
+            wp.elem_bytes.eq(element_bytes),
+            wp.beat_bytes.eq(beat_elems << element_shift),
+            wp.mode.eq(Mux(is_codes, ASSEMBLE_MODES["sign_extend"],
+                           Mux(is_values & value_bf16, ASSEMBLE_MODES["high_half"], ASSEMBLE_MODES["raw"]))),
+        ]
+        return m
+
+
+class CommandCheck(wiring.Component):
+    """``FrameChecker``'s checks of a GEMM or a READ (one set of fields: READ has K = 0 and
+    only the bias flag), and the core's command.
+
+    Ports: ``frame`` (``frame_layout()``, held while offered); registered: ``bad_length`` (the
+    length is not the command's descriptor's), ``ok`` (sides, transposes, activation, format,
+    rounding; a reduced device's omitted units), ``result_bytes`` (the reply's result bytes
+    in the command's format, padding included); ``cmd`` (``command_layout``, from the
+    registered fields).
+    """
+
+    def __init__(self, cfg: CoreConfig):
+        self.cfg = cfg
+        super().__init__({
+            "frame": In(frame_layout()),
+            "bad_length": Out(1),
+            "ok": Out(1),
+            "result_bytes": Out(32),
+            "cmd": Out(command_layout(cfg)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg = self.cfg
+        D = cfg.size
+        th, tw = cfg.tile
+        cb = 1 if cfg.mantissa_bits <= 8 else 2
+        functions = cfg.built_functions
+        head, desc = self.frame.head, self.frame.desc
+
+        def early(value, name):
+            return _early(m, value, name)
+
+        g_desc = data.View(layout(protocol.GEMM), desc[:8 * GEMM_SIZE])
+        r_desc = data.View(layout(protocol.READ), desc[:8 * READ_SIZE])
+        is_read = head.opcode == Op.READ
+        # Stage 1: the command's fields; stage 2: their checks and products; stage 3: the
+        # result's bytes.
+        c_m = early(Mux(is_read, r_desc.m, g_desc.m), "c_m")
+        c_n = early(Mux(is_read, r_desc.n, g_desc.n), "c_n")
+        c_k = early(Mux(is_read, 0, g_desc.k), "c_k")
+        c_flags = early(Mux(is_read, r_desc.flags & GemmFlag.BIAS, g_desc.flags), "c_flags")
+        c_act = early(Mux(is_read, r_desc.activation, g_desc.activation), "c_act")
+        c_format = early(Mux(is_read, r_desc.out_format, g_desc.out_format), "c_format")
+        c_rounding = early(Mux(is_read, r_desc.rounding, g_desc.rounding), "c_rounding")
+        c_seed = early(Mux(is_read, r_desc.seed, g_desc.seed), "c_seed")
+        c_read = early(is_read, "c_read")
+        flag = {f.name.lower(): c_flags & f != 0 for f in GemmFlag}
+        unary_mask = functions_mask(n for n in functions if n in UNARY_FUNCTIONS)
+        act_ok = (c_act == protocol.NO_ACTIVATION) | Const(unary_mask, 256).bit_select(c_act, 1)
+        sides_ok = ((c_m >= 1) & (c_m <= D) & (c_n >= 1) & (c_n <= D)
+                    & (c_read | ((c_k >= 1) & (c_k <= D))))
+        transposes_ok = 1 if cfg.square else (c_read | (~flag["transpose_a"] & flag["transpose_b"]))
+        command_ok = (sides_ok & act_ok & transposes_ok & (c_format <= max(OutFormat))
+                      & (c_rounding <= max(Rounding)))
+        c_bfp = c_format == OutFormat.BFP
+        if not cfg.bfp_output:
+            command_ok = command_ok & ~c_bfp
+        elif not cfg.stochastic:
+            command_ok = command_ok & ~(c_bfp & (c_rounding == Rounding.STOCHASTIC))
+        m.d.comb += self.ok.eq(early(command_ok, "command_ok"))
+        # exact in a command that sides_ok admits
+        tiles = early(_bounded_product(_ceil_div(c_m, th, D), _ceil_div(c_n, tw, D), -(-D // min(th, tw))), "tiles")
+        elements = early(_bounded_product(c_m, c_n, D), "elements")
+        m.d.comb += self.result_bytes.eq(early(Mux(c_format == OutFormat.FP32, elements << 2,
+                                                   Mux(c_format == OutFormat.BF16, elements << 1,
+                                                       tiles * (1 + th * tw * cb))),
+                                               "result_bytes"))
+        m.d.comb += self.bad_length.eq(early(head.length != Mux(is_read, READ_SIZE, GEMM_SIZE), "bad_command_length"))
+
+        cmd = self.cmd
+        m.d.comb += [
+            cmd.m.eq(c_m), cmd.n.eq(c_n), cmd.k.eq(c_k),
+            cmd.transpose_a.eq(flag["transpose_a"]),
+            cmd.transpose_b.eq(flag["transpose_b"]),
+            cmd.accumulate.eq(flag["accumulate"]),
+            cmd.bias.eq(flag["bias"]),
+            cmd.act_en.eq(c_act != protocol.NO_ACTIVATION),
+            cmd.act_func.eq(c_act),
+            cmd.out_format.eq(c_format),
+            cmd.rounding.eq(c_rounding),
+            cmd.seed.eq(c_seed),
+        ]
+        return m
+
+
+class ElementwiseCheck(wiring.Component):
+    """``FrameChecker``'s checks of an ELEMENTWISE, and where its g starts in the payload.
+
+    Ports: ``frame`` (``frame_layout()``, held while offered); ``function``, ``count`` (the
+    descriptor's), ``gradient`` (the function is a built gradient: x and g); registered:
+    ``short`` (a length too short for the header), ``built`` (the function is built),
+    ``length_ok`` (the length is the header and the count's x, and g), ``b_word``,
+    ``b_offset`` (g's first byte, after x, as a payload word and the byte in it).
+    """
+
+    def __init__(self, cfg: CoreConfig, *, stream_bytes: int, max_payload: int):
+        self.cfg, self.stream_bytes, self.max_payload = cfg, stream_bytes, max_payload
+        rp, e_desc = read_plan_layout(stream_bytes, max_payload), layout(protocol.ELEMENTWISE)
+        super().__init__({
+            "frame": In(frame_layout()),
+            "function": Out(e_desc["function"].shape),
+            "count": Out(e_desc["count"].shape),
+            "gradient": Out(1),
+            "short": Out(1),
+            "built": Out(1),
+            "length_ok": Out(1),
+            "b_word": Out(rp["b_word"].shape),
+            "b_offset": Out(rp["b_offset"].shape),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        N, P = self.stream_bytes, self.max_payload
+        functions = self.cfg.built_functions
+        length = self.frame.head.length
+        e_desc = data.View(layout(protocol.ELEMENTWISE), self.frame.desc[:8 * ELEMENTWISE_HEADER])
+        e_function, e_count = e_desc.function, e_desc.count
+        built_mask = functions_mask(functions)
+        gradient_mask = functions_mask(n for n in functions if n not in UNARY_FUNCTIONS)
+        e_gradient = Const(gradient_mask, 256).bit_select(e_function, 1)  # a built gradient function
+        e_bytes = Signal(35)
+        m.d.comb += e_bytes.eq(Mux(e_gradient, e_count << 2, e_count << 1))
+        m.d.comb += [
+            self.function.eq(e_function), self.count.eq(e_count), self.gradient.eq(e_gradient),
+            self.length_ok.eq(_early(m, length == ELEMENTWISE_HEADER + e_bytes, "e_length_ok")),
+            self.built.eq(_early(m, Const(built_mask, 256).bit_select(e_function, 1), "e_built")),
+            self.short.eq(_early(m, length < ELEMENTWISE_HEADER, "short_elementwise")),
+        ]
+        b_start = Signal(range(P + ELEMENTWISE_HEADER + 1))
+        m.d.comb += b_start.eq(ELEMENTWISE_HEADER + (e_count << 1))
+        b_word, b_offset = divmod_const(b_start, N, P + ELEMENTWISE_HEADER)
+        m.d.comb += [self.b_word.eq(_early(m, b_word, "b_word")), self.b_offset.eq(_early(m, b_offset, "b_offset"))]
+        return m
+
+
 class FrameChecker(wiring.Component):
     """The decision on a received frame: ``plan`` from ``frame``.
 
@@ -448,127 +695,25 @@ class FrameChecker(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        cfg, N, P = self.cfg, self.stream_bytes, self.max_payload
-
-        def early(value, name):
-            """``value`` of the frame, registered (the frame holds still while offered): valid
-            from the cycle after the frame is offered, a cycle after the registers it reads."""
-            r = Signal(Value.cast(value).shape(), name=name, reset_less=True)
-            m.d.sync += r.eq(value)
-            return r
-
-        D, R, C = cfg.size, cfg.rows, cfg.cols
-        th, tw = cfg.tile
-        cb = 1 if cfg.mantissa_bits <= 8 else 2
-        functions = cfg.built_functions
-        head, desc, plan = self.frame.head, self.frame.desc, self.plan
+        cfg, N = self.cfg, self.stream_bytes
+        head, plan = self.frame.head, self.plan
         opcode, length = head.opcode, head.length
         is_op = {op: opcode == op for op in Op}
-
-        # The descriptor's bytes seen through each command's contract layout.
-        w_desc = data.View(layout(protocol.WRITE), desc[:8 * WRITE_HEADER])
-        g_desc = data.View(layout(protocol.GEMM), desc[:8 * GEMM_SIZE])
-        r_desc = data.View(layout(protocol.READ), desc[:8 * READ_SIZE])
-        e_desc = data.View(layout(protocol.ELEMENTWISE), desc[:8 * ELEMENTWISE_HEADER])
-
-        # ---- WRITE --------------------------------------------------------------------
-        w_target, w_encoding, w_rounding = w_desc.target, w_desc.encoding, w_desc.rounding
-        w_row, w_col, w_rows, w_cols = w_desc.row, w_desc.col, w_desc.rows, w_desc.cols
-        w_row_end = Signal(17)
-        w_col_end = Signal(17)
-        m.d.comb += [w_row_end.eq(w_row + w_rows), w_col_end.eq(w_col + w_cols)]
-        # Stage 1: the parts of the region check; stage 2: the check for the target.
-        in_elements = early((w_row_end <= D) & (w_col_end <= D), "in_elements")
-        in_tiles = early((w_row_end <= D // th) & (w_col_end <= D // tw), "in_tiles")
-        # Row chunks: A's codes go R to a chunk, B's codes, the accumulator's and the bias's C.
-        chunked_c = early(_multiple_of(w_col, C, D) & _multiple_of(w_cols, C, D), "chunked_c")
-        chunked_r = chunked_c if R == C else early(_multiple_of(w_col, R, D) & _multiple_of(w_cols, R, D), "chunked_r")
-        tiled = early(_multiple_of(w_row, th, D) & _multiple_of(w_rows, th, D)
-                      & _multiple_of(w_col, tw, D) & _multiple_of(w_cols, tw, D), "tiled")
-        bias_row = early((w_row == 0) & (w_rows == 1), "bias_row")
-        is_a_codes = w_target == Target.A_CODES
-        is_codes = is_a_codes | (w_target == Target.B_CODES)
-        is_exps = (w_target == Target.A_EXPONENTS) | (w_target == Target.B_EXPONENTS)
-        is_values = (w_target == Target.A_VALUES) | (w_target == Target.B_VALUES)
-        address_ok = early(Mux(
-            is_a_codes, in_elements & chunked_r,
-            Mux((w_target == Target.B_CODES) | (w_target == Target.ACC), in_elements & chunked_c,
-                Mux(is_exps, in_tiles,
-                    Mux(w_target == Target.BIAS, bias_row & in_elements & chunked_c,
-                        Mux(is_values, in_elements & tiled, 0))))), "address_ok")
-        # The elements of a replay beat: a row chunk (R or C), an exponent, or a quantizer beat.
-        chunk_lanes = Mux(is_exps, 1, Mux(is_a_codes, R, C))
-        value_bf16 = w_encoding == Encoding.BF16
-        stochastic = Rounding.STOCHASTIC
-        write_desc_ok = ~is_values | ((w_encoding <= max(Encoding)) & (w_rounding <= max(Rounding)))
-        # A reduced device refuses the work of the units it was built without (CoreConfig).
-        if not cfg.value_quantizer:
-            write_desc_ok = ~is_values
-        elif not cfg.stochastic:
-            write_desc_ok = write_desc_ok & (w_rounding != stochastic)
-        write_desc_ok = early(write_desc_ok, "write_desc_ok")
-        element_bytes = Mux(is_codes, cb, Mux(is_exps, 1, Mux(is_values & value_bf16, 2, 4)))
-        region = early(_bounded_product(w_rows, w_cols, D), "region")  # exact in a WRITE that address_ok admits
-        # region * element_bytes (1, 2 or 4): a shift of the registered product
-        write_bytes = Signal(35)
-        element_shift = Mux(element_bytes == 4, 2, Mux(element_bytes == 2, 1, 0))
-        m.d.comb += write_bytes.eq(region << early(element_shift, "element_shift"))
-        write_length_ok = early(length == WRITE_HEADER + write_bytes, "write_length_ok")
-
-        # ---- GEMM and READ share one set of fields (READ: K = 0 and only the bias flag) ----
         is_read = is_op[Op.READ]
-        # Stage 1: the command's fields; stage 2: their checks and products; stage 3: the
-        # result's bytes.
-        c_m = early(Mux(is_read, r_desc.m, g_desc.m), "c_m")
-        c_n = early(Mux(is_read, r_desc.n, g_desc.n), "c_n")
-        c_k = early(Mux(is_read, 0, g_desc.k), "c_k")
-        c_flags = early(Mux(is_read, r_desc.flags & GemmFlag.BIAS, g_desc.flags), "c_flags")
-        c_act = early(Mux(is_read, r_desc.activation, g_desc.activation), "c_act")
-        c_format = early(Mux(is_read, r_desc.out_format, g_desc.out_format), "c_format")
-        c_rounding = early(Mux(is_read, r_desc.rounding, g_desc.rounding), "c_rounding")
-        c_seed = early(Mux(is_read, r_desc.seed, g_desc.seed), "c_seed")
-        c_read = early(is_read, "c_read")
-        flag = {f.name.lower(): c_flags & f != 0 for f in GemmFlag}
-        unary_mask = functions_mask(n for n in functions if n in UNARY_FUNCTIONS)
-        built_mask = functions_mask(functions)
-        gradient_mask = functions_mask(n for n in functions if n not in UNARY_FUNCTIONS)
-        act_ok = (c_act == protocol.NO_ACTIVATION) | Const(unary_mask, 256).bit_select(c_act, 1)
-        sides_ok = ((c_m >= 1) & (c_m <= D) & (c_n >= 1) & (c_n <= D)
-                    & (c_read | ((c_k >= 1) & (c_k <= D))))
-        transposes_ok = 1 if cfg.square else (c_read | (~flag["transpose_a"] & flag["transpose_b"]))
-        command_ok = (sides_ok & act_ok & transposes_ok & (c_format <= max(OutFormat))
-                      & (c_rounding <= max(Rounding)))
-        c_bfp = c_format == OutFormat.BFP
-        if not cfg.bfp_output:
-            command_ok = command_ok & ~c_bfp
-        elif not cfg.stochastic:
-            command_ok = command_ok & ~(c_bfp & (c_rounding == stochastic))
-        command_ok = early(command_ok, "command_ok")
-        # exact in a command that sides_ok admits
-        tiles = early(_bounded_product(_ceil_div(c_m, th, D), _ceil_div(c_n, tw, D), -(-D // min(th, tw))), "tiles")
-        elements = early(_bounded_product(c_m, c_n, D), "elements")
-        result_bytes = early(Mux(c_format == OutFormat.FP32, elements << 2,
-                                Mux(c_format == OutFormat.BF16, elements << 1, tiles * (1 + th * tw * cb))),
-                            "result_bytes")
 
-        # ---- ELEMENTWISE ----------------------------------------------------------------
-        e_function, e_count = e_desc.function, e_desc.count
-        e_gradient = Const(gradient_mask, 256).bit_select(e_function, 1)  # a built gradient function
+        # The checks of each command, each its first two stages (``WriteCheck``,
+        # ``CommandCheck``, ``ElementwiseCheck``).
+        m.submodules.write = write = WriteCheck(cfg, stream_bytes=N)
+        m.submodules.command = command = CommandCheck(cfg)
+        m.submodules.elementwise = ew = ElementwiseCheck(cfg, stream_bytes=N, max_payload=self.max_payload)
+        m.d.comb += [write.frame.eq(self.frame), command.frame.eq(self.frame), ew.frame.eq(self.frame)]
         # An ELEMENTWISE that runs: none on a device without functions (it is refused), whose
         # path to the activation unit is then not built.
-        elementwise = is_op[Op.ELEMENTWISE] if functions else Const(0)
-        e_built = Const(built_mask, 256).bit_select(e_function, 1)
-        e_bytes = Signal(35)
-        m.d.comb += e_bytes.eq(Mux(e_gradient, e_count << 2, e_count << 1))
-        e_length_ok = early(length == ELEMENTWISE_HEADER + e_bytes, "e_length_ok")
-        e_built = early(e_built, "e_built")
+        elementwise = is_op[Op.ELEMENTWISE] if cfg.built_functions else Const(0)
 
         # The first stage too: the length and version checks against constants, each a register.
-        bad_version = early(head.version != protocol.PROTOCOL_VERSION, "bad_version")
-        short_write = early(length < WRITE_HEADER, "short_write")
-        bad_command_length = early(length != Mux(is_read, READ_SIZE, GEMM_SIZE), "bad_command_length")
-        short_elementwise = early(length < ELEMENTWISE_HEADER, "short_elementwise")
-        has_payload = early(length != 0, "has_payload")
+        bad_version = _early(m, head.version != protocol.PROTOCOL_VERSION, "bad_version")
+        has_payload = _early(m, length != 0, "has_payload")
 
         status = Signal(8)
         event = self.frame.event
@@ -583,25 +728,25 @@ class FrameChecker(wiring.Component):
         with m.Elif(~Cat(*is_op.values()).any()):
             m.d.comb += status.eq(Status.BAD_OPCODE)
         with m.Elif(is_op[Op.WRITE]):
-            with m.If(short_write):
+            with m.If(write.short):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
-            with m.Elif(~address_ok):
+            with m.Elif(~write.address_ok):
                 m.d.comb += status.eq(Status.BAD_ADDRESS)
-            with m.Elif(~write_desc_ok):
+            with m.Elif(~write.desc_ok):
                 m.d.comb += status.eq(Status.BAD_DESCRIPTOR)
-            with m.Elif(~write_length_ok):
+            with m.Elif(~write.length_ok):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
         with m.Elif(is_op[Op.GEMM] | is_read):
-            with m.If(bad_command_length):
+            with m.If(command.bad_length):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
-            with m.Elif(~command_ok):
+            with m.Elif(~command.ok):
                 m.d.comb += status.eq(Status.BAD_DESCRIPTOR)
         with m.Elif(is_op[Op.ELEMENTWISE]):
-            with m.If(short_elementwise):
+            with m.If(ew.short):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
-            with m.Elif(~e_built):
+            with m.Elif(~ew.built):
                 m.d.comb += status.eq(Status.BAD_DESCRIPTOR)
-            with m.Elif(~e_length_ok):
+            with m.Elif(~ew.length_ok):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
         with m.Else():  # IDENTIFY, STATUS, RESET carry no payload
             with m.If(has_payload):
@@ -617,63 +762,29 @@ class FrameChecker(wiring.Component):
             plan.fixed.eq(Mux(~ok, 0, Mux(is_op[Op.IDENTIFY], protocol.IDENTITY.size,
                                           Mux(is_op[Op.STATUS], protocol.STATUS.size,
                                               Mux(is_op[Op.GEMM], protocol.CYCLES.size, 0))))),
-            plan.stream.eq(Mux(~ok, 0, Mux(elementwise, e_count << 1,
-                                           Mux(is_op[Op.GEMM] | is_read, result_bytes, 0)))),
+            plan.stream.eq(Mux(~ok, 0, Mux(elementwise, ew.count << 1,
+                                           Mux(is_op[Op.GEMM] | is_read, command.result_bytes, 0)))),
             plan.action.eq(Mux(~ok, Action.REPLY,
                                Mux(is_op[Op.WRITE], Action.WRITE,
                                    Mux(is_op[Op.GEMM] | is_read, Action.CORE,
                                        Mux(elementwise, Action.ELEMENTWISE,
                                            Mux(is_op[Op.RESET], Action.RESET, Action.REPLY)))))),
-        ]
-        wp = plan.write
-        beat_elems = Mux(is_values, value_lanes(cfg, self.stream_bytes), chunk_lanes)
-        m.d.comb += [
-            # Paths to units a reduced device lacks are never taken (refused above): their
-            # logic is not built.
-            wp.values.eq(is_values if cfg.value_quantizer else 0),
-            wp.target.eq(Mux(is_values, w_target - (Target.A_VALUES - Target.A_CODES), w_target)),
-            wp.row.eq(w_row), wp.col.eq(w_col), wp.col_end.eq(w_col_end), wp.row_end.eq(w_row_end),
-            wp.step.eq(chunk_lanes),
-            wp.empty.eq((w_rows == 0) | (w_cols == 0)),
-            wp.erow.eq(_quotient_of_multiple(w_row, th, D)),
-            wp.ecol.eq(_quotient_of_multiple(w_col, tw, D)),
-            wp.rounding.eq(w_rounding),
-            wp.seed.eq(w_desc.seed),
-            wp.elem_bytes.eq(element_bytes),
-            wp.beat_bytes.eq(beat_elems << element_shift),
-            wp.mode.eq(Mux(is_codes, ASSEMBLE_MODES["sign_extend"],
-                           Mux(is_values & value_bf16, ASSEMBLE_MODES["high_half"], ASSEMBLE_MODES["raw"]))),
+            plan.write.eq(write.plan),
+            plan.cmd.eq(command.cmd),
+            plan.gradient.eq(ew.gradient),
+            plan.e_func.eq(ew.function),
         ]
         # Payload regions in buffer words: a WRITE's data after its header; ELEMENTWISE's x,
         # and its g after x.
         rp = plan.read
         a_start = Mux(is_op[Op.WRITE], WRITE_HEADER, ELEMENTWISE_HEADER)
-        b_start = Signal(range(P + ELEMENTWISE_HEADER + 1))
-        m.d.comb += b_start.eq(ELEMENTWISE_HEADER + (e_count << 1))
-        b_word, b_offset = divmod_const(b_start, N, P + ELEMENTWISE_HEADER)
-        b_word, b_offset = early(b_word, "b_word"), early(b_offset, "b_offset")
         m.d.comb += [
             rp.a_word.eq(Mux(is_op[Op.WRITE], WRITE_HEADER // N, ELEMENTWISE_HEADER // N)),
             rp.a_offset.eq(Mux(is_op[Op.WRITE], WRITE_HEADER % N, ELEMENTWISE_HEADER % N)),
-            rp.length.eq(Mux(is_op[Op.WRITE], length - a_start, e_count << 1)),
-            rp.b_word.eq(b_word),
-            rp.b_offset.eq(b_offset),
-            rp.interleave.eq(elementwise & e_gradient),
-        ]
-        cmd = plan.cmd
-        m.d.comb += [
-            cmd.m.eq(c_m), cmd.n.eq(c_n), cmd.k.eq(c_k),
-            cmd.transpose_a.eq(flag["transpose_a"]),
-            cmd.transpose_b.eq(flag["transpose_b"]),
-            cmd.accumulate.eq(flag["accumulate"]),
-            cmd.bias.eq(flag["bias"]),
-            cmd.act_en.eq(c_act != protocol.NO_ACTIVATION),
-            cmd.act_func.eq(c_act),
-            cmd.out_format.eq(c_format),
-            cmd.rounding.eq(c_rounding),
-            cmd.seed.eq(c_seed),
-            plan.gradient.eq(e_gradient),
-            plan.e_func.eq(e_function),
+            rp.length.eq(Mux(is_op[Op.WRITE], length - a_start, ew.count << 1)),
+            rp.b_word.eq(ew.b_word),
+            rp.b_offset.eq(ew.b_offset),
+            rp.interleave.eq(elementwise & ew.gradient),
         ]
         return m
 
