@@ -372,7 +372,8 @@ class EpilogueDatapath(wiring.Component):
             for j in range(E):
                 act = ActivationDatapath(leaky_shift=cfg.leaky_shift, functions=cfg.built_functions)
                 m.submodules[f"act{j}"] = act
-                x_bf16 = delayed(m, convert.from_f32(b_vals[j]), ACTIVATION_INPUT_REGISTER, f"act_in{j}", reset_less=True)
+                x_bf16 = delayed(m, convert.from_f32(b_vals[j]), ACTIVATION_INPUT_REGISTER, f"act_in{j}",
+                                 reset_less=True)
                 m.d.comb += [
                     act.advance.eq(1),
                     act.i_valid.eq(delayed(m, b_meta.valid, ACTIVATION_INPUT_REGISTER, f"act_in_valid{j}")),

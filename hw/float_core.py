@@ -11,9 +11,10 @@ the two operands' slices (K padded with zeros), added in ascending K-tile order 
 ``add_f32`` onto +0 (or C), then the bias, activation and output format as the BFP core's
 epilogue does. The array runs ``INTERLEAVE`` independent accumulations (``FloatMacArray``): a
 run of ``INTERLEAVE * tk`` beats computes one K-tile of ``INTERLEAVE`` adjacent output blocks
-of a row-block. Operands are stored as 16-bit patterns (``a_codes``/``b_codes`` writes; there
-are no exponents). Unlike the BFP core it may stall (the array waits while a group's sums
-drain), and it keeps no cycle model: it exists to be measured.
+of a row-block (``FloatIssue``), and a run's sums are added into the accumulator one row a
+cycle (``FloatDrain``). Operands are stored as 16-bit patterns (``a_codes``/``b_codes``
+writes; there are no exponents). Unlike the BFP core it may stall (the array waits while a
+group's sums drain), and it keeps no cycle model: it exists to be measured.
 """
 
 from __future__ import annotations

@@ -8,15 +8,17 @@ A command runs two overlapping phases:
 
 1. MAC: for each R x C output block (row-blocks of R rows, column-blocks of C columns), for
    each K-tile, ``tk`` beats of operand chunks go from the buffers to the MAC array, one a
-   cycle; the exponents of the K-tile's tiles are prefetched while it streams. Each K-tile's
-   sums drain row by row into the accumulate lanes (``hw.accumulate``), which normalize them
-   and add them into the accumulator buffer. Nothing in this phase waits for the output.
+   cycle (``MacIssue``); the exponents of the K-tile's tiles are prefetched while it streams
+   (``ExponentPrefetch``). Each K-tile's sums drain row by row (``DrainRegister``) into the
+   accumulate lanes (``hw.accumulate``), which normalize them and add them into the
+   accumulator buffer. Nothing in this phase waits for the output.
 2. Epilogue (``hw.epilogue``): a row of the accumulator goes out through bias, activation and
    output format as soon as its row-block is closed, so a row-block's results stream while the
    next row-block computes. The output's backpressure reaches only the epilogue's issue.
 
 The two read the accumulator through separate ports; the exponent memories, the
-accumulator, the bias and the operand banks all have registered outputs.
+accumulator, the bias and the operand banks all have registered outputs. The host writes them
+while the core is idle (``HostWrites``).
 """
 
 from __future__ import annotations
