@@ -4,19 +4,21 @@
 Structure (one pipeline, every stage advancing together; each stage at most one carry chain
 and a few LUT levels, or a block RAM's clock-to-out into a register, for 150 MHz on an ECP5):
 
-- stage 1: the ROM address of every table unit, from the input's sign, exponent field and
-  mantissa (``TableUnit`` indexing, out-of-window fields clamped as the golden model does),
-  registered, and the input beside it;
-- stage 2 (ROM read, synchronous): the table words;
-- stage 3: the table words registered as they leave the block RAMs (whose clock-to-out leaves
-  no time for logic behind them), and beside them what depends on the input alone: its
-  classes, the rule values and each table's window tests;
+- stages 1-3 of the table units (``ActivationTables``): the ROM address of every table unit,
+  from the input's sign, exponent field and mantissa (``TableUnit`` indexing, out-of-window
+  fields clamped as the golden model does), registered; the ROM read (synchronous); the
+  table words registered as they leave the block RAMs (whose clock-to-out leaves no time for
+  logic behind them);
+- stages 1-3 beside them: the input carried along, and at stage 3 what depends on the input
+  alone: its classes, the rule values and each table's window tests;
 - stage 4: the function's output (``y``), chosen from the table word or a rule
   (``small_rule``, ``large_rule_pos``/``large_rule_neg``), or from comparators (relu,
   leaky_relu and their derivatives), with NaN inputs overriding everything, and the
   multiplier's second operand (the upstream gradient ``g`` for a gradient function, 1.0 for a
   unary one);
 - stages 5-7: ``MulBF16Datapath`` computes ``bf16.mul(y, operand)``.
+
+``ActivationDatapath`` is that pipeline; ``Activation`` puts stream ports around it.
 
 A unary function goes through the multiplier too, times 1.0: every unit output is a normal,
 a zero, an inf or ``QNAN | sign`` (never a subnormal), and the multiplier returns each of
@@ -29,6 +31,8 @@ elaboration time (``table_unit(name)``): the gateware cannot drift from the gold
 
 from __future__ import annotations
 
+
+from types import SimpleNamespace
 
 from amaranth import Array, Cat, Const, Module, Mux, Signal, Value
 from amaranth.lib import data, stream, wiring
@@ -56,6 +60,8 @@ __all__ = [
     "table_of",
     "rom_bits",
     "MulBF16Datapath",
+    "words_layout",
+    "ActivationTables",
     "ActivationDatapath",
     "Activation",
 ]
@@ -226,6 +232,136 @@ class MulBF16Datapath(wiring.Component):
         return m
 
 
+def _register(m: Module, advance, value, name: str) -> Signal:
+    """``value`` registered when the pipeline advances (a data register: no reset)."""
+    r = Signal(Value.cast(value).shape(), name=name, reset_less=True)
+    with m.If(advance):
+        m.d.sync += r.eq(value)
+    return r
+
+
+def words_layout(tables) -> data.StructLayout:
+    """The table words of an input (``ActivationTables.words``): one bf16 word per table unit."""
+    return data.StructLayout({name: BF16_WIDTH for name in tables})
+
+
+class ActivationTables(wiring.Component):
+    """Stages 1-3 of the activation pipeline for the table units: each unit's word for an
+    input ``x`` (``words_layout(tables)``), 3 advances after ``x`` is taken in.
+
+    Stage 1: each table unit's ROM address, registered (it is too deep to share a cycle with
+    the block RAM's address setup). Stage 2: the ROM, synchronous, read every cycle the
+    pipeline moves and holding its words while it stalls, like the registers; it is built of
+    parts of one block RAM each (``_ROM_PART`` words), so that every block RAM output goes
+    straight into a register (stage 3) and the part is chosen after it, by the address's high
+    bits. An out-of-window field reads a clamped (in-range) word that the rules replace.
+
+    Ports: ``advance``, ``x`` (bf16) in; ``words`` out.
+    """
+
+    def __init__(self, tables):
+        self.tables = tuple(tables)
+        super().__init__({
+            "advance": In(1),
+            "x": In(BF16),
+            "words": Out(words_layout(self.tables)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        advance = self.advance
+        x0 = self.x
+        field_width = x0.field.shape().width
+        for name in self.tables:
+            unit = activations.table_unit(name)
+            # Stage 1: the row is the field's offset in the window, in the negative half for a
+            # negative x: the window tests and both offsets are computed side by side, then
+            # selected.
+            below = x0.field < unit.f_lo
+            above = x0.field > unit.f_hi
+            offset = (x0.field - unit.f_lo)[:field_width]
+            offset_neg = (x0.field + (unit.fields - unit.f_lo))[:field_width + 1]
+            half = unit.fields * x0.sign
+            row = Mux(below, half, Mux(above, half + unit.fields - 1, Mux(x0.sign, offset_neg, offset)))
+            address = Signal(range(unit.rom_entries), name=f"address_{name}", reset_less=True)
+            with m.If(advance):
+                m.d.sync += address.eq(Cat(x0.mantissa, row))
+            # Stage 2: the ROM parts, and which of them the address reads.
+            rom_words = [int(w) for w in unit.rom]
+            outs = []
+            for p, start in enumerate(range(0, unit.rom_entries, _ROM_PART)):
+                chunk = rom_words[start:start + _ROM_PART]
+                rom = Memory(shape=BF16_WIDTH, depth=len(chunk), init=chunk)
+                m.submodules[f"rom_{name}_{p}"] = rom
+                port = rom.read_port(domain="sync")
+                m.d.comb += [port.addr.eq(address[:_ROM_PART_BITS]), port.en.eq(advance)]
+                outs.append(port.data)
+            part = Signal(range(len(outs)), name=f"part_{name}", reset_less=True)
+            with m.If(advance):
+                m.d.sync += part.eq(address[_ROM_PART_BITS:])
+            # Stage 3: the block RAM words registered as they come out (their clock-to-out
+            # leaves no time for logic behind them), the part chosen after the registers.
+            words = Array(_register(m, advance, w, f"word_{name}_{p}") for p, w in enumerate(outs))
+            m.d.comb += self.words[name].eq(words[_register(m, advance, part, f"part2_{name}")])
+        return m
+
+
+def _unit_output(name: str, c: SimpleNamespace, words, leaky_shift: int):
+    """Function ``name``'s output (stage 4) from the stage-3 values ``c`` and the table units'
+    ``words``: a comparator's choice, or a table word replaced by a rule out of its window."""
+    if name == "relu":
+        return Mux(c.positive, c.x.as_value(), 0)
+    if name == "leaky_relu":
+        return Mux(c.x_neg, c.leaky_neg, c.x_daz)
+    if name == "relu_grad":
+        return Mux(c.positive, _ONE, 0)
+    if name == "leaky_relu_grad":
+        slope = (EXP_BIAS - leaky_shift) << MANT_BITS if leaky_shift < EXP_BIAS else 0
+        return Mux(c.positive, _ONE, slope)
+    unit_name = table_of(name)
+    unit = activations.table_unit(unit_name)
+    below, above = c.windows[unit_name]
+
+    def rule(r):
+        kind = r[0]
+        if kind == "const":
+            return Const(r[1], BF16_WIDTH)
+        if kind == "x":
+            return c.x_daz
+        if kind == "half":
+            return c.x_half
+        raise ValueError(f"unknown rule {r!r}")
+
+    return Mux(
+        below,
+        rule(unit.small_rule),
+        Mux(above, Mux(c.x.sign, rule(unit.large_rule_neg), rule(unit.large_rule_pos)), words[unit_name]),
+    )
+
+
+def _rule_values(x1: data.View, leaky_shift: int):
+    """Stage 3's values of a bf16 input ``x1`` (unregistered): a zero of its sign, its classes
+    (zero after DAZ, NaN), ``x * 0.5`` and leaky_relu's output for a negative ``x``."""
+    field_width = x1.field.shape().width
+    sign16 = Cat(Const(0, BF16_WIDTH - 1), x1.sign)
+    x_zero, _, x_nan = _classes(x1)
+    # x * 0.5 by exponent decrement; fields 1 and 0 flush to a zero of x's sign.
+    x_half = Mux(
+        x1.field <= 1,
+        sign16,
+        Mux(x1.field == FIELD_INF, x1.as_value(), x1.as_value() - (1 << MANT_BITS)),
+    )
+    # leaky_relu: shifts past the field range flush every finite negative input (as the
+    # golden model's clamp to 255 does).
+    s = min(leaky_shift, FIELD_INF)
+    leaky_neg = Mux(
+        x1.field == FIELD_INF,
+        x1.as_value(),
+        Mux(x1.field <= s, sign16, Cat(x1.mantissa, (x1.field - s)[:field_width], x1.sign)),
+    )
+    return sign16, x_zero, x_nan, x_half, leaky_neg
+
+
 class ActivationDatapath(wiring.Component):
     """The activation pipeline in advance/valid form (``Activation`` puts streams around it).
 
@@ -269,56 +405,24 @@ class ActivationDatapath(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         advance = self.advance
-        x0 = data.View(BF16, self.i.x)
-        field_width = x0.field.shape().width
 
-        # Stage 1: each table unit's ROM address, registered (it is too deep to share a cycle
-        # with the block RAM's address setup). The row is the field's offset in the window, in
-        # the negative half for a negative x: the window tests and both offsets are computed
-        # side by side, then selected. Out-of-window fields read a clamped (in-range) word that
-        # the rules replace.
-        addresses = {}
-        for name in self.tables:
-            unit = activations.table_unit(name)
-            below = x0.field < unit.f_lo
-            above = x0.field > unit.f_hi
-            offset = (x0.field - unit.f_lo)[:field_width]
-            offset_neg = (x0.field + (unit.fields - unit.f_lo))[:field_width + 1]
-            half = unit.fields * x0.sign
-            row = Mux(below, half, Mux(above, half + unit.fields - 1, Mux(x0.sign, offset_neg, offset)))
-            address = Signal(range(unit.rom_entries), name=f"address_{name}", reset_less=True)
-            with m.If(advance):
-                m.d.sync += address.eq(Cat(x0.mantissa, row))
-            addresses[name] = address
+        def reg(value, name):
+            return _register(m, advance, value, name)
+
+        # Stages 1-3 of the table units: their words for the input (``ActivationTables``).
+        words = {}
+        if self.tables:
+            m.submodules.tables = tables = ActivationTables(self.tables)
+            m.d.comb += [tables.advance.eq(advance), tables.x.eq(self.i.x)]
+            words = tables.words
+
+        # Stages 1 and 2: the input, registered beside the ROM address and the ROM.
         xa = Signal(BF16, reset_less=True)
         ga = Signal(BF16_WIDTH, reset_less=True)
         funca = Signal(FUNC_WIDTH, reset_less=True)
         va = Signal()
         with m.If(advance):
             m.d.sync += [xa.eq(self.i.x), ga.eq(self.i.g), funca.eq(self.i.func), va.eq(self.i_valid)]
-
-        # Stage 2: the ROMs, synchronous, read every cycle the pipeline moves and holding their
-        # words while it stalls, like the registers. Each table unit's ROM is built of parts of
-        # one block RAM each (``_ROM_PART`` words), so that every block RAM output goes straight
-        # into a register (stage 3) and the part is chosen after it, by the address's high bits.
-        parts = {}  # table unit -> (part words, part index)
-        for name in self.tables:
-            unit = activations.table_unit(name)
-            rom_words = [int(w) for w in unit.rom]
-            address = addresses[name]
-            outs = []
-            for p, start in enumerate(range(0, unit.rom_entries, _ROM_PART)):
-                chunk = rom_words[start:start + _ROM_PART]
-                rom = Memory(shape=BF16_WIDTH, depth=len(chunk), init=chunk)
-                m.submodules[f"rom_{name}_{p}"] = rom
-                port = rom.read_port(domain="sync")
-                m.d.comb += [port.addr.eq(address[:_ROM_PART_BITS]), port.en.eq(advance)]
-                outs.append(port.data)
-            part = Signal(range(len(outs)), name=f"part_{name}", reset_less=True)
-            with m.If(advance):
-                m.d.sync += part.eq(address[_ROM_PART_BITS:])
-            parts[name] = (outs, part)
-
         x1 = Signal(BF16, reset_less=True)
         g1 = Signal(BF16_WIDTH, reset_less=True)
         func1 = Signal(FUNC_WIDTH, reset_less=True)
@@ -326,88 +430,33 @@ class ActivationDatapath(wiring.Component):
         with m.If(advance):
             m.d.sync += [x1.eq(xa), g1.eq(ga), func1.eq(funca), v1.eq(va)]
 
-        # Stage 3: the block RAM words are registered as they come out (their clock-to-out
-        # leaves no time for logic behind them); beside them, everything that depends on the
-        # input alone: its classes, the rule values and each table's window tests.
-        sign16 = Cat(Const(0, BF16_WIDTH - 1), x1.sign)
-        x_zero, _, x_nan = _classes(x1)
-        # x * 0.5 by exponent decrement; fields 1 and 0 flush to a zero of x's sign.
-        x_half = Mux(
-            x1.field <= 1,
-            sign16,
-            Mux(x1.field == FIELD_INF, x1.as_value(), x1.as_value() - (1 << MANT_BITS)),
-        )
-        # leaky_relu: shifts past the field range flush every finite negative input (as the
-        # golden model's clamp to 255 does).
-        s = min(self.leaky_shift, FIELD_INF)
-        leaky_neg = Mux(
-            x1.field == FIELD_INF,
-            x1.as_value(),
-            Mux(x1.field <= s, sign16, Cat(x1.mantissa, (x1.field - s)[:field_width], x1.sign)),
-        )
-
-        def reg(value, name):
-            r = Signal(Value.cast(value).shape(), name=name, reset_less=True)
-            with m.If(advance):
-                m.d.sync += r.eq(value)
-            return r
-
+        # Stage 3: beside the table words (registered in ``ActivationTables``), everything
+        # that depends on the input alone: its classes, the rule values and each table's
+        # window tests.
+        sign16, x_zero, x_nan, x_half, leaky_neg = _rule_values(x1, self.leaky_shift)
         x2 = Signal(BF16, reset_less=True)
         with m.If(advance):
             m.d.sync += x2.eq(x1)
+        c = SimpleNamespace(
+            x=x2,
+            positive=reg(~x1.sign & ~x_zero, "positive2"),  # x > 0 after DAZ (NaN is overridden below)
+            x_neg=reg(x1.sign & ~x_zero, "x_neg2"),
+            x_daz=reg(Mux(x_zero, sign16, x1.as_value()), "x_daz2"),
+            x_half=reg(x_half, "x_half2"),
+            leaky_neg=reg(leaky_neg, "leaky_neg2"),
+            windows={name: (reg(x1.field < activations.table_unit(name).f_lo, f"below_{name}"),
+                            reg(x1.field > activations.table_unit(name).f_hi, f"above_{name}"))
+                     for name in self.tables},
+        )
         g2 = reg(g1, "g2")
         func2 = reg(func1, "func2")
-        positive = reg(~x1.sign & ~x_zero, "positive2")  # x > 0 after DAZ (NaN is overridden below)
-        x_neg = reg(x1.sign & ~x_zero, "x_neg2")
-        x_daz = reg(Mux(x_zero, sign16, x1.as_value()), "x_daz2")
-        x_half = reg(x_half, "x_half2")
-        leaky_neg = reg(leaky_neg, "leaky_neg2")
         x_nan = reg(x_nan, "x_nan2")
         sign16 = reg(sign16, "sign16_2")
-        windows = {}
-        for name in self.tables:
-            unit = activations.table_unit(name)
-            outs, part = parts[name]
-            words = Array(reg(w, f"word_{name}_{p}") for p, w in enumerate(outs))
-            windows[name] = (reg(x1.field < unit.f_lo, f"below_{name}"), reg(x1.field > unit.f_hi, f"above_{name}"),
-                             words[reg(part, f"part2_{name}")])
         v2 = Signal()
         with m.If(advance):
             m.d.sync += v2.eq(v1)
 
         # Stage 4: the unit outputs, chosen by the function, and the multiplier's operands.
-        def rule(r):
-            kind = r[0]
-            if kind == "const":
-                return Const(r[1], BF16_WIDTH)
-            if kind == "x":
-                return x_daz
-            if kind == "half":
-                return x_half
-            raise ValueError(f"unknown rule {r!r}")
-
-        def table(name):
-            unit = activations.table_unit(name)
-            below, above, word = windows[name]
-            return Mux(
-                below,
-                rule(unit.small_rule),
-                Mux(above, Mux(x2.sign, rule(unit.large_rule_neg), rule(unit.large_rule_pos)), word),
-            )
-
-        slope = (EXP_BIAS - self.leaky_shift) << MANT_BITS if self.leaky_shift < EXP_BIAS else 0
-
-        def unit_output(name):
-            if name == "relu":
-                return Mux(positive, x2.as_value(), 0)
-            if name == "leaky_relu":
-                return Mux(x_neg, leaky_neg, x_daz)
-            if name == "relu_grad":
-                return Mux(positive, _ONE, 0)
-            if name == "leaky_relu_grad":
-                return Mux(positive, _ONE, slope)
-            return table(table_of(name))
-
         y = Signal(BF16_WIDTH)
         operand = Signal(BF16_WIDTH)
         built = Signal()
@@ -415,7 +464,7 @@ class ActivationDatapath(wiring.Component):
             for name in self.functions:
                 with m.Case(function_code(name)):
                     m.d.comb += [
-                        y.eq(unit_output(name)),
+                        y.eq(_unit_output(name, c, words, self.leaky_shift)),
                         operand.eq(g2 if name in GRADIENT_FUNCTIONS else _ONE),
                         built.eq(1),
                     ]

@@ -1,7 +1,9 @@
 """The pipelined fp32 adder of the device (docs/numerics.md, section 1).
 
 ``AddF32Datapath`` is the bare pipeline with a shared ``advance`` enable, the form the GEMM
-core instantiates once per lane; ``AddF32`` wraps it with stream ports and the standard
+core instantiates once per lane: ``AddF32Align`` (stages 1-3: classify, order, align) and
+``AddF32Sum`` (stages 4-6: add, count leading zeros, normalize) in front of its rounding
+stage. ``AddF32`` wraps it with stream ports and the standard
 pipeline handshake. Both compute ``hbfp.golden.bf16.add_f32`` bit for bit and emit the
 canonical quiet NaN ``0x7FC00000`` for every NaN result.
 """
@@ -22,6 +24,10 @@ __all__ = [
     "F32Layout",
     "OperandsLayout",
     "F32_QNAN",
+    "ALIGNED",
+    "NORMALIZED",
+    "AddF32Align",
+    "AddF32Sum",
     "AddF32Datapath",
     "AddF32",
 ]
@@ -55,60 +61,64 @@ def _leading_zeros(value: Value) -> tuple[Value, int]:
     return Mux(hi_zero, Cat(lo_count, Const(1, 1)), Cat(hi_count, Const(0, 1))), w + 1
 
 
-class AddF32Datapath(wiring.Component):
-    """Pipelined fp32 adder: ``result = hbfp.golden.bf16.add_f32(a, b)`` bit for bit (DAZ on
-    both inputs, RNE, FTZ on the result, overflow to +-inf, every NaN result ``0x7FC00000``).
+#: What the alignment (``AddF32Align``, stages 1-3) hands the sum (``AddF32Sum``): the larger
+#: operand's sign and exponent, whether the significands subtract, both significands with
+#: guard, round and sticky bits (the smaller one shifted into place), and the special cases.
+ALIGNED = data.StructLayout({
+    "sign": 1, "sub": 1, "exp": F32_EXP_BITS, "big": _EXT_BITS, "small": _EXT_BITS,
+    "nan": 1, "inf": 1, "zero_sign": 1,
+})
+#: What the sum (``AddF32Sum``, stages 4-6) hands the rounding (stage 7 of ``AddF32Datapath``):
+#: the normalized significand, its exponent, guard and sticky bits, and the result's class
+#: (first match: ``nan``, ``inf``, an exact ``zero``, ``tiny`` (flushed), ``at_inf`` (overflow),
+#: ``edge`` (overflow if the rounding carries), else the rounded sum).
+NORMALIZED = data.StructLayout({
+    "sign": 1, "exp": F32_EXP_BITS, "sig": _SIG_BITS, "guard": 1, "sticky": 1,
+    "nan": 1, "inf": 1, "zero": 1, "tiny": 1, "at_inf": 1, "edge": 1, "zero_sign": 1,
+})
 
-    All stages move together on a cycle with ``advance`` high: then ``a``, ``b`` and
-    ``in_valid`` are taken in, and ``result`` with ``out_valid`` show the operands taken in
-    ``LATENCY`` advancing cycles earlier. With ``advance`` low every stage holds, so
-    ``result`` holds too. Several lanes may share one ``advance``.
 
-    Latency: ``LATENCY`` = 7 cycles. Throughput: one addition per cycle.
+def _stage(m: Module, advance, name: str, **values) -> SimpleNamespace:
+    """A pipeline stage: a register for each of ``values``, loaded when ``advance`` is high."""
+    # Data registers have no reset: only the valid bits say what they hold.
+    regs = {}
+    for key, value in values.items():
+        value = Value.cast(value)
+        reg = Signal(value.shape(), name=f"{name}_{key}", reset_less=True)
+        with m.If(advance):
+            m.d.sync += reg.eq(value)
+        regs[key] = reg
+    return SimpleNamespace(**regs)
 
-    Stages (a register after each; each is at most one carry chain or a few LUT levels deep,
-    for 150 MHz on an ECP5): 1. classify, compare magnitudes, both exponent differences;
-    2. swap, DAZ, clamp the alignment shift; 3. align the smaller significand, sticky decoded
-    from the shift amount; 4. add or subtract; 5. leading-zero count; 6. normalizing shift,
-    result exponent and, beside them, its range tests and the result's class (special, FTZ,
-    overflow); 7. round (RNE increment) and a multiplexer on the registered class, pack.
+
+def _drive(m: Module, port, stage: SimpleNamespace):
+    """The fields of ``port`` (a layout's view) from the registers of ``stage``, by name."""
+    for key, reg in vars(stage).items():
+        assert len(getattr(port, key)) == len(reg), key
+        m.d.comb += getattr(port, key).eq(reg)
+
+
+class AddF32Align(wiring.Component):
+    """Stages 1-3 of ``AddF32Datapath``: the operands classified, ordered by magnitude, DAZ'd,
+    and the smaller significand aligned to the larger one (``ALIGNED``).
+
+    Ports: ``advance``, ``a``, ``b`` (fp32 patterns) in; ``o`` (``ALIGNED``) out, the operands
+    taken in 3 advancing cycles earlier. No valid bit: the datapath keeps the valid line.
     """
 
-    LATENCY = ADD_LATENCY  # the seven stages below (hw.params: CoreConfig checks the K-tile against it)
+    LATENCY = 3
 
     def __init__(self):
-        super().__init__(
-            {
-                "a": In(FP32_WIDTH),
-                "b": In(FP32_WIDTH),
-                "in_valid": In(1),
-                "advance": In(1),
-                "result": Out(FP32_WIDTH),
-                "out_valid": Out(1),
-            }
-        )
-
-    def _stage(self, m: Module, name: str, **values) -> SimpleNamespace:
-        # Data registers have no reset: only the valid bits say what they hold.
-        regs = {}
-        for key, value in values.items():
-            value = Value.cast(value)
-            reg = Signal(value.shape(), name=f"{name}_{key}", reset_less=True)
-            with m.If(self.advance):
-                m.d.sync += reg.eq(value)
-            regs[key] = reg
-        return SimpleNamespace(**regs)
+        super().__init__({
+            "advance": In(1),
+            "a": In(FP32_WIDTH),
+            "b": In(FP32_WIDTH),
+            "o": Out(ALIGNED),
+        })
 
     def elaborate(self, platform):
         m = Module()
-
-        valid = self.in_valid
-        for k in range(self.LATENCY):
-            reg = Signal(name=f"s{k + 1}_valid")
-            with m.If(self.advance):
-                m.d.sync += reg.eq(valid)
-            valid = reg
-        m.d.comb += self.out_valid.eq(valid)
+        advance = self.advance
 
         # 1. Classify; compare magnitudes; both exponent differences, so that stage 2 only
         # selects one (the subtractors run beside the comparator instead of after it).
@@ -122,8 +132,9 @@ class AddF32Datapath(wiring.Component):
         # sign and the exponent, so the significand difference is never negative. The raw
         # patterns order like the DAZ'd ones except among two subnormals or zeros, whose sum is
         # an exact zero (sign ``zero_sign``, exponent 0) in either order: no DAZ mux in front.
-        s1 = self._stage(
+        s1 = _stage(
             m,
+            advance,
             "s1",
             a=self.a,
             b=self.b,
@@ -143,8 +154,9 @@ class AddF32Datapath(wiring.Component):
         a_sig = Mux(a.exp == 0, 0, Cat(a.frac, Const(1, 1)))
         b_sig = Mux(b.exp == 0, 0, Cat(b.frac, Const(1, 1)))
         exp_diff = Mux(s1.swap, s1.diff_ba, s1.diff_ab)
-        s2 = self._stage(
+        s2 = _stage(
             m,
+            advance,
             "s2",
             sign=Mux(s1.swap, b.sign, a.sign),
             sub=a.sign ^ b.sign,
@@ -170,8 +182,9 @@ class AddF32Datapath(wiring.Component):
                 with m.Case(k):
                     m.d.comb += below.eq((1 << max(k - _GR_BITS, 0)) - 1)
         sticky = (s2.sig_small & below) != 0
-        s3 = self._stage(
+        s3 = _stage(
             m,
+            advance,
             "s3",
             sign=s2.sign,
             sub=s2.sub,
@@ -182,14 +195,40 @@ class AddF32Datapath(wiring.Component):
             inf=s2.inf,
             zero_sign=s2.zero_sign,
         )
+        _drive(m, self.o, s3)
+        return m
+
+
+class AddF32Sum(wiring.Component):
+    """Stages 4-6 of ``AddF32Datapath``: the aligned significands added (or subtracted), their
+    leading zeros counted, the sum normalized, and the result's exponent, range tests and
+    class decided (``NORMALIZED``).
+
+    Ports: ``advance``, ``i`` (``ALIGNED``) in; ``o`` (``NORMALIZED``) out, 3 advancing cycles
+    later.
+    """
+
+    LATENCY = 3
+
+    def __init__(self):
+        super().__init__({
+            "advance": In(1),
+            "i": In(ALIGNED),
+            "o": Out(NORMALIZED),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        advance, s3 = self.advance, self.i
 
         # 4. One adder for both: a difference adds the complement (one extra bit for the
         # carry of a sum). The sticky LSB makes a difference round right: the true value lies
         # strictly between the computed one and the next multiple of two sticky units.
         small = Cat(s3.small, Const(0, 1))
         total = (Cat(s3.big, Const(0, 1)) + (small ^ s3.sub.replicate(_EXT_BITS + 1)) + s3.sub)[: _EXT_BITS + 1]
-        s4 = self._stage(
+        s4 = _stage(
             m,
+            advance,
             "s4",
             sign=s3.sign,
             exp=s3.exp,
@@ -203,8 +242,9 @@ class AddF32Datapath(wiring.Component):
         # power-of-two tree and a count of _EXT_BITS + 1 for a zero total.
         pad = (1 << _EXT_BITS.bit_length()) - (_EXT_BITS + 1)
         lzc, _ = _leading_zeros(Cat(Const((1 << pad) - 1, pad), s4.total))
-        s5 = self._stage(
+        s5 = _stage(
             m,
+            advance,
             "s5",
             sign=s4.sign,
             exp=s4.exp,
@@ -233,8 +273,9 @@ class AddF32Datapath(wiring.Component):
         # The carry of the rounding increment reaches the inf field only from field 254 with an
         # all-ones fraction: the largest finite magnitude rounds up to inf.
         edge = (exp_res == _EXP_MAX - 1) & sig[:F32_FRAC_BITS].all()
-        s6 = self._stage(
+        s6 = _stage(
             m,
+            advance,
             "s6",
             sign=s5.sign,
             exp=exp_res[:F32_EXP_BITS],
@@ -251,6 +292,66 @@ class AddF32Datapath(wiring.Component):
             edge=~s5.nan & ~s5.inf & ~s5.zero & ~tiny & ~at_inf & edge,
             zero_sign=s5.zero_sign,
         )
+        _drive(m, self.o, s6)
+        return m
+
+
+class AddF32Datapath(wiring.Component):
+    """Pipelined fp32 adder: ``result = hbfp.golden.bf16.add_f32(a, b)`` bit for bit (DAZ on
+    both inputs, RNE, FTZ on the result, overflow to +-inf, every NaN result ``0x7FC00000``).
+
+    All stages move together on a cycle with ``advance`` high: then ``a``, ``b`` and
+    ``in_valid`` are taken in, and ``result`` with ``out_valid`` show the operands taken in
+    ``LATENCY`` advancing cycles earlier. With ``advance`` low every stage holds, so
+    ``result`` holds too. Several lanes may share one ``advance``.
+
+    Latency: ``LATENCY`` = 7 cycles. Throughput: one addition per cycle.
+
+    Stages (a register after each; each is at most one carry chain or a few LUT levels deep,
+    for 150 MHz on an ECP5): ``AddF32Align``: 1. classify, compare magnitudes, both exponent
+    differences; 2. swap, DAZ, clamp the alignment shift; 3. align the smaller significand,
+    sticky decoded from the shift amount; ``AddF32Sum``: 4. add or subtract; 5. leading-zero
+    count; 6. normalizing shift, result exponent and, beside them, its range tests and the
+    result's class (special, FTZ, overflow); here: 7. round (RNE increment) and a multiplexer
+    on the registered class, pack.
+    """
+
+    LATENCY = ADD_LATENCY  # the seven stages below (hw.params: CoreConfig checks the K-tile against it)
+
+    def __init__(self):
+        super().__init__(
+            {
+                "a": In(FP32_WIDTH),
+                "b": In(FP32_WIDTH),
+                "in_valid": In(1),
+                "advance": In(1),
+                "result": Out(FP32_WIDTH),
+                "out_valid": Out(1),
+            }
+        )
+
+    def elaborate(self, platform):
+        m = Module()
+        assert AddF32Align.LATENCY + AddF32Sum.LATENCY + 1 == self.LATENCY
+
+        valid = self.in_valid
+        for k in range(self.LATENCY):
+            reg = Signal(name=f"s{k + 1}_valid")
+            with m.If(self.advance):
+                m.d.sync += reg.eq(valid)
+            valid = reg
+        m.d.comb += self.out_valid.eq(valid)
+
+        m.submodules.align = align = AddF32Align()
+        m.submodules.sum = total = AddF32Sum()
+        m.d.comb += [
+            align.advance.eq(self.advance),
+            align.a.eq(self.a),
+            align.b.eq(self.b),
+            total.advance.eq(self.advance),
+            total.i.eq(align.o),
+        ]
+        s6 = total.o
 
         # 7. Round to nearest even and pack. Adding the rounding increment to exponent and
         # fraction together lets a carry out of the significand step the exponent (and turn the
@@ -271,7 +372,7 @@ class AddF32Datapath(wiring.Component):
             m.d.comb += result.eq(Cat(zero_magnitude, s6.sign))
         with m.Else():
             m.d.comb += result.eq(Cat(packed, s6.sign))
-        s7 = self._stage(m, "s7", result=result)
+        s7 = _stage(m, self.advance, "s7", result=result)
         m.d.comb += self.result.eq(s7.result)
         return m
 

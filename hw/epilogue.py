@@ -120,51 +120,101 @@ class _Column:
         ]
 
 
-class Epilogue(wiring.Component):
-    """Streams ``act(acc + bias)`` in the command's output format, as rows become complete.
+class _Steps:
+    """Where the read position's counters that end at a command's sides stand, as flags kept
+    beside them (registers, so that the next read's decision starts from flip-flops, not from
+    compares against the plan or a constant): chunk, row, t_c, t_r, t_j and t_i at their last
+    value. From the flags, ``step`` (a register, one-hot) says which counters the next read
+    moves on (``_STEPS``): each counter's enable is the read's decision and one bit of it, one
+    LUT level."""
 
-    Ports: ``start`` (strobe: ``desc`` and ``plan`` hold the command from this cycle on; the
-    previous command's output is out), ``desc`` (``hw.gemm_core.command_layout``), ``plan``
-    (``plan_layout``), ``rows_done_next`` and ``all_rows_next`` (from the next cycle on, rows
-    0 .. rows_done_next - 1 of the accumulator are final, or with ``all_rows_next`` every row
-    is: the values the core's counters take at the coming clock edge, ``rows_closed``),
-    ``acc_read`` and ``bias_read`` (read ports of the accumulator and bias buffers, data
-    registered here), ``o`` (``output_layout``).
+    def __init__(self, bfp):
+        self.bfp = bfp
+        self.last = {k: Signal(name=f"{name}_last")
+                     for k, name in (("tc", "tc"), ("tr", "tr"), ("tj", "tj"), ("ti", "ti"), ("ch", "chunk"),
+                                     ("rw", "row"))}
+        self.step = Signal(len(_STEPS), name="step")
+        self.on = {name: self.step[k] for k, name in enumerate(_STEPS)}
 
-    Throughput: one beat of ``out_lanes`` values a cycle while rows are complete and ``o`` takes
-    them. Latency: a read issued in cycle t reaches the output queue in t +
-    ``epilogue_latency(cfg)``; the queue (``SyncFIFOBuffered``) offers it two cycles later;
-    a BFP tile leaves the quantizer ``QUANTIZE_LATENCY`` cycles after its last value enters.
+    def set(self, tc=None, tr=None, tj=None, ti=None, ch=None, rw=None):
+        """Statements setting the flags given (the others stay) and ``step`` from them."""
+        new = dict(self.last)
+        given = dict(tc=tc, tr=tr, tj=tj, ti=ti, ch=ch, rw=rw)
+        out = []
+        for k, v in given.items():
+            if v is not None:
+                v = Value.cast(v)  # a comparison of constants is a Python bool
+                new[k] = v
+                out.append(self.last[k].eq(v))
+        tc_, tr_, tj_, ch_ = new["tc"], new["tr"], new["tj"], new["ch"]
+        bfp = self.bfp
+        out.append(self.step.eq(Cat(
+            bfp & ~tc_, bfp & tc_ & ~tr_, bfp & tc_ & tr_ & ~tj_, bfp & tc_ & tr_ & tj_,
+            ~bfp & ~ch_, ~bfp & ch_)))
+        return out
+
+
+def read_layout(cfg: CoreConfig) -> data.StructLayout:
+    """What travels beside a read's data (``EpilogueIssue.read``): whether a read is issued, the
+    chunk in the accumulator word, which lanes are inside M x N, and ``last``."""
+    C, E = cfg.cols, cfg.out_lanes
+    return data.StructLayout({"valid": 1, "sel": range(C // E), "inside": E, "last": 1})
+
+
+def entry_layout(cfg: CoreConfig) -> data.StructLayout:
+    """An entry of the epilogue's output queue (``EpilogueDatapath.o``): ``out_lanes`` fp32 or
+    bf16 patterns (zero outside M x N) and ``last``."""
+    return data.StructLayout({"lanes": data.ArrayLayout(FP32_WIDTH, cfg.out_lanes), "last": 1})
+
+
+def _read_port_signatures(cfg: CoreConfig):
+    """The read ports of the accumulator and the bias buffers, as the epilogue sees them."""
+    D, C = cfg.size, cfg.cols
+    word = data.ArrayLayout(FP32_WIDTH, C)
+    return (memory.ReadPort.Signature(addr_width=max(1, (D * (D // C) - 1).bit_length()), shape=word),
+            memory.ReadPort.Signature(addr_width=max(1, (D // C - 1).bit_length()), shape=word))
+
+
+class EpilogueIssue(wiring.Component):
+    """The epilogue's reads of the accumulator: the position of the next one, in the command's
+    output order, and the decision to issue it.
+
+    Ports: ``start``, ``desc``, ``plan``, ``rows_done_next``, ``all_rows_next`` (the
+    ``Epilogue``'s); ``room`` (the output queue has room for everything in flight and a read
+    more); ``read`` (``read_layout``: ``valid`` in the cycle a read is issued, beside what
+    travels with its data); ``acc_addr``, ``bias_addr`` (the read's accumulator and bias
+    words, which the block RAMs read in every cycle).
+
+    A read is issued while the command has reads left, ``room`` is high and its row is final,
+    one a cycle: fp32 and bf16 row-major, ``plan.chunks`` reads a row; BFP tile-major (``th``
+    rows of ``tw / out_lanes`` reads a tile, tiles row by row of tiles).
     """
 
     def __init__(self, cfg: CoreConfig, command: data.StructLayout):
         self.cfg = cfg
-        D, C = cfg.size, cfg.cols
-        words = D * (D // C)
-        word = data.ArrayLayout(FP32_WIDTH, C)
-        self.queue_depth = epilogue_latency(cfg) + 4
+        acc_port, bias_port = _read_port_signatures(cfg)
         super().__init__({
             "start": In(1),
             "desc": In(command),
             "plan": In(plan_layout(cfg)),
-            "rows_done_next": In(range(D + cfg.rows + 1)),
+            "rows_done_next": In(range(cfg.size + cfg.rows + 1)),
             "all_rows_next": In(1),
-            "acc_read": In(memory.ReadPort.Signature(addr_width=max(1, (words - 1).bit_length()), shape=word)),
-            "bias_read": In(memory.ReadPort.Signature(addr_width=max(1, (D // C - 1).bit_length()), shape=word)),
-            "o": Out(stream.Signature(output_layout(cfg))),
+            "room": In(1),
+            "read": Out(read_layout(cfg)),
+            "acc_addr": Out(acc_port.members["addr"].shape),
+            "bias_addr": Out(bias_port.members["addr"].shape),
         })
 
     def elaborate(self, platform):
         m = Module()
         cfg = self.cfg
-        D, C, E = cfg.size, cfg.cols, cfg.out_lanes
+        D, E = cfg.size, cfg.out_lanes
         th, tw = cfg.tile
-        words_per_row = D // C
+        words_per_row = D // cfg.cols
         desc, plan = self.desc, self.plan
         bfp = (desc.out_format == OutFormat.BFP) if cfg.bfp_output else Const(0)
         tile_chunks = tw // E
 
-        # ---- issue: the position of the next read --------------------------------------------
         going = Signal()
         row = Signal(range(D + th + 1))
         row_addr = Signal(range((D + th + 1) * words_per_row))  # row * words_per_row
@@ -179,49 +229,21 @@ class Epilogue(wiring.Component):
         band_addr = Signal(range((D + th + 1) * words_per_row))
         tile_pos = _Column(cfg, "tile")
 
-        held = Signal(range(self.queue_depth + 1))  # reads in flight and values queued
-        # The read's decision from three registers: going, room (held < queue_depth) and
+        # The read's decision from three registers: going, room (the queue's credits) and
         # ready_row (the read's row is final: all rows are, or row < rows done), each computed
         # a cycle ahead from the next values of what it compares (below).
-        room = Signal(init=1)
         ready_row = Signal()
         issue = Signal()
-        m.d.comb += issue.eq(going & room & ready_row)
-        # Where the counters that end at a command's sides stand, as flags kept beside them
-        # (registers, so that the next read's decision starts from flip-flops, not from
-        # compares against the plan or a constant): chunk, row, t_c, t_r, t_j and t_i at their
-        # last value. From the flags, ``step`` (a register, one-hot) says which counters the
-        # next read moves on (``_STEPS``): each counter's enable is the read's decision and
-        # one bit of it, one LUT level.
-        chunk_last, row_last, tj_last, ti_last = Signal(), Signal(), Signal(), Signal()
-        tc_last, tr_last = Signal(), Signal()
-        step = Signal(len(_STEPS))
-
-        def flags(tc=None, tr=None, tj=None, ti=None, ch=None, rw=None):
-            """Statements setting the flags given (the others stay) and ``step`` from them."""
-            regs = dict(tc=tc_last, tr=tr_last, tj=tj_last, ti=ti_last, ch=chunk_last, rw=row_last)
-            new = dict(regs)
-            given = dict(tc=tc, tr=tr, tj=tj, ti=ti, ch=ch, rw=rw)
-            out = []
-            for k, v in given.items():
-                if v is not None:
-                    v = Value.cast(v)  # a comparison of constants is a Python bool
-                    new[k] = v
-                    out.append(regs[k].eq(v))
-            tc_, tr_, tj_, ch_ = new["tc"], new["tr"], new["tj"], new["ch"]
-            out.append(step.eq(Cat(
-                bfp & ~tc_, bfp & tc_ & ~tr_, bfp & tc_ & tr_ & ~tj_, bfp & tc_ & tr_ & tj_,
-                ~bfp & ~ch_, ~bfp & ch_)))
-            return out
-
+        m.d.comb += issue.eq(going & self.room & ready_row)
+        steps = _Steps(bfp)
+        flags, on = steps.set, steps.on
         last = Signal()
-        m.d.comb += last.eq((step[_STEPS.index("band")] & ti_last) | (step[_STEPS.index("row")] & row_last))
+        m.d.comb += last.eq((on["band"] & steps.last["ti"]) | (on["row"] & steps.last["rw"]))
 
         # The accumulator's read address (row_addr + pos.word) is a register of its own, set with
         # the two: the adder stays before a flip-flop, and the flip-flop alone drives the address
         # pins of the accumulator's block RAMs across the die.
-        read_addr = Signal.like(self.acc_read.addr)
-        on = {name: step[k] for k, name in enumerate(_STEPS)}
+        read_addr = Signal.like(self.acc_addr)
         with m.If(self.start):
             m.d.sync += [going.eq(1), row.eq(0), row_addr.eq(0), chunk.eq(0), t_i.eq(0), t_j.eq(0), t_r.eq(0),
                          t_c.eq(0), band_row.eq(0), band_addr.eq(0), *pos.clear(), *tile_pos.clear(), read_addr.eq(0),
@@ -269,26 +291,51 @@ class Epilogue(wiring.Component):
             self.start, self.rows_done_next != 0,
             Mux(issue, row_after < self.rows_done_next, row < self.rows_done_next)))
 
-        # The block RAMs read in every cycle (their data is taken only with a read's metadata):
-        # no enable net from the read decision to the accumulator's two dozen block RAMs.
-        m.d.comb += [
-            self.acc_read.en.eq(1),
-            self.acc_read.addr.eq(read_addr),
-            self.bias_read.en.eq(1),
-            self.bias_read.addr.eq(pos.word),
-        ]
         # What travels beside the data: the chunk in the word, which lanes are inside M x N, last.
         inside = Signal(E)
         m.d.comb += inside.eq(Cat(*((row < desc.m) & (pos.col + j < desc.n) for j in range(E))))
-        meta = data.StructLayout({"valid": 1, "sel": range(C // E), "inside": E, "last": 1})
-        meta0 = Signal(meta)
-        m.d.comb += [meta0.valid.eq(issue), meta0.sel.eq(pos.sel), meta0.inside.eq(inside), meta0.last.eq(last)]
+        m.d.comb += [
+            self.acc_addr.eq(read_addr),
+            self.bias_addr.eq(pos.word),
+            self.read.valid.eq(issue), self.read.sel.eq(pos.sel), self.read.inside.eq(inside), self.read.last.eq(last),
+        ]
+        return m
 
-        # ---- the read: data registered, then the chunk selected -----------------------------
-        acc_q = Signal.like(self.acc_read.data, reset_less=True)
-        bias_q = Signal.like(self.bias_read.data, reset_less=True)
-        m.d.sync += [acc_q.eq(self.acc_read.data), bias_q.eq(self.bias_read.data)]
-        meta2 = delayed(m, meta0, ACC_READ_LATENCY, "read_meta")
+
+class EpilogueDatapath(wiring.Component):
+    """The values of the epilogue's reads, ``out_lanes`` (E) lanes: the chunk of the
+    accumulator and bias words, E bias adders (or the value, flushed as the adder's DAZ would,
+    beside them), E activation units (bf16 in and out; none if no unary function is built),
+    and the command's format (fp32 or bf16; zero outside M x N). It never stalls.
+
+    Ports: ``desc`` (the command); ``i`` (``read_layout``, in the cycle of the read's issue);
+    ``acc_data``, ``bias_data`` (the read ports' data, ``BlockRam.LATENCY`` cycles after the
+    issue); ``o_valid``, ``o`` (``entry_layout``), ``epilogue_latency(cfg)`` cycles after the
+    issue.
+    """
+
+    def __init__(self, cfg: CoreConfig, command: data.StructLayout):
+        self.cfg = cfg
+        acc_port, bias_port = _read_port_signatures(cfg)
+        super().__init__({
+            "desc": In(command),
+            "i": In(read_layout(cfg)),
+            "acc_data": In(acc_port.members["data"].shape),
+            "bias_data": In(bias_port.members["data"].shape),
+            "o_valid": Out(1),
+            "o": Out(entry_layout(cfg)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg, desc = self.cfg, self.desc
+        C, E = cfg.cols, cfg.out_lanes
+
+        # The read: data registered, then the chunk selected.
+        acc_q = Signal.like(self.acc_data, reset_less=True)
+        bias_q = Signal.like(self.bias_data, reset_less=True)
+        m.d.sync += [acc_q.eq(self.acc_data), bias_q.eq(self.bias_data)]
+        meta2 = delayed(m, self.i, ACC_READ_LATENCY, "read_meta")
         acc_chunks = Array(Array(acc_q[s * E + j] for j in range(E)) for s in range(C // E))
         bias_chunks = Array(Array(bias_q[s * E + j] for j in range(E)) for s in range(C // E))
         # The chunk is registered after the selection (one level of multiplexers a cycle).
@@ -298,7 +345,7 @@ class Epilogue(wiring.Component):
         m.d.sync += [b.eq(bias_chunks[meta2.sel][j]) for j, b in enumerate(biases)]
         meta2 = delayed(m, meta2, CHUNK_SELECT, "chunk_meta")
 
-        # ---- bias: E adders, or the value (flushed, the adder's DAZ) beside them ------------
+        # Bias: E adders, or the value (flushed, the adder's DAZ) beside them.
         La = AddF32Datapath.LATENCY
         b_vals = []
         for j in range(E):
@@ -309,7 +356,7 @@ class Epilogue(wiring.Component):
             b_vals.append(Mux(desc.bias, ad.result, bypass))
         b_meta = delayed(m, meta2, La, "bias_meta")
 
-        # ---- activation: E units (bf16 in and out), or none if no unary function is built ----
+        # Activation: E units (bf16 in and out), or none if no unary function is built.
         unary = tuple(f for f in cfg.built_functions if f in UNARY_FUNCTIONS)
         fp32_vals, bf16_vals = [], []
         if not unary:
@@ -325,7 +372,8 @@ class Epilogue(wiring.Component):
             for j in range(E):
                 act = ActivationDatapath(leaky_shift=cfg.leaky_shift, functions=cfg.built_functions)
                 m.submodules[f"act{j}"] = act
-                x_bf16 = delayed(m, convert.from_f32(b_vals[j]), ACTIVATION_INPUT_REGISTER, f"act_in{j}", reset_less=True)
+                x_bf16 = delayed(m, convert.from_f32(b_vals[j]), ACTIVATION_INPUT_REGISTER, f"act_in{j}",
+                                 reset_less=True)
                 m.d.comb += [
                     act.advance.eq(1),
                     act.i_valid.eq(delayed(m, b_meta.valid, ACTIVATION_INPUT_REGISTER, f"act_in_valid{j}")),
@@ -337,20 +385,91 @@ class Epilogue(wiring.Component):
                 fp32_vals.append(Mux(desc.act_en, convert.to_f32(act.o), acc32))
                 bf16_vals.append(Mux(desc.act_en, act.o, convert.from_f32(acc32)))
 
-        # ---- the output queue ------------------------------------------------------------
-        entry = data.StructLayout({"lanes": data.ArrayLayout(FP32_WIDTH, E), "last": 1})
-        m.submodules.queue = queue = fifo.SyncFIFOBuffered(width=entry.size, depth=self.queue_depth)
-        q_in = Signal(entry)
+        # The format, and zeros outside M x N.
         for j in range(E):
             value = Mux(desc.out_format == OutFormat.BF16, bf16_vals[j], fp32_vals[j])
-            m.d.comb += q_in.lanes[j].eq(Mux(f_meta.inside[j], value, 0))
-        m.d.comb += [q_in.last.eq(f_meta.last), queue.w_en.eq(f_meta.valid), queue.w_data.eq(q_in)]
+            m.d.comb += self.o.lanes[j].eq(Mux(f_meta.inside[j], value, 0))
+        m.d.comb += [self.o.last.eq(f_meta.last), self.o_valid.eq(f_meta.valid)]
+        return m
+
+
+class Epilogue(wiring.Component):
+    """Streams ``act(acc + bias)`` in the command's output format, as rows become complete.
+
+    Ports: ``start`` (strobe: ``desc`` and ``plan`` hold the command from this cycle on; the
+    previous command's output is out), ``desc`` (``hw.gemm_core.command_layout``), ``plan``
+    (``plan_layout``), ``rows_done_next`` and ``all_rows_next`` (from the next cycle on, rows
+    0 .. rows_done_next - 1 of the accumulator are final, or with ``all_rows_next`` every row
+    is: the values the core's counters take at the coming clock edge, ``rows_closed``),
+    ``acc_read`` and ``bias_read`` (read ports of the accumulator and bias buffers, data
+    registered here), ``o`` (``output_layout``).
+
+    Throughput: one beat of ``out_lanes`` values a cycle while rows are complete and ``o`` takes
+    them. Latency: a read issued in cycle t reaches the output queue in t +
+    ``epilogue_latency(cfg)``; the queue (``SyncFIFOBuffered``) offers it two cycles later;
+    a BFP tile leaves the quantizer ``QUANTIZE_LATENCY`` cycles after its last value enters.
+    """
+
+    def __init__(self, cfg: CoreConfig, command: data.StructLayout):
+        self.cfg, self.command = cfg, command
+        D = cfg.size
+        acc_port, bias_port = _read_port_signatures(cfg)
+        self.queue_depth = epilogue_latency(cfg) + 4
+        super().__init__({
+            "start": In(1),
+            "desc": In(command),
+            "plan": In(plan_layout(cfg)),
+            "rows_done_next": In(range(D + cfg.rows + 1)),
+            "all_rows_next": In(1),
+            "acc_read": In(acc_port),
+            "bias_read": In(bias_port),
+            "o": Out(stream.Signature(output_layout(cfg))),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg = self.cfg
+        E = cfg.out_lanes
+        th, tw = cfg.tile
+        D = cfg.size
+        desc, plan = self.desc, self.plan
+        bfp = (desc.out_format == OutFormat.BFP) if cfg.bfp_output else Const(0)
+
+        # ---- issue: the reads, in the output's order, while their rows are final and the
+        # output queue has room for them (credits: so the datapath never stalls).
+        m.submodules.issue = issue = EpilogueIssue(cfg, self.command)
+        room = Signal(init=1)  # held + issue - pop < queue_depth, a register computed a cycle ahead
+        m.d.comb += [
+            issue.start.eq(self.start), issue.desc.eq(desc), issue.plan.eq(plan),
+            issue.rows_done_next.eq(self.rows_done_next), issue.all_rows_next.eq(self.all_rows_next),
+            issue.room.eq(room),
+        ]
+        issued = issue.read.valid
+        # The block RAMs read in every cycle (their data is taken only with a read's metadata):
+        # no enable net from the read decision to the accumulator's two dozen block RAMs.
+        m.d.comb += [
+            self.acc_read.en.eq(1),
+            self.acc_read.addr.eq(issue.acc_addr),
+            self.bias_read.en.eq(1),
+            self.bias_read.addr.eq(issue.bias_addr),
+        ]
+
+        # ---- the values: chunk, bias, activation, format ------------------------------------
+        m.submodules.datapath = dp = EpilogueDatapath(cfg, self.command)
+        m.d.comb += [dp.desc.eq(desc), dp.i.eq(issue.read), dp.acc_data.eq(self.acc_read.data),
+                     dp.bias_data.eq(self.bias_read.data)]
+
+        # ---- the output queue ------------------------------------------------------------
+        entry = entry_layout(cfg)
+        m.submodules.queue = queue = fifo.SyncFIFOBuffered(width=entry.size, depth=self.queue_depth)
+        m.d.comb += [queue.w_en.eq(dp.o_valid), queue.w_data.eq(dp.o)]
         q_out = data.View(entry, queue.r_data)
         pop = queue.r_en & queue.r_rdy
-        m.d.sync += held.eq(held + issue - pop)
+        held = Signal(range(self.queue_depth + 1))  # reads in flight and values queued
+        m.d.sync += held.eq(held + issued - pop)
         # held + issue - pop < queue_depth, without the sum.
-        m.d.sync += room.eq(Mux(issue & ~pop, held < self.queue_depth - 1,
-                                Mux(~issue & pop, 1, held < self.queue_depth)))
+        m.d.sync += room.eq(Mux(issued & ~pop, held < self.queue_depth - 1,
+                                Mux(~issued & pop, 1, held < self.queue_depth)))
 
         # fp32 and bf16 leave straight from the queue.
         direct = [
@@ -371,8 +490,8 @@ class Epilogue(wiring.Component):
         for j in range(E):
             m.d.comb += qz.i.payload[j].eq(q_out.lanes[j])
         # BFP: count the tiles out, so that the last beat of the last tile carries ``last``.
-        out_i = Signal.like(t_i)
-        out_j = Signal.like(t_j)
+        out_i = Signal(range(D // th + 1))
+        out_j = Signal(range(D // tw + 1))
         with m.If(self.start):
             m.d.sync += [out_i.eq(0), out_j.eq(0)]
         with m.If(bfp):

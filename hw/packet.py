@@ -15,16 +15,22 @@ Components, each with named ports, in the order a frame meets them:
 - ``FrameReceiver``: hunt, header, payload into the buffer, CRC, timeouts and the skipping
   of an oversize frame; hands each frame over as one ``FRAME`` record;
 - ``FrameChecker``: the validation order of docs/protocol.md as a function of a ``FRAME``:
-  the status and the ``plan`` (``plan_layout``) of what to execute and reply;
+  the status and the ``plan`` (``plan_layout``) of what to execute and reply, from the checks
+  of each command (``WriteCheck``, ``CommandCheck`` for GEMM and READ, ``ElementwiseCheck``);
 - ``PayloadReader``: buffer words back out as byte chunks of one or two regions (a WRITE's
   data; ELEMENTWISE's x and g);
 - ``LaneAssembler``: a window of payload bytes to a beat of 32-bit lanes, one a cycle;
 - ``WriteReplay``: a WRITE's beats to the core, as row chunks (``rows`` codes of A,
   ``cols`` elements of B, the accumulator, the bias) or through the quantizer;
+- ``ElementwiseFeed``: ELEMENTWISE's x (and g) from their windows to the activation unit;
 - ``ResultSerializer``: the core's output beats (``cfg.out_lanes`` values each) to the
   reply's byte layout, a beat's bytes a cycle;
+- ``StatusCounters``: the STATUS record (replies accepted and refused, the last error, the
+  last cycles);
+- ``ReplySender``: a reply's header, then its status, fixed bytes and stream as chunks;
 - ``ReplyFramer``: magic, header, payload (up to N bytes a cycle) and CRC of a reply;
-- ``PacketEngine``: those around the dispatch state machine and the STATUS counters.
+- ``Dispatch``: the state machine: a frame's plan, its execution, its reply, its release;
+- ``PacketEngine``: all of them joined.
 """
 
 from __future__ import annotations
@@ -70,12 +76,21 @@ __all__ = [
     "plan_layout",
     "FrameReceiver",
     "FrameChecker",
+    "WriteCheck",
+    "CommandCheck",
+    "ElementwiseCheck",
     "PayloadReader",
     "LaneAssembler",
     "WriteReplay",
     "ResultSerializer",
     "ReplyFramer",
+    "StatusCounters",
+    "ElementwiseFeed",
+    "ReplySender",
+    "Dispatch",
     "PacketEngine",
+    "REPLY_HEADER",
+    "FIXED_BYTES",
     "ASSEMBLE_MODES",
     "DESCRIPTOR_BYTES",
     "result_chunk_bytes",
@@ -96,6 +111,10 @@ DESCRIPTOR_BYTES = max(WRITE_HEADER, READ_SIZE, GEMM_SIZE, ELEMENTWISE_HEADER)
 ASSEMBLE_MODES = {"sign_extend": 0, "raw": 1, "high_half": 2}
 #: A frame's header after the magic, as received.
 HEAD = data.StructLayout({"version": 8, "opcode": 8, "tag": 16, "length": 32})
+#: A reply's header as the ``ReplyFramer`` takes it (the opcode with the reply bit set).
+REPLY_HEADER = data.StructLayout({"opcode": 8, "tag": 16, "length": 32})
+#: The most bytes a reply carries from registers after its status (IDENTIFY's identity).
+FIXED_BYTES = protocol.IDENTITY.size
 
 
 class FrameEvent(enum.Enum, shape=2):
@@ -178,7 +197,7 @@ def plan_layout(cfg: CoreConfig, stream_bytes: int, max_payload: int) -> data.St
     """``FrameChecker``'s decision: the reply (status, opcode, tag; ``fixed`` bytes from
     registers after the status, then ``stream`` bytes from a unit) and what to execute."""
     return data.StructLayout({
-        "status": 8, "opcode": 8, "tag": 16, "fixed": range(33), "stream": 32,
+        "status": 8, "opcode": 8, "tag": 16, "fixed": range(FIXED_BYTES + 1), "stream": 32,
         "action": Action,
         "write": write_plan_layout(cfg),
         "read": read_plan_layout(stream_bytes, max_payload),
@@ -413,6 +432,249 @@ class FrameReceiver(wiring.Component):
         return m
 
 
+def _early(m: Module, value, name: str) -> Signal:
+    """``value`` of a received frame, registered (the frame holds still while offered): valid
+    from the cycle after the frame is offered, a cycle after the registers it reads."""
+    r = Signal(Value.cast(value).shape(), name=name, reset_less=True)
+    m.d.sync += r.eq(value)
+    return r
+
+
+class WriteCheck(wiring.Component):
+    """``FrameChecker``'s checks of a WRITE, and its replay's plan.
+
+    Ports: ``frame`` (``frame_layout()``, held while offered); registered (valid from the
+    second cycle after the frame is offered, some from the first): ``short`` (a length too
+    short for WRITE's header), ``address_ok`` (the region fits the target's buffer and its
+    alignment; an unknown target is a bad address), ``desc_ok`` (encoding and rounding of
+    values; a reduced device's omitted units), ``length_ok`` (the length is the header and the
+    region's elements); ``plan`` (``write_plan_layout``, from the frame's fields).
+    """
+
+    def __init__(self, cfg: CoreConfig, *, stream_bytes: int):
+        self.cfg, self.stream_bytes = cfg, stream_bytes
+        super().__init__({
+            "frame": In(frame_layout()),
+            "short": Out(1),
+            "address_ok": Out(1),
+            "desc_ok": Out(1),
+            "length_ok": Out(1),
+            "plan": Out(write_plan_layout(cfg)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg = self.cfg
+        D, R, C = cfg.size, cfg.rows, cfg.cols
+        th, tw = cfg.tile
+        cb = 1 if cfg.mantissa_bits <= 8 else 2
+        length = self.frame.head.length
+
+        def early(value, name):
+            return _early(m, value, name)
+
+        w_desc = data.View(layout(protocol.WRITE), self.frame.desc[:8 * WRITE_HEADER])
+        w_target, w_encoding, w_rounding = w_desc.target, w_desc.encoding, w_desc.rounding
+        w_row, w_col, w_rows, w_cols = w_desc.row, w_desc.col, w_desc.rows, w_desc.cols
+        w_row_end = Signal(17)
+        w_col_end = Signal(17)
+        m.d.comb += [w_row_end.eq(w_row + w_rows), w_col_end.eq(w_col + w_cols)]
+        # Stage 1: the parts of the region check; stage 2: the check for the target.
+        in_elements = early((w_row_end <= D) & (w_col_end <= D), "in_elements")
+        in_tiles = early((w_row_end <= D // th) & (w_col_end <= D // tw), "in_tiles")
+        # Row chunks: A's codes go R to a chunk, B's codes, the accumulator's and the bias's C.
+        chunked_c = early(_multiple_of(w_col, C, D) & _multiple_of(w_cols, C, D), "chunked_c")
+        chunked_r = chunked_c if R == C else early(_multiple_of(w_col, R, D) & _multiple_of(w_cols, R, D), "chunked_r")
+        tiled = early(_multiple_of(w_row, th, D) & _multiple_of(w_rows, th, D)
+                      & _multiple_of(w_col, tw, D) & _multiple_of(w_cols, tw, D), "tiled")
+        bias_row = early((w_row == 0) & (w_rows == 1), "bias_row")
+        is_a_codes = w_target == Target.A_CODES
+        is_codes = is_a_codes | (w_target == Target.B_CODES)
+        is_exps = (w_target == Target.A_EXPONENTS) | (w_target == Target.B_EXPONENTS)
+        is_values = (w_target == Target.A_VALUES) | (w_target == Target.B_VALUES)
+        m.d.comb += self.address_ok.eq(early(Mux(
+            is_a_codes, in_elements & chunked_r,
+            Mux((w_target == Target.B_CODES) | (w_target == Target.ACC), in_elements & chunked_c,
+                Mux(is_exps, in_tiles,
+                    Mux(w_target == Target.BIAS, bias_row & in_elements & chunked_c,
+                        Mux(is_values, in_elements & tiled, 0))))), "address_ok"))
+        # The elements of a replay beat: a row chunk (R or C), an exponent, or a quantizer beat.
+        chunk_lanes = Mux(is_exps, 1, Mux(is_a_codes, R, C))
+        value_bf16 = w_encoding == Encoding.BF16
+        write_desc_ok = ~is_values | ((w_encoding <= max(Encoding)) & (w_rounding <= max(Rounding)))
+        # A reduced device refuses the work of the units it was built without (CoreConfig).
+        if not cfg.value_quantizer:
+            write_desc_ok = ~is_values
+        elif not cfg.stochastic:
+            write_desc_ok = write_desc_ok & (w_rounding != Rounding.STOCHASTIC)
+        m.d.comb += self.desc_ok.eq(early(write_desc_ok, "write_desc_ok"))
+        element_bytes = Mux(is_codes, cb, Mux(is_exps, 1, Mux(is_values & value_bf16, 2, 4)))
+        region = early(_bounded_product(w_rows, w_cols, D), "region")  # exact in a WRITE that address_ok admits
+        # region * element_bytes (1, 2 or 4): a shift of the registered product
+        write_bytes = Signal(35)
+        element_shift = Mux(element_bytes == 4, 2, Mux(element_bytes == 2, 1, 0))
+        m.d.comb += write_bytes.eq(region << early(element_shift, "element_shift"))
+        m.d.comb += [self.length_ok.eq(early(length == WRITE_HEADER + write_bytes, "write_length_ok")),
+                     self.short.eq(early(length < WRITE_HEADER, "short_write"))]
+
+        wp = self.plan
+        beat_elems = Mux(is_values, value_lanes(cfg, self.stream_bytes), chunk_lanes)
+        m.d.comb += [
+            # Paths to units a reduced device lacks are never taken (refused above): their
+            # logic is not built.
+            wp.values.eq(is_values if cfg.value_quantizer else 0),
+            wp.target.eq(Mux(is_values, w_target - (Target.A_VALUES - Target.A_CODES), w_target)),
+            wp.row.eq(w_row), wp.col.eq(w_col), wp.col_end.eq(w_col_end), wp.row_end.eq(w_row_end),
+            wp.step.eq(chunk_lanes),
+            wp.empty.eq((w_rows == 0) | (w_cols == 0)),
+            wp.erow.eq(_quotient_of_multiple(w_row, th, D)),
+            wp.ecol.eq(_quotient_of_multiple(w_col, tw, D)),
+            wp.rounding.eq(w_rounding),
+            wp.seed.eq(w_desc.seed),
+            wp.elem_bytes.eq(element_bytes),
+            wp.beat_bytes.eq(beat_elems << element_shift),
+            wp.mode.eq(Mux(is_codes, ASSEMBLE_MODES["sign_extend"],
+                           Mux(is_values & value_bf16, ASSEMBLE_MODES["high_half"], ASSEMBLE_MODES["raw"]))),
+        ]
+        return m
+
+
+class CommandCheck(wiring.Component):
+    """``FrameChecker``'s checks of a GEMM or a READ (one set of fields: READ has K = 0 and
+    only the bias flag), and the core's command.
+
+    Ports: ``frame`` (``frame_layout()``, held while offered); registered: ``bad_length`` (the
+    length is not the command's descriptor's), ``ok`` (sides, transposes, activation, format,
+    rounding; a reduced device's omitted units), ``result_bytes`` (the reply's result bytes
+    in the command's format, padding included); ``cmd`` (``command_layout``, from the
+    registered fields).
+    """
+
+    def __init__(self, cfg: CoreConfig):
+        self.cfg = cfg
+        super().__init__({
+            "frame": In(frame_layout()),
+            "bad_length": Out(1),
+            "ok": Out(1),
+            "result_bytes": Out(32),
+            "cmd": Out(command_layout(cfg)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg = self.cfg
+        D = cfg.size
+        th, tw = cfg.tile
+        cb = 1 if cfg.mantissa_bits <= 8 else 2
+        functions = cfg.built_functions
+        head, desc = self.frame.head, self.frame.desc
+
+        def early(value, name):
+            return _early(m, value, name)
+
+        g_desc = data.View(layout(protocol.GEMM), desc[:8 * GEMM_SIZE])
+        r_desc = data.View(layout(protocol.READ), desc[:8 * READ_SIZE])
+        is_read = head.opcode == Op.READ
+        # Stage 1: the command's fields; stage 2: their checks and products; stage 3: the
+        # result's bytes.
+        c_m = early(Mux(is_read, r_desc.m, g_desc.m), "c_m")
+        c_n = early(Mux(is_read, r_desc.n, g_desc.n), "c_n")
+        c_k = early(Mux(is_read, 0, g_desc.k), "c_k")
+        c_flags = early(Mux(is_read, r_desc.flags & GemmFlag.BIAS, g_desc.flags), "c_flags")
+        c_act = early(Mux(is_read, r_desc.activation, g_desc.activation), "c_act")
+        c_format = early(Mux(is_read, r_desc.out_format, g_desc.out_format), "c_format")
+        c_rounding = early(Mux(is_read, r_desc.rounding, g_desc.rounding), "c_rounding")
+        c_seed = early(Mux(is_read, r_desc.seed, g_desc.seed), "c_seed")
+        c_read = early(is_read, "c_read")
+        flag = {f.name.lower(): c_flags & f != 0 for f in GemmFlag}
+        unary_mask = functions_mask(n for n in functions if n in UNARY_FUNCTIONS)
+        act_ok = (c_act == protocol.NO_ACTIVATION) | Const(unary_mask, 256).bit_select(c_act, 1)
+        sides_ok = ((c_m >= 1) & (c_m <= D) & (c_n >= 1) & (c_n <= D)
+                    & (c_read | ((c_k >= 1) & (c_k <= D))))
+        transposes_ok = 1 if cfg.square else (c_read | (~flag["transpose_a"] & flag["transpose_b"]))
+        command_ok = (sides_ok & act_ok & transposes_ok & (c_format <= max(OutFormat))
+                      & (c_rounding <= max(Rounding)))
+        c_bfp = c_format == OutFormat.BFP
+        if not cfg.bfp_output:
+            command_ok = command_ok & ~c_bfp
+        elif not cfg.stochastic:
+            command_ok = command_ok & ~(c_bfp & (c_rounding == Rounding.STOCHASTIC))
+        m.d.comb += self.ok.eq(early(command_ok, "command_ok"))
+        # exact in a command that sides_ok admits
+        tiles = early(_bounded_product(_ceil_div(c_m, th, D), _ceil_div(c_n, tw, D), -(-D // min(th, tw))), "tiles")
+        elements = early(_bounded_product(c_m, c_n, D), "elements")
+        m.d.comb += self.result_bytes.eq(early(Mux(c_format == OutFormat.FP32, elements << 2,
+                                                   Mux(c_format == OutFormat.BF16, elements << 1,
+                                                       tiles * (1 + th * tw * cb))),
+                                               "result_bytes"))
+        m.d.comb += self.bad_length.eq(early(head.length != Mux(is_read, READ_SIZE, GEMM_SIZE), "bad_command_length"))
+
+        cmd = self.cmd
+        m.d.comb += [
+            cmd.m.eq(c_m), cmd.n.eq(c_n), cmd.k.eq(c_k),
+            cmd.transpose_a.eq(flag["transpose_a"]),
+            cmd.transpose_b.eq(flag["transpose_b"]),
+            cmd.accumulate.eq(flag["accumulate"]),
+            cmd.bias.eq(flag["bias"]),
+            cmd.act_en.eq(c_act != protocol.NO_ACTIVATION),
+            cmd.act_func.eq(c_act),
+            cmd.out_format.eq(c_format),
+            cmd.rounding.eq(c_rounding),
+            cmd.seed.eq(c_seed),
+        ]
+        return m
+
+
+class ElementwiseCheck(wiring.Component):
+    """``FrameChecker``'s checks of an ELEMENTWISE, and where its g starts in the payload.
+
+    Ports: ``frame`` (``frame_layout()``, held while offered); ``function``, ``count`` (the
+    descriptor's), ``gradient`` (the function is a built gradient: x and g); registered:
+    ``short`` (a length too short for the header), ``built`` (the function is built),
+    ``length_ok`` (the length is the header and the count's x, and g), ``b_word``,
+    ``b_offset`` (g's first byte, after x, as a payload word and the byte in it).
+    """
+
+    def __init__(self, cfg: CoreConfig, *, stream_bytes: int, max_payload: int):
+        self.cfg, self.stream_bytes, self.max_payload = cfg, stream_bytes, max_payload
+        rp, e_desc = read_plan_layout(stream_bytes, max_payload), layout(protocol.ELEMENTWISE)
+        super().__init__({
+            "frame": In(frame_layout()),
+            "function": Out(e_desc["function"].shape),
+            "count": Out(e_desc["count"].shape),
+            "gradient": Out(1),
+            "short": Out(1),
+            "built": Out(1),
+            "length_ok": Out(1),
+            "b_word": Out(rp["b_word"].shape),
+            "b_offset": Out(rp["b_offset"].shape),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        N, P = self.stream_bytes, self.max_payload
+        functions = self.cfg.built_functions
+        length = self.frame.head.length
+        e_desc = data.View(layout(protocol.ELEMENTWISE), self.frame.desc[:8 * ELEMENTWISE_HEADER])
+        e_function, e_count = e_desc.function, e_desc.count
+        built_mask = functions_mask(functions)
+        gradient_mask = functions_mask(n for n in functions if n not in UNARY_FUNCTIONS)
+        e_gradient = Const(gradient_mask, 256).bit_select(e_function, 1)  # a built gradient function
+        e_bytes = Signal(35)
+        m.d.comb += e_bytes.eq(Mux(e_gradient, e_count << 2, e_count << 1))
+        m.d.comb += [
+            self.function.eq(e_function), self.count.eq(e_count), self.gradient.eq(e_gradient),
+            self.length_ok.eq(_early(m, length == ELEMENTWISE_HEADER + e_bytes, "e_length_ok")),
+            self.built.eq(_early(m, Const(built_mask, 256).bit_select(e_function, 1), "e_built")),
+            self.short.eq(_early(m, length < ELEMENTWISE_HEADER, "short_elementwise")),
+        ]
+        b_start = Signal(range(P + ELEMENTWISE_HEADER + 1))
+        m.d.comb += b_start.eq(ELEMENTWISE_HEADER + (e_count << 1))
+        b_word, b_offset = divmod_const(b_start, N, P + ELEMENTWISE_HEADER)
+        m.d.comb += [self.b_word.eq(_early(m, b_word, "b_word")), self.b_offset.eq(_early(m, b_offset, "b_offset"))]
+        return m
+
+
 class FrameChecker(wiring.Component):
     """The decision on a received frame: ``plan`` from ``frame``.
 
@@ -448,127 +710,25 @@ class FrameChecker(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        cfg, N, P = self.cfg, self.stream_bytes, self.max_payload
-
-        def early(value, name):
-            """``value`` of the frame, registered (the frame holds still while offered): valid
-            from the cycle after the frame is offered, a cycle after the registers it reads."""
-            r = Signal(Value.cast(value).shape(), name=name, reset_less=True)
-            m.d.sync += r.eq(value)
-            return r
-
-        D, R, C = cfg.size, cfg.rows, cfg.cols
-        th, tw = cfg.tile
-        cb = 1 if cfg.mantissa_bits <= 8 else 2
-        functions = cfg.built_functions
-        head, desc, plan = self.frame.head, self.frame.desc, self.plan
+        cfg, N = self.cfg, self.stream_bytes
+        head, plan = self.frame.head, self.plan
         opcode, length = head.opcode, head.length
         is_op = {op: opcode == op for op in Op}
-
-        # The descriptor's bytes seen through each command's contract layout.
-        w_desc = data.View(layout(protocol.WRITE), desc[:8 * WRITE_HEADER])
-        g_desc = data.View(layout(protocol.GEMM), desc[:8 * GEMM_SIZE])
-        r_desc = data.View(layout(protocol.READ), desc[:8 * READ_SIZE])
-        e_desc = data.View(layout(protocol.ELEMENTWISE), desc[:8 * ELEMENTWISE_HEADER])
-
-        # ---- WRITE --------------------------------------------------------------------
-        w_target, w_encoding, w_rounding = w_desc.target, w_desc.encoding, w_desc.rounding
-        w_row, w_col, w_rows, w_cols = w_desc.row, w_desc.col, w_desc.rows, w_desc.cols
-        w_row_end = Signal(17)
-        w_col_end = Signal(17)
-        m.d.comb += [w_row_end.eq(w_row + w_rows), w_col_end.eq(w_col + w_cols)]
-        # Stage 1: the parts of the region check; stage 2: the check for the target.
-        in_elements = early((w_row_end <= D) & (w_col_end <= D), "in_elements")
-        in_tiles = early((w_row_end <= D // th) & (w_col_end <= D // tw), "in_tiles")
-        # Row chunks: A's codes go R to a chunk, B's codes, the accumulator's and the bias's C.
-        chunked_c = early(_multiple_of(w_col, C, D) & _multiple_of(w_cols, C, D), "chunked_c")
-        chunked_r = chunked_c if R == C else early(_multiple_of(w_col, R, D) & _multiple_of(w_cols, R, D), "chunked_r")
-        tiled = early(_multiple_of(w_row, th, D) & _multiple_of(w_rows, th, D)
-                      & _multiple_of(w_col, tw, D) & _multiple_of(w_cols, tw, D), "tiled")
-        bias_row = early((w_row == 0) & (w_rows == 1), "bias_row")
-        is_a_codes = w_target == Target.A_CODES
-        is_codes = is_a_codes | (w_target == Target.B_CODES)
-        is_exps = (w_target == Target.A_EXPONENTS) | (w_target == Target.B_EXPONENTS)
-        is_values = (w_target == Target.A_VALUES) | (w_target == Target.B_VALUES)
-        address_ok = early(Mux(
-            is_a_codes, in_elements & chunked_r,
-            Mux((w_target == Target.B_CODES) | (w_target == Target.ACC), in_elements & chunked_c,
-                Mux(is_exps, in_tiles,
-                    Mux(w_target == Target.BIAS, bias_row & in_elements & chunked_c,
-                        Mux(is_values, in_elements & tiled, 0))))), "address_ok")
-        # The elements of a replay beat: a row chunk (R or C), an exponent, or a quantizer beat.
-        chunk_lanes = Mux(is_exps, 1, Mux(is_a_codes, R, C))
-        value_bf16 = w_encoding == Encoding.BF16
-        stochastic = Rounding.STOCHASTIC
-        write_desc_ok = ~is_values | ((w_encoding <= max(Encoding)) & (w_rounding <= max(Rounding)))
-        # A reduced device refuses the work of the units it was built without (CoreConfig).
-        if not cfg.value_quantizer:
-            write_desc_ok = ~is_values
-        elif not cfg.stochastic:
-            write_desc_ok = write_desc_ok & (w_rounding != stochastic)
-        write_desc_ok = early(write_desc_ok, "write_desc_ok")
-        element_bytes = Mux(is_codes, cb, Mux(is_exps, 1, Mux(is_values & value_bf16, 2, 4)))
-        region = early(_bounded_product(w_rows, w_cols, D), "region")  # exact in a WRITE that address_ok admits
-        # region * element_bytes (1, 2 or 4): a shift of the registered product
-        write_bytes = Signal(35)
-        element_shift = Mux(element_bytes == 4, 2, Mux(element_bytes == 2, 1, 0))
-        m.d.comb += write_bytes.eq(region << early(element_shift, "element_shift"))
-        write_length_ok = early(length == WRITE_HEADER + write_bytes, "write_length_ok")
-
-        # ---- GEMM and READ share one set of fields (READ: K = 0 and only the bias flag) ----
         is_read = is_op[Op.READ]
-        # Stage 1: the command's fields; stage 2: their checks and products; stage 3: the
-        # result's bytes.
-        c_m = early(Mux(is_read, r_desc.m, g_desc.m), "c_m")
-        c_n = early(Mux(is_read, r_desc.n, g_desc.n), "c_n")
-        c_k = early(Mux(is_read, 0, g_desc.k), "c_k")
-        c_flags = early(Mux(is_read, r_desc.flags & GemmFlag.BIAS, g_desc.flags), "c_flags")
-        c_act = early(Mux(is_read, r_desc.activation, g_desc.activation), "c_act")
-        c_format = early(Mux(is_read, r_desc.out_format, g_desc.out_format), "c_format")
-        c_rounding = early(Mux(is_read, r_desc.rounding, g_desc.rounding), "c_rounding")
-        c_seed = early(Mux(is_read, r_desc.seed, g_desc.seed), "c_seed")
-        c_read = early(is_read, "c_read")
-        flag = {f.name.lower(): c_flags & f != 0 for f in GemmFlag}
-        unary_mask = functions_mask(n for n in functions if n in UNARY_FUNCTIONS)
-        built_mask = functions_mask(functions)
-        gradient_mask = functions_mask(n for n in functions if n not in UNARY_FUNCTIONS)
-        act_ok = (c_act == protocol.NO_ACTIVATION) | Const(unary_mask, 256).bit_select(c_act, 1)
-        sides_ok = ((c_m >= 1) & (c_m <= D) & (c_n >= 1) & (c_n <= D)
-                    & (c_read | ((c_k >= 1) & (c_k <= D))))
-        transposes_ok = 1 if cfg.square else (c_read | (~flag["transpose_a"] & flag["transpose_b"]))
-        command_ok = (sides_ok & act_ok & transposes_ok & (c_format <= max(OutFormat))
-                      & (c_rounding <= max(Rounding)))
-        c_bfp = c_format == OutFormat.BFP
-        if not cfg.bfp_output:
-            command_ok = command_ok & ~c_bfp
-        elif not cfg.stochastic:
-            command_ok = command_ok & ~(c_bfp & (c_rounding == stochastic))
-        command_ok = early(command_ok, "command_ok")
-        # exact in a command that sides_ok admits
-        tiles = early(_bounded_product(_ceil_div(c_m, th, D), _ceil_div(c_n, tw, D), -(-D // min(th, tw))), "tiles")
-        elements = early(_bounded_product(c_m, c_n, D), "elements")
-        result_bytes = early(Mux(c_format == OutFormat.FP32, elements << 2,
-                                Mux(c_format == OutFormat.BF16, elements << 1, tiles * (1 + th * tw * cb))),
-                            "result_bytes")
 
-        # ---- ELEMENTWISE ----------------------------------------------------------------
-        e_function, e_count = e_desc.function, e_desc.count
-        e_gradient = Const(gradient_mask, 256).bit_select(e_function, 1)  # a built gradient function
+        # The checks of each command, each its first two stages (``WriteCheck``,
+        # ``CommandCheck``, ``ElementwiseCheck``).
+        m.submodules.write = write = WriteCheck(cfg, stream_bytes=N)
+        m.submodules.command = command = CommandCheck(cfg)
+        m.submodules.elementwise = ew = ElementwiseCheck(cfg, stream_bytes=N, max_payload=self.max_payload)
+        m.d.comb += [write.frame.eq(self.frame), command.frame.eq(self.frame), ew.frame.eq(self.frame)]
         # An ELEMENTWISE that runs: none on a device without functions (it is refused), whose
         # path to the activation unit is then not built.
-        elementwise = is_op[Op.ELEMENTWISE] if functions else Const(0)
-        e_built = Const(built_mask, 256).bit_select(e_function, 1)
-        e_bytes = Signal(35)
-        m.d.comb += e_bytes.eq(Mux(e_gradient, e_count << 2, e_count << 1))
-        e_length_ok = early(length == ELEMENTWISE_HEADER + e_bytes, "e_length_ok")
-        e_built = early(e_built, "e_built")
+        elementwise = is_op[Op.ELEMENTWISE] if cfg.built_functions else Const(0)
 
         # The first stage too: the length and version checks against constants, each a register.
-        bad_version = early(head.version != protocol.PROTOCOL_VERSION, "bad_version")
-        short_write = early(length < WRITE_HEADER, "short_write")
-        bad_command_length = early(length != Mux(is_read, READ_SIZE, GEMM_SIZE), "bad_command_length")
-        short_elementwise = early(length < ELEMENTWISE_HEADER, "short_elementwise")
-        has_payload = early(length != 0, "has_payload")
+        bad_version = _early(m, head.version != protocol.PROTOCOL_VERSION, "bad_version")
+        has_payload = _early(m, length != 0, "has_payload")
 
         status = Signal(8)
         event = self.frame.event
@@ -583,25 +743,25 @@ class FrameChecker(wiring.Component):
         with m.Elif(~Cat(*is_op.values()).any()):
             m.d.comb += status.eq(Status.BAD_OPCODE)
         with m.Elif(is_op[Op.WRITE]):
-            with m.If(short_write):
+            with m.If(write.short):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
-            with m.Elif(~address_ok):
+            with m.Elif(~write.address_ok):
                 m.d.comb += status.eq(Status.BAD_ADDRESS)
-            with m.Elif(~write_desc_ok):
+            with m.Elif(~write.desc_ok):
                 m.d.comb += status.eq(Status.BAD_DESCRIPTOR)
-            with m.Elif(~write_length_ok):
+            with m.Elif(~write.length_ok):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
         with m.Elif(is_op[Op.GEMM] | is_read):
-            with m.If(bad_command_length):
+            with m.If(command.bad_length):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
-            with m.Elif(~command_ok):
+            with m.Elif(~command.ok):
                 m.d.comb += status.eq(Status.BAD_DESCRIPTOR)
         with m.Elif(is_op[Op.ELEMENTWISE]):
-            with m.If(short_elementwise):
+            with m.If(ew.short):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
-            with m.Elif(~e_built):
+            with m.Elif(~ew.built):
                 m.d.comb += status.eq(Status.BAD_DESCRIPTOR)
-            with m.Elif(~e_length_ok):
+            with m.Elif(~ew.length_ok):
                 m.d.comb += status.eq(Status.BAD_LENGTH)
         with m.Else():  # IDENTIFY, STATUS, RESET carry no payload
             with m.If(has_payload):
@@ -617,63 +777,29 @@ class FrameChecker(wiring.Component):
             plan.fixed.eq(Mux(~ok, 0, Mux(is_op[Op.IDENTIFY], protocol.IDENTITY.size,
                                           Mux(is_op[Op.STATUS], protocol.STATUS.size,
                                               Mux(is_op[Op.GEMM], protocol.CYCLES.size, 0))))),
-            plan.stream.eq(Mux(~ok, 0, Mux(elementwise, e_count << 1,
-                                           Mux(is_op[Op.GEMM] | is_read, result_bytes, 0)))),
+            plan.stream.eq(Mux(~ok, 0, Mux(elementwise, ew.count << 1,
+                                           Mux(is_op[Op.GEMM] | is_read, command.result_bytes, 0)))),
             plan.action.eq(Mux(~ok, Action.REPLY,
                                Mux(is_op[Op.WRITE], Action.WRITE,
                                    Mux(is_op[Op.GEMM] | is_read, Action.CORE,
                                        Mux(elementwise, Action.ELEMENTWISE,
                                            Mux(is_op[Op.RESET], Action.RESET, Action.REPLY)))))),
-        ]
-        wp = plan.write
-        beat_elems = Mux(is_values, value_lanes(cfg, self.stream_bytes), chunk_lanes)
-        m.d.comb += [
-            # Paths to units a reduced device lacks are never taken (refused above): their
-            # logic is not built.
-            wp.values.eq(is_values if cfg.value_quantizer else 0),
-            wp.target.eq(Mux(is_values, w_target - (Target.A_VALUES - Target.A_CODES), w_target)),
-            wp.row.eq(w_row), wp.col.eq(w_col), wp.col_end.eq(w_col_end), wp.row_end.eq(w_row_end),
-            wp.step.eq(chunk_lanes),
-            wp.empty.eq((w_rows == 0) | (w_cols == 0)),
-            wp.erow.eq(_quotient_of_multiple(w_row, th, D)),
-            wp.ecol.eq(_quotient_of_multiple(w_col, tw, D)),
-            wp.rounding.eq(w_rounding),
-            wp.seed.eq(w_desc.seed),
-            wp.elem_bytes.eq(element_bytes),
-            wp.beat_bytes.eq(beat_elems << element_shift),
-            wp.mode.eq(Mux(is_codes, ASSEMBLE_MODES["sign_extend"],
-                           Mux(is_values & value_bf16, ASSEMBLE_MODES["high_half"], ASSEMBLE_MODES["raw"]))),
+            plan.write.eq(write.plan),
+            plan.cmd.eq(command.cmd),
+            plan.gradient.eq(ew.gradient),
+            plan.e_func.eq(ew.function),
         ]
         # Payload regions in buffer words: a WRITE's data after its header; ELEMENTWISE's x,
         # and its g after x.
         rp = plan.read
         a_start = Mux(is_op[Op.WRITE], WRITE_HEADER, ELEMENTWISE_HEADER)
-        b_start = Signal(range(P + ELEMENTWISE_HEADER + 1))
-        m.d.comb += b_start.eq(ELEMENTWISE_HEADER + (e_count << 1))
-        b_word, b_offset = divmod_const(b_start, N, P + ELEMENTWISE_HEADER)
-        b_word, b_offset = early(b_word, "b_word"), early(b_offset, "b_offset")
         m.d.comb += [
             rp.a_word.eq(Mux(is_op[Op.WRITE], WRITE_HEADER // N, ELEMENTWISE_HEADER // N)),
             rp.a_offset.eq(Mux(is_op[Op.WRITE], WRITE_HEADER % N, ELEMENTWISE_HEADER % N)),
-            rp.length.eq(Mux(is_op[Op.WRITE], length - a_start, e_count << 1)),
-            rp.b_word.eq(b_word),
-            rp.b_offset.eq(b_offset),
-            rp.interleave.eq(elementwise & e_gradient),
-        ]
-        cmd = plan.cmd
-        m.d.comb += [
-            cmd.m.eq(c_m), cmd.n.eq(c_n), cmd.k.eq(c_k),
-            cmd.transpose_a.eq(flag["transpose_a"]),
-            cmd.transpose_b.eq(flag["transpose_b"]),
-            cmd.accumulate.eq(flag["accumulate"]),
-            cmd.bias.eq(flag["bias"]),
-            cmd.act_en.eq(c_act != protocol.NO_ACTIVATION),
-            cmd.act_func.eq(c_act),
-            cmd.out_format.eq(c_format),
-            cmd.rounding.eq(c_rounding),
-            cmd.seed.eq(c_seed),
-            plan.gradient.eq(e_gradient),
-            plan.e_func.eq(e_function),
+            rp.length.eq(Mux(is_op[Op.WRITE], length - a_start, ew.count << 1)),
+            rp.b_word.eq(ew.b_word),
+            rp.b_offset.eq(ew.b_offset),
+            rp.interleave.eq(elementwise & ew.gradient),
         ]
         return m
 
@@ -1038,7 +1164,7 @@ class ReplyFramer(wiring.Component):
     def __init__(self, stream_bytes: int):
         self.stream_bytes = stream_bytes
         super().__init__({
-            "header": In(stream.Signature(data.StructLayout({"opcode": 8, "tag": 16, "length": 32}))),
+            "header": In(stream.Signature(REPLY_HEADER)),
             "i": In(WindowSignature(stream_bytes)),
             "o": Out(stream.Signature(reply_chunk_layout(stream_bytes))),
         })
@@ -1108,6 +1234,277 @@ class ReplyFramer(wiring.Component):
         return m
 
 
+class StatusCounters(wiring.Component):
+    """The STATUS counters (docs/protocol.md, 0x06): the replies with status OK (``accepted``)
+    and the others (``refused``; ``last_error``, the last one's status), and the cycles of the
+    last GEMM or READ (``last_cycles``).
+
+    Ports: ``count`` (strobe: a reply of status ``status`` counts), ``clear`` (strobe: RESET
+    zeroes them all, after its own reply counted), ``capture`` (strobe: ``cycles`` becomes the
+    last cycles); ``record`` (STATUS's reply data, ``layout(protocol.STATUS)``).
+    """
+
+    def __init__(self):
+        super().__init__({
+            "count": In(1),
+            "status": In(8),
+            "clear": In(1),
+            "capture": In(1),
+            "cycles": In(32),
+            "record": Out(layout(protocol.STATUS)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        accepted, refused, last_cycles, last_error = Signal(32), Signal(32), Signal(32), Signal(8)
+        with m.If(self.count):
+            with m.If(self.status == Status.OK):
+                m.d.sync += accepted.eq(accepted + 1)
+            with m.Else():
+                m.d.sync += [refused.eq(refused + 1), last_error.eq(self.status)]
+        with m.If(self.clear):
+            m.d.sync += [accepted.eq(0), refused.eq(0), last_cycles.eq(0), last_error.eq(0)]
+        with m.If(self.capture):
+            m.d.sync += last_cycles.eq(self.cycles)
+        m.d.comb += [self.record.accepted.eq(accepted), self.record.refused.eq(refused),
+                     self.record.last_cycles.eq(last_cycles), self.record.last_error.eq(last_error)]
+        return m
+
+
+class ElementwiseFeed(wiring.Component):
+    """ELEMENTWISE's operands to the activation unit: x from window ``x`` (and g, for a
+    gradient function, from window ``g``), two bytes each, a beat a cycle while both hold
+    theirs.
+
+    Ports: ``enable`` (the frame is an ELEMENTWISE), ``gradient``, ``func`` (the plan's);
+    ``x`` (``WindowSignature(width)``, its ``take`` for the engine to select), ``g``
+    (``WindowSignature(2)``); ``o`` (stream out, ``ACTIVATION_INPUT``). Combinational.
+    """
+
+    def __init__(self, width: int):
+        super().__init__({
+            "enable": In(1),
+            "gradient": In(1),
+            "func": In(FUNC_WIDTH),
+            "x": In(WindowSignature(width)),
+            "g": In(WindowSignature(2)),
+            "o": Out(stream.Signature(ACTIVATION_INPUT)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        x, g, feed = self.x, self.g, self.o
+        ready_g = ~self.gradient | (g.level >= 2)
+        m.d.comb += [
+            feed.valid.eq(self.enable & (x.level >= 2) & ready_g),
+            feed.payload.x.eq(Cat(x.data[0], x.data[1])),
+            feed.payload.g.eq(Cat(g.data[0], g.data[1])),
+            feed.payload.func.eq(self.func),
+        ]
+        fed = feed.valid & feed.ready
+        m.d.comb += [x.take.eq(Mux(fed, 2, 0)), g.take.eq(Mux(fed & self.gradient, 2, 0))]
+        return m
+
+
+class ReplySender(wiring.Component):
+    """A reply, once its frame is executed: the header to the ``ReplyFramer`` (opcode, tag and
+    the payload's length), then the payload as chunks of up to R bytes (R = ``max(N,
+    result_chunk_bytes(cfg), 2)``): the status byte, ``plan.fixed`` bytes of ``fixed``
+    (IDENTIFY's identity, STATUS's record, GEMM's cycles), then ``plan.stream`` bytes, from
+    ``act`` (ELEMENTWISE: two bytes a result) or ``result`` (GEMM and READ: the
+    ``ResultSerializer``'s chunks).
+
+    Ports: ``start`` (strobe: the header goes from the next cycle on), ``plan``
+    (``plan_layout``), ``fixed``; ``act``, ``result`` (streams in); ``header``, ``o`` (streams
+    out); ``streaming`` (the stream's part goes: the engine's second pass may start);
+    ``done`` (strobe: the payload's last chunk has gone, the cycle after).
+    """
+
+    def __init__(self, cfg: CoreConfig, *, stream_bytes: int, max_payload: int):
+        self.cfg, self.stream_bytes = cfg, stream_bytes
+        self.chunk_bytes = max(stream_bytes, result_chunk_bytes(cfg), 2)
+        super().__init__({
+            "start": In(1),
+            "plan": In(plan_layout(cfg, stream_bytes, max_payload)),
+            "fixed": In(8 * FIXED_BYTES),
+            "act": In(stream.Signature(BF16_WIDTH)),
+            "result": In(stream.Signature(chunk_layout(result_chunk_bytes(cfg)))),
+            "header": Out(stream.Signature(REPLY_HEADER)),
+            "o": Out(stream.Signature(chunk_layout(self.chunk_bytes))),
+            "streaming": Out(1),
+            "done": Out(1),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        R, plan, src = self.chunk_bytes, self.plan, self.o
+        fixed_index = Signal(range(FIXED_BYTES + 1))
+        fixed_left = Signal(range(FIXED_BYTES + 1))  # plan.fixed - fixed_index, kept (no subtraction before the window)
+        stream_left = Signal(32)
+        fixed_k = Signal(range(R + 1))
+        m.d.comb += fixed_k.eq(_min(fixed_left, R))
+        m.d.comb += [
+            self.header.payload.opcode.eq(plan.opcode),
+            self.header.payload.tag.eq(plan.tag),
+            self.header.payload.length.eq(1 + plan.fixed + plan.stream),
+        ]
+        pushed = src.valid & src.ready
+        with m.FSM():
+            with m.State("IDLE"):
+                with m.If(self.start):
+                    m.next = "HEADER"
+            with m.State("HEADER"):
+                m.d.comb += self.header.valid.eq(1)
+                with m.If(self.header.ready):
+                    m.d.sync += [fixed_index.eq(0), fixed_left.eq(plan.fixed), stream_left.eq(plan.stream)]
+                    m.next = "STATUS"
+            with m.State("STATUS"):
+                m.d.comb += [src.valid.eq(1), src.payload.data[0].eq(plan.status), src.payload.count.eq(1)]
+                with m.If(src.ready):
+                    with m.If(plan.fixed != 0):
+                        m.next = "FIXED"
+                    with m.Elif(plan.stream != 0):
+                        m.next = "STREAM"
+                    with m.Else():
+                        m.next = "DONE"
+            with m.State("FIXED"):
+                m.d.comb += [src.valid.eq(1), src.payload.data.eq((self.fixed >> (fixed_index * 8))[:8 * R]),
+                             src.payload.count.eq(fixed_k)]
+                with m.If(src.ready):
+                    m.d.sync += [fixed_index.eq(fixed_index + fixed_k), fixed_left.eq(fixed_left - fixed_k)]
+                    with m.If(fixed_left == fixed_k):
+                        m.next = "STREAM"
+                        with m.If(plan.stream == 0):
+                            m.next = "DONE"
+            with m.State("STREAM"):
+                m.d.comb += self.streaming.eq(1)
+                with m.If(plan.action == Action.ELEMENTWISE):
+                    m.d.comb += [
+                        src.valid.eq(self.act.valid),
+                        src.payload.data[0].eq(self.act.payload[:8]),
+                        src.payload.data[1].eq(self.act.payload[8:]),
+                        src.payload.count.eq(2),
+                        self.act.ready.eq(src.ready),
+                    ]
+                with m.Else():
+                    m.d.comb += [
+                        src.valid.eq(self.result.valid),
+                        src.payload.data.eq(self.result.payload.data),
+                        src.payload.count.eq(self.result.payload.count),
+                        self.result.ready.eq(src.ready),
+                    ]
+                with m.If(pushed):
+                    m.d.sync += stream_left.eq(stream_left - src.payload.count)
+                    with m.If(stream_left == src.payload.count):
+                        m.next = "DONE"
+            with m.State("DONE"):
+                m.d.comb += self.done.eq(1)
+                m.next = "IDLE"
+        return m
+
+
+class Dispatch(wiring.Component):
+    """The packet engine's state machine: a received frame's plan, its execution, its reply.
+
+    A frame offered by the receiver (``received``) is decided ``FrameChecker.LATENCY`` cycles
+    later (``check``, registered as ``plan``); the reply counts in STATUS (``count``) the next
+    cycle, and RESET then zeroes the counters (``clear``). Then, by ``plan.action``: WRITE
+    starts the payload's reader and replay (``read``, ``replay``) and waits for the replay's end
+    (``replayed``); GEMM and READ run the core's command (``cmd_valid``, ``cmd_ready``) with its
+    output discarded (``draining``) until its last beat (``result_last``), take its cycles
+    (``capture``), and during the reply's stream run it again as a K = 0 command
+    (``second_pass``), whose output goes into the reply; ELEMENTWISE starts the reader. Every
+    frame then gets its reply (``reply``: ``ReplySender``; ``streaming``, ``replied``), and is
+    released (``release``) in the cycle after the reply's last chunk: the receiver may take the
+    next frame while the framer still sends this reply's last bytes.
+    """
+
+    def __init__(self, cfg: CoreConfig, *, stream_bytes: int, max_payload: int):
+        super().__init__({
+            "received": In(1),
+            "release": Out(1),
+            "check": In(plan_layout(cfg, stream_bytes, max_payload)),
+            "plan": Out(plan_layout(cfg, stream_bytes, max_payload)),
+            "count": Out(1),
+            "clear": Out(1),
+            "capture": Out(1),
+            "read": Out(1),
+            "replay": Out(1),
+            "replayed": In(1),
+            "cmd_valid": Out(1),
+            "cmd_ready": In(1),
+            "second_pass": Out(1),
+            "draining": Out(1),
+            "result_last": In(1),
+            "reply": Out(1),
+            "streaming": In(1),
+            "replied": In(1),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        plan, second_pass = self.plan, self.second_pass
+        assert FrameChecker.LATENCY >= 2
+        check_wait = Signal(range(FrameChecker.LATENCY))
+        with m.FSM():
+            with m.State("IDLE"):
+                m.d.sync += check_wait.eq(FrameChecker.LATENCY - 2)
+                with m.If(self.received):
+                    m.next = "CHECK"
+            with m.State("CHECK"):  # the checker's stages but its last
+                m.d.sync += check_wait.eq(check_wait - 1)
+                with m.If(check_wait == 0):
+                    m.next = "DECIDE"
+            with m.State("DECIDE"):  # the frame offered LATENCY cycles ago: its plan is valid
+                m.d.sync += plan.eq(self.check)
+                m.next = "DISPATCH"
+            with m.State("DISPATCH"):
+                m.d.comb += self.count.eq(1)
+                with m.Switch(plan.action):
+                    with m.Case(Action.WRITE):
+                        m.d.comb += [self.read.eq(1), self.replay.eq(1)]
+                        m.next = "WRITE"
+                    with m.Case(Action.CORE):
+                        m.d.sync += second_pass.eq(0)
+                        m.next = "CORE_RUN"
+                    with m.Case(Action.ELEMENTWISE):
+                        m.d.comb += [self.read.eq(1), self.reply.eq(1)]
+                        m.next = "REPLY"
+                    with m.Case(Action.RESET):
+                        m.d.comb += [self.clear.eq(1), self.reply.eq(1)]
+                        m.next = "REPLY"
+                    with m.Default():
+                        m.d.comb += self.reply.eq(1)
+                        m.next = "REPLY"
+            with m.State("WRITE"):
+                with m.If(self.replayed):
+                    m.d.comb += self.reply.eq(1)
+                    m.next = "REPLY"
+            with m.State("CORE_RUN"):
+                m.d.comb += self.cmd_valid.eq(1)
+                with m.If(self.cmd_ready):
+                    m.next = "CORE_DRAIN"
+            with m.State("CORE_DRAIN"):
+                m.d.comb += self.draining.eq(1)
+                with m.If(self.result_last):
+                    m.next = "CORE_CYCLES"
+            with m.State("CORE_CYCLES"):
+                # The core's ``cycles`` is final the cycle after its last output beat.
+                m.d.comb += [self.capture.eq(1), self.reply.eq(1)]
+                m.d.sync += second_pass.eq(1)
+                m.next = "REPLY"
+            with m.State("REPLY"):
+                with m.If(self.streaming & (plan.action != Action.ELEMENTWISE)):
+                    # The second pass: the same epilogue, now into the reply.
+                    m.d.comb += self.cmd_valid.eq(second_pass)
+                    with m.If(self.cmd_valid & self.cmd_ready):
+                        m.d.sync += second_pass.eq(0)
+                with m.If(self.replied):
+                    m.d.comb += self.release.eq(1)
+                    m.next = "IDLE"
+        return m
+
+
 class PacketEngine(wiring.Component):
     """The protocol engine (docs/protocol.md) on a link of ``stream_bytes`` (N) bytes a cycle.
 
@@ -1144,9 +1541,10 @@ class PacketEngine(wiring.Component):
       into the reply, two bytes a result.
     - IDENTIFY, STATUS, RESET reply from registers. Every reply counts in STATUS the cycle
       after its status is decided, from the registered plan (so a STATUS reply counts
-      itself); RESET then zeroes the counters, the last error and the last cycles.
+      itself); RESET then zeroes the counters, the last error and the last cycles
+      (``StatusCounters``).
 
-    Replying: every payload byte passes a window of ``result_chunk_bytes`` + N bytes in
+    ``Dispatch`` sequences these steps. Replying (``ReplySender``): every payload byte passes a window of ``result_chunk_bytes`` + N bytes in
     front of the ``ReplyFramer``, which sends N a cycle. Throughput: N bytes a cycle each way
     in a payload (a GEMM's result as fast as the core's epilogue gives it, up to N).
     """
@@ -1188,10 +1586,10 @@ class PacketEngine(wiring.Component):
         m = Module()
         cfg = self.cfg
         N, P = self.stream_bytes, self.max_payload
-        R = max(N, result_chunk_bytes(cfg), 2)  # the widest chunk a reply's source gives
 
         m.submodules.receiver = rx = FrameReceiver(N, P, self.frame_timeout)
         m.submodules.checker = checker = FrameChecker(cfg, stream_bytes=N, max_payload=P)
+        m.submodules.dispatch = dispatch = Dispatch(cfg, stream_bytes=N, max_payload=P)
         m.submodules.reader = reader = PayloadReader(N, P)
         # x (and WRITE data) and g. Their default depths keep ELEMENTWISE from deadlocking:
         # the reader alternates words between them, so while one window is too full to take
@@ -1204,17 +1602,21 @@ class PacketEngine(wiring.Component):
         m.submodules.window_b = win_b = ByteWindow(N, 2)
         m.submodules.replay = replay = WriteReplay(cfg, value_lanes(cfg, N))
         m.submodules.serializer = ser = ResultSerializer(cfg)
+        m.submodules.counters = counters = StatusCounters()
+        m.submodules.sender = sender = ReplySender(cfg, stream_bytes=N, max_payload=P)
         # The reply's chunks pass a register before the window, so that the dispatch's choice
         # of source (and the sources' own handshakes) and the window's shift are in different cycles.
-        m.submodules.reply_register = reply_register = StreamRegister(chunk_layout(R))
-        m.submodules.reply_window = reply = ByteWindow(R, N)
+        m.submodules.reply_register = reply_register = StreamRegister(chunk_layout(sender.chunk_bytes))
+        m.submodules.reply_window = reply = ByteWindow(sender.chunk_bytes, N)
         m.submodules.framer = framer = ReplyFramer(N)
         m.submodules.payload = buf = BlockRam(8 * N, _words(P, N), stall=True)
         buf_wr, buf_rd = buf.write, buf.read0
 
         wiring.connect(m, wiring.flipped(self.i), rx.i)
+        wiring.connect(m, sender.o, reply_register.i)
         wiring.connect(m, reply_register.o, reply.i)
         wiring.connect(m, reply.o, framer.i)
+        wiring.connect(m, sender.header, framer.header)
         wiring.connect(m, framer.o, wiring.flipped(self.o))
         wiring.connect(m, reader.a, win_a.i)
         wiring.connect(m, reader.b, win_b.i)
@@ -1224,9 +1626,13 @@ class PacketEngine(wiring.Component):
             checker.frame.eq(rx.frame.payload),
         ]
 
-        plan = Signal(plan_layout(cfg, N, P))
-        m.d.comb += [reader.plan.eq(plan.read), replay.plan.eq(plan.write)]
-        op = plan.opcode[:7]  # the request's opcode (the reply bit cleared)
+        # ---- the dispatch: a frame's plan, its execution and its reply -----------------------
+        plan = dispatch.plan
+        m.d.comb += [
+            dispatch.received.eq(rx.frame.valid), rx.frame.ready.eq(dispatch.release), dispatch.check.eq(checker.plan),
+            reader.start.eq(dispatch.read), reader.plan.eq(plan.read),
+            replay.start.eq(dispatch.replay), replay.plan.eq(plan.write), dispatch.replayed.eq(replay.done),
+        ]
 
         # ---- WRITE: window a into the replay ---------------------------------------------
         wiring.connect(m, replay.w, wiring.flipped(self.w))
@@ -1242,161 +1648,47 @@ class PacketEngine(wiring.Component):
 
         # ---- ELEMENTWISE: x (and g) from their windows, a result a cycle --------------------
         if self.functions:
-            feed = self.act_i
-            ready_b = ~plan.gradient | (win_b.o.level >= 2)
+            m.submodules.feed = feed = ElementwiseFeed(4 * write_lanes(cfg))
+            wiring.connect(m, feed.o, wiring.flipped(self.act_i))
+            wiring.connect(m, win_b.o, feed.g)
             m.d.comb += [
-                feed.valid.eq(elementwise & (win_a.o.level >= 2) & ready_b),
-                feed.payload.x.eq(Cat(win_a.o.data[0], win_a.o.data[1])),
-                feed.payload.g.eq(Cat(win_b.o.data[0], win_b.o.data[1])),
-                feed.payload.func.eq(plan.e_func),
-            ]
-            fed = feed.valid & feed.ready
-            m.d.comb += [
-                win_a.o.take.eq(Mux(elementwise, Mux(fed, 2, 0), replay.i.take)),
-                win_b.o.take.eq(Mux(fed & plan.gradient, 2, 0)),
+                feed.enable.eq(elementwise), feed.gradient.eq(plan.gradient), feed.func.eq(plan.e_func),
+                feed.x.data.eq(win_a.o.data), feed.x.level.eq(win_a.o.level),
+                win_a.o.take.eq(Mux(elementwise, feed.x.take, replay.i.take)),
             ]
         else:
             m.d.comb += win_a.o.take.eq(replay.i.take)
 
-        # ---- GEMM and READ: the core command -----------------------------------------------
-        second_pass = Signal()
-        draining = Signal()
+        # ---- GEMM and READ: the core command, run twice --------------------------------------
         m.d.comb += [
+            self.cmd.valid.eq(dispatch.cmd_valid), dispatch.cmd_ready.eq(self.cmd.ready),
             self.cmd.payload.eq(plan.cmd),
-            self.cmd.payload.k.eq(Mux(second_pass, 0, plan.cmd.k)),
+            self.cmd.payload.k.eq(Mux(dispatch.second_pass, 0, plan.cmd.k)),
+            dispatch.result_last.eq(self.result.valid & self.result.payload.last),
             ser.out_format.eq(plan.cmd.out_format),
             ser.n.eq(plan.cmd.n),
             ser.start.eq(self.cmd.valid & self.cmd.ready),
-            ser.i.valid.eq(self.result.valid & ~draining),
+            ser.i.valid.eq(self.result.valid & ~dispatch.draining),
             ser.i.payload.eq(self.result.payload),
-            self.result.ready.eq(draining | ser.i.ready),
+            self.result.ready.eq(dispatch.draining | ser.i.ready),
         ]
 
         # ---- STATUS counters (docs/protocol.md, 0x06): every reply counts once, the cycle
         # after its status is decided (from the plan's register, not the checker's last
         # stage); a STATUS reply thus counts itself, and RESET's zeroing comes after its count.
-        accepted, refused, last_cycles, last_error = Signal(32), Signal(32), Signal(32), Signal(8)
-        count_status = Signal()
-        with m.If(count_status):
-            with m.If(plan.status == Status.OK):
-                m.d.sync += accepted.eq(accepted + 1)
-            with m.Else():
-                m.d.sync += [refused.eq(refused + 1), last_error.eq(plan.status)]
+        m.d.comb += [counters.count.eq(dispatch.count), counters.status.eq(plan.status),
+                     counters.clear.eq(dispatch.clear), counters.capture.eq(dispatch.capture),
+                     counters.cycles.eq(self.core_cycles)]
+
+        # ---- the reply: status, fixed bytes, then the stream ---------------------------------
+        op = plan.opcode[:7]  # the request's opcode (the reply bit cleared)
         identity = int.from_bytes(self.identity(), "little")
-        fixed = Mux(op == Op.IDENTIFY, Const(identity, 256),
-                    Mux(op == Op.STATUS, Cat(accepted, refused, last_cycles, last_error, Const(0, 24)),
-                        last_cycles))
-
-        # ---- the reply's payload: status, fixed bytes, then the stream, into the window ----
-        src = reply_register.i
-        fixed_index = Signal(range(33))
-        fixed_left = Signal(range(33))  # plan.fixed - fixed_index, kept (no subtraction before the window)
-        stream_left = Signal(32)
-        fixed_k = Signal(range(R + 1))
-        m.d.comb += fixed_k.eq(_min(fixed_left, R))
         m.d.comb += [
-            framer.header.payload.opcode.eq(plan.opcode),
-            framer.header.payload.tag.eq(plan.tag),
-            framer.header.payload.length.eq(1 + plan.fixed + plan.stream),
+            sender.start.eq(dispatch.reply), sender.plan.eq(plan),
+            sender.fixed.eq(Mux(op == Op.IDENTIFY, Const(identity, 8 * FIXED_BYTES),
+                                Mux(op == Op.STATUS, counters.record, counters.record.last_cycles))),
+            dispatch.streaming.eq(sender.streaming), dispatch.replied.eq(sender.done),
         ]
-        pushed = src.valid & src.ready
-        assert FrameChecker.LATENCY >= 2
-        check_wait = Signal(range(FrameChecker.LATENCY))
-
-        with m.FSM():
-            with m.State("IDLE"):
-                m.d.sync += check_wait.eq(FrameChecker.LATENCY - 2)
-                with m.If(rx.frame.valid):
-                    m.next = "CHECK"
-            with m.State("CHECK"):  # the checker's stages but its last
-                m.d.sync += check_wait.eq(check_wait - 1)
-                with m.If(check_wait == 0):
-                    m.next = "DECIDE"
-            with m.State("DECIDE"):  # the frame offered LATENCY cycles ago: its plan is valid
-                m.d.sync += plan.eq(checker.plan)
-                m.next = "DISPATCH"
-            with m.State("DISPATCH"):
-                m.d.comb += count_status.eq(1)
-                with m.Switch(plan.action):
-                    with m.Case(Action.WRITE):
-                        m.d.comb += [reader.start.eq(1), replay.start.eq(1)]
-                        m.next = "WRITE"
-                    with m.Case(Action.CORE):
-                        m.d.sync += second_pass.eq(0)
-                        m.next = "CORE_RUN"
-                    with m.Case(Action.ELEMENTWISE):
-                        m.d.comb += reader.start.eq(1)
-                        m.next = "REPLY_HEADER"
-                    with m.Case(Action.RESET):
-                        m.d.sync += [accepted.eq(0), refused.eq(0), last_cycles.eq(0), last_error.eq(0)]
-                        m.next = "REPLY_HEADER"
-                    with m.Default():
-                        m.next = "REPLY_HEADER"
-            with m.State("WRITE"):
-                with m.If(replay.done):
-                    m.next = "REPLY_HEADER"
-            with m.State("CORE_RUN"):
-                m.d.comb += self.cmd.valid.eq(1)
-                with m.If(self.cmd.ready):
-                    m.next = "CORE_DRAIN"
-            with m.State("CORE_DRAIN"):
-                m.d.comb += draining.eq(1)
-                with m.If(self.result.valid & self.result.payload.last):
-                    m.next = "CORE_CYCLES"
-            with m.State("CORE_CYCLES"):
-                # The core's ``cycles`` is final the cycle after its last output beat.
-                m.d.sync += [last_cycles.eq(self.core_cycles), second_pass.eq(1)]
-                m.next = "REPLY_HEADER"
-            with m.State("REPLY_HEADER"):
-                m.d.comb += framer.header.valid.eq(1)
-                with m.If(framer.header.ready):
-                    m.d.sync += [fixed_index.eq(0), fixed_left.eq(plan.fixed), stream_left.eq(plan.stream)]
-                    m.next = "REPLY_STATUS"
-            with m.State("REPLY_STATUS"):
-                m.d.comb += [src.valid.eq(1), src.payload.data[0].eq(plan.status), src.payload.count.eq(1)]
-                with m.If(src.ready):
-                    with m.If(plan.fixed != 0):
-                        m.next = "REPLY_FIXED"
-                    with m.Elif(plan.stream != 0):
-                        m.next = "REPLY_STREAM"
-                    with m.Else():
-                        m.next = "FINISH"
-            with m.State("REPLY_FIXED"):
-                m.d.comb += [src.valid.eq(1), src.payload.data.eq((fixed >> (fixed_index * 8))[:8 * R]),
-                             src.payload.count.eq(fixed_k)]
-                with m.If(src.ready):
-                    m.d.sync += [fixed_index.eq(fixed_index + fixed_k), fixed_left.eq(fixed_left - fixed_k)]
-                    with m.If(fixed_left == fixed_k):
-                        m.next = "REPLY_STREAM"
-                        with m.If(plan.stream == 0):
-                            m.next = "FINISH"
-            with m.State("REPLY_STREAM"):
-                with m.If(elementwise):
-                    m.d.comb += [
-                        src.valid.eq(self.act_o.valid),
-                        src.payload.data[0].eq(self.act_o.payload[:8]),
-                        src.payload.data[1].eq(self.act_o.payload[8:]),
-                        src.payload.count.eq(2),
-                        self.act_o.ready.eq(src.ready),
-                    ]
-                with m.Else():
-                    # The second pass: the same epilogue, now into the reply.
-                    m.d.comb += [
-                        self.cmd.valid.eq(second_pass),
-                        src.valid.eq(ser.o.valid),
-                        src.payload.data.eq(ser.o.payload.data),
-                        src.payload.count.eq(ser.o.payload.count),
-                        ser.o.ready.eq(src.ready),
-                    ]
-                    with m.If(self.cmd.valid & self.cmd.ready):
-                        m.d.sync += second_pass.eq(0)
-                with m.If(pushed):
-                    m.d.sync += stream_left.eq(stream_left - src.payload.count)
-                    with m.If(stream_left == src.payload.count):
-                        m.next = "FINISH"
-            with m.State("FINISH"):
-                # The frame is done with: the receiver may take the next one while the
-                # framer still sends this reply's last bytes.
-                m.d.comb += rx.frame.ready.eq(1)
-                m.next = "IDLE"
+        wiring.connect(m, wiring.flipped(self.act_o), sender.act)
+        wiring.connect(m, ser.o, sender.result)
         return m
