@@ -144,6 +144,12 @@ def _weight_of(x):
     return w if getattr(w, "requires_grad", False) and w.is_leaf else None
 
 
+def stream_seed(seed: int, n: int, generation: int = 0) -> int:
+    """The seed of the ``n``-th stochastic rounding (from 1) of a stream started from a recipe's
+    ``seed``, in a model's ``generation``-th context (``RecipeInUse.continuing``)."""
+    return (seed * 0x9E3779B1 + n * 0x85EBCA77 + generation * 0xC2B2AE3D) & 0xFFFFFFFF
+
+
 @dataclass
 class RecipeInUse:
     """A recipe in use: its products' configurations and the stream of seeds of its stochastic
@@ -209,4 +215,4 @@ class RecipeInUse:
             if self._generation is None:
                 self._generation = self._most if self.continuing else 0
             g = self._generation
-        return (self.recipe.seed * 0x9E3779B1 + n * 0x85EBCA77 + g * 0xC2B2AE3D) & 0xFFFFFFFF
+        return stream_seed(self.recipe.seed, n, g)

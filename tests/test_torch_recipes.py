@@ -10,7 +10,7 @@ import hbfp.host
 import hbfp.torch as ht
 from hbfp.golden import BFPTensor, quantize
 from hbfp.golden.gemm import gemm as golden_gemm
-from hbfp.recipes import RecipeInUse
+from hbfp.recipes import RecipeInUse, stream_seed
 
 
 def u32(t):
@@ -135,8 +135,8 @@ def _linear_grad(layer, x, dev, **kw):
 def test_the_seed_stream_continues_across_contexts_per_model():
     """Each offload context on a model draws new seeds (its weights count the contexts they were
     read in), a copy of the model starts where the model started, and a given seed restarts the
-    stream; every gradient is the golden model's with the seed the docstring of RecipeInUse
-    defines (generation g mixed into the recipe's stream)."""
+    stream; every gradient is the golden model's with the seed ``stream_seed`` gives
+    (generation g mixed into the recipe's stream)."""
     import copy
 
     dev = hbfp.host.open("emu")
@@ -161,6 +161,6 @@ def test_the_seed_stream_continues_across_contexts_per_model():
     for generation, got in ((0, first), (1, second)):
         with torch.no_grad(), ht.offload(dev, seed=99):  # the forward product, as the device computes it
             y = layer(x)
-        seed = (recipe.seed * 0x9E3779B1 + 1 * 0x85EBCA77 + generation * 0xC2B2AE3D) & 0xFFFFFFFF
+        seed = stream_seed(recipe.seed, 1, generation)
         qg = quantize((2 * y).numpy(), fmt.with_rounding("stochastic"), seed=seed)
         assert np.array_equal(u32(got.t()), u32(golden_gemm(qxt, qg))), generation
