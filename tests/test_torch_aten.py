@@ -29,7 +29,7 @@ def nearest():
         yield
 
 
-def exact(a, b):
+def exact(a, b, **_):
     """A product with quantization off (fp64, rounded once to fp32): the geometry alone."""
     return (a.double() @ b.double()).float()
 
@@ -62,13 +62,71 @@ def test_convolution_geometry_equals_torch_forward_and_backward(case):
     want = torch.ops.aten.convolution(x, w, bias, s, p, d, transposed, op, g)
     grad = torch.randn_like(want)
     gx, gw, gb = torch.autograd.grad(want, (x, w, bias), grad)
-    got = convolution.conv(exact, x.float(), w.float(), bias.float(), s, p, d, transposed, op, g)
+    xf, wf, bf = (t.detach().float().requires_grad_() for t in (x, w, bias))
+    got = convolution.convolution(xf, wf, bf, s, p, d, transposed, op, g, mm=exact)
     assert got.shape == want.shape
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    back = convolution.conv_backward(exact, grad.float(), x.float(), w.float(), s, p, d, transposed, op, g,
-                                     (True, True, True))
+    back = torch.autograd.grad(got, (xf, wf, bf), grad.float())
     for mine, theirs in zip(back, (gx, gw, gb)):
         torch.testing.assert_close(mine.double(), theirs, rtol=1e-5, atol=1e-5)
+
+
+class _Golden(torch.autograd.Function):
+    """A product and its backward products (grad @ b^T, a^T @ grad) as the golden model makes
+    them on ``emu``'s format, to nearest (the "nearest" recipe)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return torch.from_numpy(reference_gemm(hbfp.host.open("emu").format(), _np(a), _np(b)))
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        fmt, g = hbfp.host.open("emu").format(), _np(grad)
+        return (torch.from_numpy(reference_gemm(fmt, g, _np(b), transpose_b=True)),
+                torch.from_numpy(reference_gemm(fmt, _np(a), g, transpose_a=True)))
+
+
+def _np(t):
+    return np.ascontiguousarray(t.detach().numpy())
+
+
+@pytest.mark.parametrize("name", ["conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"])
+def test_every_convolution_takes_one_path_its_products_the_golden_models(name):
+    """3-d and transposed convolutions under offload: the im2col products of conv2d's path
+    (``convolution.convolution``), forward and backward, each bit for bit the golden model's."""
+    torch.manual_seed(5)
+    layer, (x,) = OPS[name]()
+    geometry = (layer.stride, layer.padding, layer.dilation, layer.transposed, layer.output_padding, layer.groups)
+    dev = hbfp.host.open("emu")
+    with ht.offload(dev):
+        y = layer(x)
+    grad = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, layer.weight, layer.bias), grad)
+    w, b = layer.weight.detach().requires_grad_(), layer.bias.detach().requires_grad_()
+    xx = x.detach().requires_grad_()
+    want = convolution.convolution(xx, w, b, *geometry, mm=lambda a, b, **_: _Golden.apply(a, b))
+    assert np.array_equal(bits(y), bits(want))
+    for mine, theirs in zip(got, torch.autograd.grad(want, (xx, w, b), grad)):
+        assert np.array_equal(bits(mine), bits(theirs))
+
+
+def test_transposed_convolutions_read_wide_storage():
+    from hbfp.golden import HBFP16, quantize, requantize
+
+    torch.manual_seed(6)
+    layer = nn.ConvTranspose2d(4, 2, 3, stride=2, padding=1)
+    ht.wide_weight_storage(layer)
+    dev = hbfp.host.open("emu")
+    x = torch.randn(2, 4, 5, 5)
+    with ht.offload(dev):
+        y = layer(x)
+    # the device reads the weight (Cin x Cout * K, not transposed) as HBFP16 storage requantized
+    read = requantize(quantize(layer.weight.detach().reshape(4, -1).numpy(), HBFP16), dev.format())
+    cols = reference_gemm(dev.format(), _np(x.movedim(1, -1).reshape(-1, 4)), read)
+    want = convolution.col2im(torch.from_numpy(cols), y.shape, (3, 3), (2, 2), (1, 1), (1, 1))
+    assert np.array_equal(bits(y), bits(want + layer.bias.detach().reshape(-1, 1, 1)))
 
 
 def test_patches_match_unfold_and_col2im_is_its_adjoint():

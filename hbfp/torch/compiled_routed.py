@@ -66,7 +66,7 @@ def _run_route(product, name: str, tensors, template: str, requires):
     routed = next(r for r in _ROUTES.values() if r.name == name)
     leaves = [t.detach().requires_grad_(bool(r) and t.is_floating_point()) for t, r in zip(tensors, requires)]
     args, kwargs = _arguments(template, leaves)
-    stand_in = SimpleNamespace(device=product.device, product=product)  # what the routes read of the mode
+    stand_in = SimpleNamespace(device=product.device)  # what the routes read of the mode
     with _recording(), torch.autocast("cpu", enabled=False):
         y = routed(stand_in, *args, **kwargs)
     if not isinstance(y, torch.Tensor):

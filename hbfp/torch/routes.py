@@ -23,7 +23,7 @@ from hbfp.recipes import resolve as _resolve_recipe
 
 from . import counts as _report
 from .config import _routing_active, _using, current_recipe, matmul_precision
-from .convolution import Convolution, _same_padding, conv1d, conv2d
+from .convolution import _same_padding, conv1d, conv2d, convolution
 from .device import default_device
 from .functional import _linear, bilinear, matmul
 
@@ -33,13 +33,12 @@ __all__ = ["offload"]
 class _Offload(TorchFunctionMode):
     """Routes the matrix products of torch's functional API to the device: linear layers with
     their wide storage, the convolutions (conv1d and conv2d by im2col products with their
-    compiled patches; 3-d and transposed ones by ``convolution.Convolution``, their products the
-    ATen-level ``product``'s), bilinear."""
+    compiled patches; 3-d and transposed ones by ``convolution.convolution``, the same im2col
+    products), bilinear."""
 
-    def __init__(self, device, product=None):
+    def __init__(self, device):
         super().__init__()
         self.device = device
-        self.product = product
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -57,12 +56,12 @@ class _Offload(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _counted(name: str, fn, autocast: bool = True, mode: bool = False):
+def _counted(name: str, fn, autocast: bool = True):
     """``fn`` routed as ``name``: counted, and under ``torch.autocast`` with its operands cast
     as autocast casts them for this operation (``autocast``: whether it is on autocast's
-    lower-precision list). ``fn`` takes the device first, or with ``mode`` the routing mode."""
+    lower-precision list). ``fn`` takes the device first."""
     def routed(offload, *args, **kwargs):
-        device = offload if mode else offload.device
+        device = offload.device
         if not _applies(args, kwargs):
             return NotImplemented
         _report.count_call(name)
@@ -116,12 +115,12 @@ def _tuple(v, nd: int) -> tuple:
 
 def _route_conv_nd(nd: int, transposed: bool):
     """A route of ``F.conv3d`` or ``F.conv_transposeNd`` (their arguments as torch takes them)
-    to ``convolution.Convolution``: padding strings and numbers as torch reads them."""
+    to ``convolution.convolution``: padding strings and numbers as torch reads them."""
     names = (("bias", "stride", "padding", "output_padding", "groups", "dilation") if transposed
              else ("bias", "stride", "padding", "dilation", "groups"))
 
-    def route(mode, x, weight, *args, **kwargs):
-        if mode.product is None or not isinstance(x, torch.Tensor) or x.dim() not in (nd + 1, nd + 2):
+    def route(device, x, weight, *args, **kwargs):
+        if not isinstance(x, torch.Tensor) or x.dim() not in (nd + 1, nd + 2):
             return NotImplemented
         kw = dict(zip(names, args))
         kw.update({k: v for k, v in kwargs.items() if k in names})
@@ -138,9 +137,8 @@ def _route_conv_nd(nd: int, transposed: bool):
                 if any(amounts):
                     x = F.pad(x, amounts)
             padding = 0
-        y = Convolution.apply(x, weight, kw.get("bias"), mode.product, list(stride), list(_tuple(padding, nd)),
-                              list(dilation), transposed, list(_tuple(kw.get("output_padding", 0), nd)),
-                              int(kw.get("groups", 1)))
+        y = convolution(x, weight, kw.get("bias"), stride, _tuple(padding, nd), dilation, transposed,
+                        _tuple(kw.get("output_padding", 0), nd), int(kw.get("groups", 1)), device)
         return y[0] if unbatched else y
     return route
 
@@ -165,7 +163,7 @@ for _name, _nd, _transposed, _funcs in (
     ("conv_transpose3d", 3, True, (F.conv_transpose3d, torch.conv_transpose3d)),
 ):
     for _f in _funcs:
-        _ROUTES[_f] = _counted(_name, _route_conv_nd(_nd, _transposed), mode=True)
+        _ROUTES[_f] = _counted(_name, _route_conv_nd(_nd, _transposed))
 
 
 def _route_lstm():
@@ -219,7 +217,7 @@ def offload(device=None, precision: str | None = None, recipe=None, seed: int | 
     with matmul_precision(precision), _using(in_use), backend_flags(), compiling():
         product = _Product(device, in_use)
         try:
-            with AtenOffload(product, _routing_active), _Offload(device, product):
+            with AtenOffload(product, _routing_active), _Offload(device):
                 yield device
         finally:
             product.close()

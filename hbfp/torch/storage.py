@@ -40,10 +40,12 @@ def _matrix(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _stored_operand(weight: torch.Tensor, device, matrix: torch.Tensor | None = None,
-                    storage=None) -> _StoredOperand | None:
+                    storage=None, transposed: bool = True) -> _StoredOperand | None:
     """The codes the device reads of a wide-stored weight (None if stored as fp32): of its
     matrix, or of ``matrix`` (a group's rows of it); ``storage``: its format, where not the
-    weight's own (a compiled graph's tensors carry no attribute: ``hbfp.torch.compiled``)."""
+    weight's own (a compiled graph's tensors carry no attribute: ``hbfp.torch.compiled``);
+    ``transposed``: the product reads the matrix transposed (a Linear's, a convolution's), or
+    as it is (a transposed convolution's, Cin x Cout/g * K)."""
     from hbfp import kernels
 
     storage = weight_storage(weight) if storage is None else storage
@@ -56,7 +58,7 @@ def _stored_operand(weight: torch.Tensor, device, matrix: torch.Tensor | None = 
         return None
     # exact: the weight is on the storage grid
     wide = kernels.quantize((_matrix(weight) if matrix is None else matrix).detach(), storage)
-    return _StoredOperand(kernels.requantize(*wide, storage, fmt), transposed=True)
+    return _StoredOperand(kernels.requantize(*wide, storage, fmt), transposed=transposed)
 
 
 def _snap(weight: torch.Tensor, storage) -> None:
