@@ -9,9 +9,9 @@
   ``RECIPES``, ``use_recipe``; ``hbfp.recipes``): ``hbfp.torch.config``.
 - ``HbfpMatmul``, ``HbfpBmm``: the autograd functions of the device's products
   (``hbfp.torch.autograd``; their lean path: ``hbfp.torch.lean``), and the functions made of
-  them: ``matmul``, ``bilinear`` (``hbfp.torch.functional``), ``convolution`` (every kind:
-  any number of spatial dimensions, transposed or not), ``conv1d``, ``conv2d``
-  (``hbfp.torch.convolution``).
+  them: ``matmul``, ``bilinear`` (``hbfp.torch.functional``), ``conv1d``, ``conv2d``
+  (``hbfp.torch.convolution``, whose ``convolution`` makes every kind: any number of spatial
+  dimensions, transposed or not).
 - ``Linear``, ``Conv1d``, ``Conv2d`` and ``convert(model)``, which swaps them into a model in
   place (``hbfp.torch.modules``).
 - ``wide_weight_storage(model, optimizer)``: the paper's wide weight storage
@@ -25,7 +25,7 @@ from hbfp.recipes import DEFAULT_RECIPE, RECIPES, ProductConfig, Recipe
 from .autograd import HbfpBmm, HbfpMatmul
 from .config import (PRECISIONS, current_recipe, get_matmul_precision, matmul_precision, recipe_in_use,
                      set_matmul_precision, use_recipe)
-from .convolution import conv1d, conv2d, convolution
+from .convolution import conv1d, conv2d
 from .counts import HbfpFallbackWarning, OpCount, fallbacks, format_report, report, reset_fallbacks, reset_report
 from .device import default_device
 from .functional import bilinear, matmul
@@ -42,7 +42,6 @@ __all__ = [
     "HbfpMatmul",
     "HbfpBmm",
     "matmul",
-    "convolution",
     "Linear",
     "Conv1d",
     "Conv2d",
