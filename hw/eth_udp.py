@@ -622,8 +622,10 @@ class UdpLink(wiring.Component):
         wiring.connect(m, arp.o, arbiter.i0)
         wiring.connect(m, echo.o, arbiter.i1)
         wiring.connect(m, udp_tx.o, arbiter.i2)
-        # a register between the senders' header multiplexers and the transmit buffer
-        m.submodules.to_mac = to_mac = StreamRegister(frame_layout())
+        # a skid buffer between the senders' header multiplexers and the transmit buffer: the
+        # readiness the arbiter hands the senders (the enables of their header registers and
+        # buffers) is a register, not the transmit buffer's
+        m.submodules.to_mac = to_mac = StreamRegister(frame_layout(), registered_ready=True)
         wiring.connect(m, arbiter.o, to_mac.i)
         wiring.connect(m, to_mac.o, mac_tx.i)
         return m
