@@ -354,6 +354,16 @@ class IcmpEcho(wiring.Component):
         whole = Signal()     # the message was a whole echo request
         early = Signal(range(5))  # the bytes written while below 4 (its first bytes' tests: a 3-bit counter)
         reply_sum = ~total[:16]
+        # the headers' shift register is loaded (``load``: the cycle after the checksum's done)
+        # and shifted (``in_header``: the HEADER state) under registers, so that its enable is one
+        # gate of registers and the buffer's room, for the link's 125 MHz
+        load, in_header = Signal(), Signal()
+        shift = in_header & ~load & buf.w_room
+        m.d.sync += load.eq(0)
+        with m.If(load):  # the headers into a shift register, whole
+            m.d.sync += headers.eq(Cat(*header))
+        with m.Elif(shift):
+            m.d.sync += headers.eq(headers >> 8)
         word, add = Signal(16), Signal()  # the message's last whole word, to be added to ``total``
         m.d.sync += add.eq(0)
         with m.If(add):  # the last word lands in LAST, before the folds
@@ -367,15 +377,15 @@ class IcmpEcho(wiring.Component):
                     m.next = "CHECKSUM"
             with m.State("CHECKSUM"):
                 m.d.sync += ok.eq(to.length >= 8)
-                with m.If(checksum.done):  # the headers into a shift register, whole
-                    m.d.sync += headers.eq(Cat(*header))
+                with m.If(checksum.done):
+                    m.d.sync += [load.eq(1), in_header.eq(1)]
                     m.next = "HEADER"
             with m.State("HEADER"):
-                m.d.comb += [buf.w_valid.eq(buf.w_room), buf.w_data.eq(headers[:8])]
-                with m.If(buf.w_room):
-                    m.d.sync += [h.eq(h + 1), headers.eq(headers >> 8)]
+                m.d.comb += [buf.w_valid.eq(shift), buf.w_data.eq(headers[:8])]
+                with m.If(shift):
+                    m.d.sync += h.eq(h + 1)
                     with m.If(h == len(header) - 1):
-                        m.d.sync += h.eq(0)
+                        m.d.sync += [h.eq(0), in_header.eq(0)]
                         m.next = "MESSAGE"
             with m.State("MESSAGE"):
                 # the type 8 -> 0, the checksum zero for now, the rest as it comes
@@ -489,6 +499,16 @@ class UdpTx(wiring.Component):
         assert len(header) == HEADER_BYTES
         headers = Signal(8 * HEADER_BYTES)  # their bytes, the next in the low bits
         k = Signal(range(HEADER_BYTES))
+        # loaded (``load``: the cycle after the checksum's done) and shifted (``in_header``: the
+        # HEADER state) under registers: the shift register's enable is one gate of registers
+        # and the link's readiness, for its 125 MHz
+        load, in_header = Signal(), Signal()
+        shift = in_header & ~load & self.o.ready
+        m.d.sync += load.eq(0)
+        with m.If(load):  # the headers into a shift register, whole
+            m.d.sync += headers.eq(Cat(*header))
+        with m.Elif(shift):
+            m.d.sync += headers.eq(headers >> 8)
         with m.FSM():
             with m.State("IDLE"):
                 with m.If(buf.o.valid & self.peer_valid):
@@ -499,14 +519,15 @@ class UdpTx(wiring.Component):
                 m.d.comb += checksum.start.eq(1)
                 m.next = "CHECKSUM"
             with m.State("CHECKSUM"):
-                with m.If(checksum.done):  # the headers into a shift register, whole
-                    m.d.sync += headers.eq(Cat(*header))
+                with m.If(checksum.done):
+                    m.d.sync += [load.eq(1), in_header.eq(1)]
                     m.next = "HEADER"
             with m.State("HEADER"):
-                m.d.comb += [self.o.valid.eq(1), self.o.payload.data.eq(headers[:8])]
-                with m.If(self.o.ready):
-                    m.d.sync += [k.eq(k + 1), headers.eq(headers >> 8)]
+                m.d.comb += [self.o.valid.eq(~load), self.o.payload.data.eq(headers[:8])]
+                with m.If(shift):
+                    m.d.sync += k.eq(k + 1)
                     with m.If(k == HEADER_BYTES - 1):
+                        m.d.sync += in_header.eq(0)
                         m.next = "DATA"
             with m.State("DATA"):
                 wiring.connect(m, buf.o, wiring.flipped(self.o))
