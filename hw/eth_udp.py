@@ -499,16 +499,6 @@ class UdpTx(wiring.Component):
         assert len(header) == HEADER_BYTES
         headers = Signal(8 * HEADER_BYTES)  # their bytes, the next in the low bits
         k = Signal(range(HEADER_BYTES))
-        # loaded (``load``: the cycle after the checksum's done) and shifted (``in_header``: the
-        # HEADER state) under registers: the shift register's enable is one gate of registers
-        # and the link's readiness, for its 125 MHz
-        load, in_header = Signal(), Signal()
-        shift = in_header & ~load & self.o.ready
-        m.d.sync += load.eq(0)
-        with m.If(load):  # the headers into a shift register, whole
-            m.d.sync += headers.eq(Cat(*header))
-        with m.Elif(shift):
-            m.d.sync += headers.eq(headers >> 8)
         with m.FSM():
             with m.State("IDLE"):
                 with m.If(buf.o.valid & self.peer_valid):
@@ -519,15 +509,14 @@ class UdpTx(wiring.Component):
                 m.d.comb += checksum.start.eq(1)
                 m.next = "CHECKSUM"
             with m.State("CHECKSUM"):
-                with m.If(checksum.done):
-                    m.d.sync += [load.eq(1), in_header.eq(1)]
+                with m.If(checksum.done):  # the headers into a shift register, whole
+                    m.d.sync += headers.eq(Cat(*header))
                     m.next = "HEADER"
             with m.State("HEADER"):
-                m.d.comb += [self.o.valid.eq(~load), self.o.payload.data.eq(headers[:8])]
-                with m.If(shift):
-                    m.d.sync += k.eq(k + 1)
+                m.d.comb += [self.o.valid.eq(1), self.o.payload.data.eq(headers[:8])]
+                with m.If(self.o.ready):
+                    m.d.sync += [k.eq(k + 1), headers.eq(headers >> 8)]
                     with m.If(k == HEADER_BYTES - 1):
-                        m.d.sync += in_header.eq(0)
                         m.next = "DATA"
             with m.State("DATA"):
                 wiring.connect(m, buf.o, wiring.flipped(self.o))
