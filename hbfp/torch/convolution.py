@@ -28,7 +28,7 @@ from hbfp.recipes import ProductConfig, RecipeInUse
 
 from .device import _device_work, _square, default_device
 from .functional import _add_bias, matmul
-from .storage import _stored_operand
+from .storage import _matrix, _stored_operand
 
 __all__ = ["convolution", "conv2d", "conv1d", "patches", "col2im"]
 
@@ -74,18 +74,13 @@ def col2im(cols: torch.Tensor, shape, kernel, stride, padding, dilation) -> torc
     nd = len(kernel)
     if nd == 2 and cols.dtype == torch.float32 and cols.device.type == "cpu":
         return _col2im(cols, tuple(shape), tuple(kernel), tuple(stride), tuple(padding), tuple(dilation))
-    out = [(s + 2 * p - dl * (k - 1) - 1) // st + 1 for s, k, st, p, dl in zip(size, kernel, stride, padding, dilation)]
+    out = _out_size(size, kernel, stride, padding, dilation, False, None)
     c6 = cols.reshape(n, *out, c, *kernel).permute(0, nd + 1, *range(1, nd + 1), *range(nd + 2, 2 * nd + 2))
     image = torch.zeros(n, c, *(s + 2 * p for s, p in zip(size, padding)), dtype=cols.dtype, device=cols.device)
     for offs in itertools.product(*(range(k) for k in kernel)):
         where = tuple(slice(o * dl, o * dl + st * (q - 1) + 1, st) for o, dl, st, q in zip(offs, dilation, stride, out))
         image[(slice(None), slice(None), *where)] += c6[(..., *offs)]
     return image[(slice(None), slice(None), *(slice(p, p + s) for p, s in zip(padding, size)))]
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """(N, C, *S) as a matrix (N * prod(S), C)."""
-    return x.movedim(1, -1).reshape(-1, x.shape[1])
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +200,7 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return y if bias is None else _add_bias(y, bias.reshape(-1, *(1,) * nd), x.dtype, weight.dtype)
     out_ch = weight.shape[0]
     cin, cout = x.shape[1] // groups, out_ch // groups
-    matrix = weight.reshape(out_ch, -1)  # out x (in / groups * K)
+    matrix = _matrix(weight)  # out x (in / groups * K)
     ys = []
     for g in range(groups):
         # (N * prod(O), C/g * prod(K)) @ (C/g * prod(K), OUT/g)
