@@ -611,11 +611,13 @@ def _launch_ranks(args) -> int:
     if not failed:
         return 0
     rank, code = failed[0]
-    if code < 0:
-        why = f"rank {rank} died ({signal.Signals(-code).name})"
-    elif stopped:
+    # A stopped rank is the cause whatever way its peer ended: a peer's timed-out collective
+    # may raise, or abort the process (SIGABRT) from gloo's own thread.
+    if stopped:
         why = (f"rank {', '.join(map(str, stopped))} stopped answering: rank {rank} gave up waiting for it after "
                f"--timeout {args.timeout:g} s")
+    elif code < 0:
+        why = f"rank {rank} died ({signal.Signals(-code).name})"
     elif rank in said:
         why = f"rank {rank} failed: {said[rank]}"
     else:
