@@ -251,8 +251,8 @@ def _bounded_product(a, b, limit: int):
     LUTs, no DSP block (those are the MAC array's; a registered multiplier here also trips
     Yosys 0.70's synth_ecp5, an assertion in ABC_OPS_REINTEGRATE)."""
     bits = limit.bit_length()
-    a, b = a[:bits], b[:bits]
-    return _tree_sum([Mux(b[i], a << i, 0) for i in range(bits)])
+    a, b = a[:bits], b[:bits]  # either may be narrower than limit's bits (a side of one-row tiles)
+    return _tree_sum([Mux(b[i], a << i, 0) for i in range(len(b))])
 
 
 def _tree_sum(terms):
