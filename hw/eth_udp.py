@@ -162,11 +162,11 @@ class UdpRx(wiring.Component):
                 m.d.sync += at.eq(at << 1)
 
         unicast, for_us = Signal(), Signal()  # to our MAC; to it or broadcast
-        src_mac, etype = Signal(48), Signal(16)
+        src_mac = Signal(48)
         arp_ok, arp_sha, arp_spa = Signal(), Signal(48), Signal(32)
         ip_hdr, ip_ok, total_len, src_ip = Signal(), Signal(), Signal(16), Signal(32)
         ip_payload = Signal(16)                # total_len less the IPv4 header: the UDP datagram or ICMP message
-        proto, ident = Signal(8), Signal(16)
+        ident = Signal(16)
         udp_src, seq, flags = Signal(16), Signal(16), Signal(8)
         stream_len = Signal(16)                # udp_len less the UDP and datagram headers
         synced, expected, ahead = Signal(), Signal(16), Signal(16)
@@ -189,54 +189,79 @@ class UdpRx(wiring.Component):
             with m.Elif(at[32]):
                 m.d.sync += csum_ok.eq(csum == 0xFFFF)
 
+        # Comparisons with constants are made a byte ahead where they can: a flag registered at
+        # the byte before a decision holds the earlier bytes' part, and the decision adds the
+        # last byte's comparison (eight bits) and a few registered flags, for the link's 125 MHz.
+        mac_hi, bcast_hi = Signal(), Signal()     # bytes 0-4 are our MAC's first five, all 0xFF
+        is_arp, is_ipv4 = Signal(), Signal()      # the EtherType
+        arp_hi = Signal()                         # ARP bytes 14-20 are an IPv4 request's
+        len_udp, len_stream = Signal(), Signal()  # total_len holds a UDP header; and a datagram header
+        frag_ok = Signal()                        # not a fragment
+        is_udp, is_icmp = Signal(), Signal()      # the protocol
+        dst_hi, tpa_hi, port_hi = Signal(), Signal(), Signal()  # our IP's first three bytes; our port's first
+        mac, ip = self.mac.to_bytes(6, "big"), self.ip.to_bytes(4, "big")
+        arp_request = 0x0001_0800_0604_0001
         with m.If(take):
             with m.If(at[0]):
                 m.d.sync += [arp_ok.eq(0), ip_hdr.eq(0)]
+            with m.If(at[4]):
+                m.d.sync += [mac_hi.eq(nxt[:40] == self.mac >> 8), bcast_hi.eq(nxt[:40] == BROADCAST >> 8)]
             with m.If(at[5]):
-                m.d.sync += [unicast.eq(nxt[:48] == self.mac), for_us.eq((nxt[:48] == self.mac) |
-                                                                         (nxt[:48] == BROADCAST))]
+                m.d.sync += [unicast.eq(mac_hi & (byte == mac[5])),
+                             for_us.eq((mac_hi & (byte == mac[5])) | (bcast_hi & (byte == 0xFF)))]
             with m.If(at[11]):
                 m.d.sync += src_mac.eq(nxt[:48])
             with m.If(at[13]):
-                m.d.sync += etype.eq(nxt[:16])
+                m.d.sync += [is_arp.eq(nxt[:16] == ETHERTYPE_ARP), is_ipv4.eq(nxt[:16] == ETHERTYPE_IPV4)]
             # ARP: hardware Ethernet, protocol IPv4, lengths 6 and 4, a request
+            with m.If(at[20]):
+                m.d.sync += arp_hi.eq(nxt[:56] == arp_request >> 8)
             with m.If(at[21]):
-                m.d.sync += arp_ok.eq(for_us & (etype == ETHERTYPE_ARP) & (nxt == 0x0001_0800_0604_0001))
+                m.d.sync += arp_ok.eq(for_us & is_arp & arp_hi & (byte == arp_request & 0xFF))
             with m.If(at[27]):
                 m.d.sync += arp_sha.eq(nxt[:48])
             with m.If(at[31]):
                 m.d.sync += arp_spa.eq(nxt[:32])
+            with m.If(at[40]):
+                m.d.sync += tpa_hi.eq(nxt[:24] == self.ip >> 8)
             with m.If(at[41]):
-                with m.If(arp_ok & (nxt[:32] == self.ip)):
+                with m.If(arp_ok & tpa_hi & (byte == ip[3])):
                     m.d.sync += self.arp_requests.eq(self.arp_requests + 1)
                     with m.If(~self.arp.valid):  # one at a time: the requester asks again
                         m.d.sync += [self.arp.valid.eq(1), self.arp.payload.mac.eq(arp_sha),
                                      self.arp.payload.ip.eq(arp_spa)]
             # IPv4: version 4, 5 words of header (no options), not a fragment, to our address
             with m.If(at[14]):
-                m.d.sync += ip_hdr.eq(unicast & (etype == ETHERTYPE_IPV4) & (byte == 0x45))
+                m.d.sync += ip_hdr.eq(unicast & is_ipv4 & (byte == 0x45))
             with m.If(at[17]):
                 m.d.sync += total_len.eq(nxt[:16])
             with m.If(at[18]):
-                m.d.sync += ip_payload.eq(total_len - D.IPV4_HEADER)
+                m.d.sync += [ip_payload.eq(total_len - D.IPV4_HEADER),
+                             len_udp.eq(total_len >= D.IPV4_HEADER + D.UDP_HEADER),
+                             len_stream.eq(total_len >= D.IPV4_HEADER + D.UDP_HEADER + D.HEADER.size)]
             with m.If(at[19]):
                 m.d.sync += ident.eq(nxt[:16])
+            with m.If(at[21]):
+                m.d.sync += frag_ok.eq((nxt[:16] & 0x3FFF) == 0)  # bytes 20-21: flags and fragment offset
             with m.If(at[23]):
-                frag = sh[8:24]  # bytes 20-21: flags and fragment offset; byte 22 TTL
-                m.d.sync += [ip_hdr.eq(ip_hdr & ((frag & 0x3FFF) == 0) & (total_len >= D.IPV4_HEADER + D.UDP_HEADER)), proto.eq(byte)]
+                m.d.sync += [ip_hdr.eq(ip_hdr & frag_ok & len_udp),
+                             is_udp.eq(byte == IP_PROTO_UDP), is_icmp.eq(byte == IP_PROTO_ICMP)]
             with m.If(at[29]):
                 m.d.sync += src_ip.eq(nxt[:32])
+            with m.If(at[32]):
+                m.d.sync += dst_hi.eq(nxt[:24] == self.ip >> 8)
             with m.If(at[33]):
-                hdr_ok = ip_hdr & (nxt[:32] == self.ip) & csum_ok
-                is_icmp = hdr_ok & (proto == IP_PROTO_ICMP)
-                m.d.sync += [ip_ok.eq(hdr_ok & (proto == IP_PROTO_UDP) & (total_len >= D.IPV4_HEADER + D.UDP_HEADER + D.HEADER.size)),
-                             echo.eq(is_icmp & ~self.i.payload.last), echo_left.eq(ip_payload),
+                hdr_ok = ip_hdr & dst_hi & (byte == ip[3]) & csum_ok
+                m.d.sync += [ip_ok.eq(hdr_ok & is_udp & len_stream),
+                             echo.eq(hdr_ok & is_icmp & ~self.i.payload.last), echo_left.eq(ip_payload),
                              self.icmp_from.mac.eq(src_mac), self.icmp_from.ip.eq(src_ip),
                              self.icmp_from.ident.eq(ident), self.icmp_from.length.eq(ip_payload)]
             with m.If(at[35]):
                 m.d.sync += udp_src.eq(nxt[:16])
+            with m.If(at[36]):
+                m.d.sync += port_hi.eq(byte == self.port >> 8)
             with m.If(at[37]):
-                m.d.sync += ip_ok.eq(ip_ok & (nxt[:16] == self.port))
+                m.d.sync += ip_ok.eq(ip_ok & port_hi & (byte == self.port & 0xFF))
             with m.If(at[39]):
                 m.d.sync += [stream_len.eq(nxt[:16] - (D.UDP_HEADER + D.HEADER.size)),
                              ip_ok.eq(ip_ok & (nxt[:16] >= D.UDP_HEADER + D.HEADER.size) & (nxt[:16] <= ip_payload))]

@@ -88,8 +88,15 @@ def datagram(seq, data, flags=0, **kw):
     return net.udp_frame(d["dst_mac"], HOST_MAC, d["src_ip"], d["dst_ip"], d["sport"], d["dport"], payload, **ip)
 
 
+def _header_checksum(frame: bytes) -> int:
+    return int.from_bytes(frame[24:26], "big")
+
+
 def test_arp_requests_for_our_address_are_answered():
     frames = [net.arp_request(HOST_MAC, HOST_IP, 0xC0A8_0133),  # someone else's address
+              net.arp_request(HOST_MAC, HOST_IP, IP ^ 0x0100_0000),  # ... differing in its first byte
+              net.arp_request(HOST_MAC, HOST_IP, IP, dst_mac=MAC ^ 1),  # to another MAC
+              net.arp_request(HOST_MAC, HOST_IP, IP, dst_mac=0xFFFF_FFFF_FFFE),
               net.arp_request(HOST_MAC, HOST_IP, IP),
               net.arp_request(HOST_MAC, HOST_IP, IP, dst_mac=MAC)]  # unicast, as a cache refresh asks
     got, sent, counts = run_link(frames)
@@ -117,6 +124,7 @@ def test_ping_is_answered():
     frames += [net.icmp_echo_request(MAC, HOST_MAC, HOST_IP, IP, 1, 1, b"x", icmp_type=13),  # a timestamp
                net.icmp_echo_request(MAC, HOST_MAC, HOST_IP, IP, 1, 1, b"x", code=1),
                net.icmp_echo_request(MAC, HOST_MAC, HOST_IP, IP + 1, 1, 1, b"x"),
+               net.icmp_echo_request(MAC, HOST_MAC, HOST_IP, IP ^ 0x0100_0000, 1, 1, b"x"),
                net.icmp_echo_request(MAC, HOST_MAC, HOST_IP, IP, 1, 1, bytes(100))[:-10]]  # shorter than its header says
     got, sent, counts = run_link(frames, cycles=8000)
     assert got == b"" and counts["pings"] == len(good) == len(sent)
@@ -139,6 +147,13 @@ def test_datagrams_in_by_the_rules():
         (datagram(46, b"port", dport=PORT + 1), "another port"),
         (datagram(46, b"ip", dst_ip=IP + 1), "another address"),
         (datagram(46, b"mac", dst_mac=MAC + 1), "another MAC"),
+        # differing only in a first byte (the header's comparisons are made a byte ahead)
+        (datagram(46, b"port", dport=PORT ^ 0x100), "another port"),
+        (datagram(46, b"ip", dst_ip=IP ^ 0x0100_0000), "another address"),
+        (datagram(46, b"ip", dst_ip=IP ^ 0x0100_0000, checksum=_header_checksum(datagram(46, b"ip"))),
+         "another address"),  # with the header checksum of one to ours (which the device sums)
+        (datagram(46, b"mac", dst_mac=MAC ^ 1 << 40), "another MAC"),
+        (datagram(46, b"mac", dst_mac=0xFFFF_FFFF_FFFE), "another MAC"),
         (datagram(46, b"bcast", dst_mac=0xFFFF_FFFF_FFFF), "broadcast"),
         (datagram(46, b"csum", checksum=0x1234), "a bad header checksum"),
         (datagram(46, b"frag", flags_frag=0x2000), "a fragment"),
