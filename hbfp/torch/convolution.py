@@ -161,6 +161,12 @@ class _Col2im(torch.autograd.Function):
 
 # ---- every convolution ----------------------------------------------------------------------
 
+def _tuple(v, nd: int) -> tuple:
+    """A convolution's stride, padding, dilation or output padding as one number a spatial
+    dimension (torch takes a number for all of them, or a sequence)."""
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * nd
+
+
 def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation,
                 transposed: bool = False, output_padding=None, groups: int = 1, device=None, *,
                 mm=None) -> torch.Tensor:
@@ -178,9 +184,8 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if bias is not None:
             return _add_bias(y, bias.reshape(-1, *(1,) * nd), x.dtype, weight.dtype)
         return y.to(torch.promote_types(x.dtype, weight.dtype))
-    tup = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (v,) * nd  # noqa: E731
     kernel = tuple(weight.shape[2:])
-    stride, padding, dilation, output_padding = map(tup, (stride, padding, dilation, output_padding or 0))
+    stride, padding, dilation, output_padding = (_tuple(v, nd) for v in (stride, padding, dilation, output_padding or 0))
     n, size = x.shape[0], tuple(x.shape[2:])
     out = _out_size(size, kernel, stride, padding, dilation, transposed, output_padding)
     if mm is None:

@@ -23,7 +23,7 @@ from hbfp.recipes import resolve as _resolve_recipe
 
 from . import counts as _report
 from .config import _routing_active, _using, current_recipe, matmul_precision
-from .convolution import _same_padding, conv1d, conv2d, convolution
+from .convolution import _same_padding, _tuple, conv1d, conv2d, convolution
 from .device import default_device
 from .functional import _linear, bilinear, matmul
 
@@ -107,10 +107,6 @@ def _route_scaled(device, inp, a, b, *, beta=1, alpha=1):
 
 def _route_bilinear(device, x1, x2, weight, bias=None):
     return bilinear(x1, x2, weight, bias, device)
-
-
-def _tuple(v, nd: int) -> tuple:
-    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * nd
 
 
 def _route_conv_nd(nd: int, transposed: bool):
