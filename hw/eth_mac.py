@@ -24,7 +24,7 @@ Both units run in one clock domain (``sync``; a top renames it to the link's 125
 
 from __future__ import annotations
 
-from amaranth import Module, Mux, Signal
+from amaranth import Const, Module, Mux, Signal
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
@@ -68,6 +68,11 @@ class FrameFifo(wiring.Component):
     ends with no place left: a writer that cannot wait, a receiver). A frame with no byte left
     after ``trim`` commits nothing.
 
+    ``waits``: the writer writes a byte, and ends a frame it keeps, only while ``w_room`` is
+    high (a transmitter's writer, which can wait): no frame is then broken, ``overflow`` never
+    pulses, and an end commits on ``w_ok`` and a length left after ``trim`` alone (fewer terms
+    into the registers it updates, for the link's 125 MHz).
+
     Read side: ``o``, the committed frames' bytes (``frame_layout``), one a cycle while
     ``o.ready`` is high (a frame's bytes back to back once its first is offered);
     ``length``, the number of bytes of the frame whose first byte ``o`` offers.
@@ -80,9 +85,9 @@ class FrameFifo(wiring.Component):
             component._MustUse__used = True
             raise ValueError(f"a frame buffer's bytes must be a power of two >= 64, got {depth!r}")
 
-    def __init__(self, depth: int, *, trim: int = 0, max_frames: int | None = None):
+    def __init__(self, depth: int, *, trim: int = 0, max_frames: int | None = None, waits: bool = False):
         self.check_depth(self, depth)
-        self.depth, self.trim = depth, trim
+        self.depth, self.trim, self.waits = depth, trim, waits
         self.max_frames = depth // 32 if max_frames is None else max_frames
         super().__init__({
             "w_data": In(8),
@@ -157,12 +162,12 @@ class FrameFifo(wiring.Component):
                      w.w_data.eq(self.w_data), w.p_en.eq(self.p_en), w.p_addr.eq(self.p_addr),
                      w.p_data.eq(self.p_data), w.room.eq(room), w.place.eq(place)]
 
-        write = w.w_valid & ~broken & w.room
+        write = w.w_valid if self.waits else w.w_valid & ~broken & w.room
         # each byte (or patch) reaches the block RAM a cycle later, through registers: a reader
         # sees a frame only cycles after its end, and a writer's data path ends here
         m.d.sync += [wr_port.addr.eq(Mux(w.p_en, (start + w.p_addr)[:bits], wr[:bits])),
                      wr_port.data.eq(Mux(w.p_en, w.p_data, w.w_data)), wr_port.en.eq(write | w.p_en)]
-        broken_now = broken | (w.w_valid & ~w.room)
+        broken_now = Const(0) if self.waits else broken | (w.w_valid & ~w.room)
         length, length_ok = Mux(write, n1, n0), Mux(write, ok1, ok0)
         m.d.sync += self.overflow.eq(0)
         # ``write`` is late: it selects among sums of registers (``Mux(write, x + 1, x)``, not
@@ -170,14 +175,14 @@ class FrameFifo(wiring.Component):
         def plus_write(x):
             return Mux(write, x + 1, x)[:bits + 1]
         with m.If(w.w_end):
-            commit = w.w_ok & ~broken_now & w.place & length_ok
+            commit = w.w_ok & length_ok if self.waits else w.w_ok & ~broken_now & w.place & length_ok
             with m.If(commit):
                 end = plus_write(end0)  # = start + length
                 m.d.sync += [start.eq(end), wr.eq(end), end0.eq(plus_write(end0 - trim)),
                              push.eq(1), push_length.eq(length[:bits + 1])]
             with m.Else():  # the frame's bytes are forgotten
                 m.d.sync += [wr.eq(start), end0.eq(start - trim)]
-            m.d.sync += [broken.eq(0), self.overflow.eq(w.w_ok & (broken_now | ~w.place)),
+            m.d.sync += [broken.eq(0), self.overflow.eq(0 if self.waits else w.w_ok & (broken_now | ~w.place)),
                          n0.eq(-trim), n1.eq(1 - trim), ok0.eq(0), ok1.eq(trim == 0)]
         with m.Else():
             m.d.sync += [wr.eq(plus_write(wr)), end0.eq(plus_write(end0)), broken.eq(broken_now)]
@@ -333,7 +338,7 @@ class MacTx(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        m.submodules.buffer = buf = FrameFifo(self.buffer_bytes)
+        m.submodules.buffer = buf = FrameFifo(self.buffer_bytes, waits=True)
         take = self.i.valid & buf.w_room
         m.d.comb += [self.i.ready.eq(buf.w_room), buf.w_data.eq(self.i.payload.data), buf.w_valid.eq(take),
                      buf.w_end.eq(take & self.i.payload.last), buf.w_ok.eq(1)]

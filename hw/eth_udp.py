@@ -353,7 +353,7 @@ class IcmpEcho(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        m.submodules.buffer = buf = FrameFifo(self.buffer_bytes)
+        m.submodules.buffer = buf = FrameFifo(self.buffer_bytes, waits=True)
         wiring.connect(m, buf.o, wiring.flipped(self.o))
         to = Signal(icmp_layout())
         ip_len = Signal(16)  # the IPv4 total length
@@ -453,10 +453,11 @@ class IcmpEcho(wiring.Component):
             with m.State("PATCH_LOW"):
                 m.d.comb += [buf.p_en.eq(1), buf.p_addr.eq(len(header) + 3), buf.p_data.eq(reply_sum[:8])]
                 m.next = "END"
-            with m.State("END"):
-                m.d.comb += [buf.w_end.eq(1), buf.w_ok.eq(1)]
-                m.d.sync += self.replies.eq(self.replies + 1)
-                m.next = "IDLE"
+            with m.State("END"):  # once the buffer has a place for its length
+                with m.If(buf.w_room):
+                    m.d.comb += [buf.w_end.eq(1), buf.w_ok.eq(1)]
+                    m.d.sync += self.replies.eq(self.replies + 1)
+                    m.next = "IDLE"
         return m
 
 
@@ -485,7 +486,7 @@ class UdpTx(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        m.submodules.buffer = buf = FrameFifo(self.buffer_bytes)
+        m.submodules.buffer = buf = FrameFifo(self.buffer_bytes, waits=True)
 
         # the collector: bytes into the current datagram; ended full or after a quiet time
         # (``last_byte``, ``some`` and ``quiet_out``: registers saying what ``count`` and ``quiet``

@@ -182,6 +182,72 @@ def test_frame_fifo_keeps_no_more_frames_than_its_list_of_lengths():
     assert sum(dropped) == sum(len(frames) - len(out) for frames, out in zip(rounds, kept))
 
 
+@pytest.mark.parametrize("trim", [0, 4])
+def test_frame_fifo_with_a_writer_that_waits(trim):
+    """``FrameFifo(waits=True)``: a writer that writes and ends a kept frame only while
+    ``w_room`` is high (its end in the cycle of its last byte or later on its own, some frames
+    dropped with ``w_ok`` low, random pauses) against a reader that pauses at random, through a
+    buffer small enough that room and places run out: the kept frames come out whole, in
+    order, less ``trim`` bytes (those with none left: nothing), each with its ``length``;
+    ``overflow`` never pulses."""
+    dut = FrameFifo(64, max_frames=4, trim=trim, waits=True)
+    rng = random.Random(7 + trim)
+    frames = [(bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 40))), rng.random() < 0.8)
+              for _ in range(60)]
+    out, overflow, waited = [], [], []
+
+    async def writer(ctx):
+        for frame, keep in frames:
+            for i, b in enumerate(frame):
+                while rng.random() < 0.2:
+                    await ctx.tick()
+                together = i == len(frame) - 1 and rng.random() < 0.5
+                await when_room(ctx)  # a byte (or an end) only in a cycle w_room is high
+                ctx.set(dut.w_data, b)
+                ctx.set(dut.w_end, together)
+                ctx.set(dut.w_ok, keep)
+                ctx.set(dut.w_valid, 1)
+                await ctx.tick()
+                ctx.set(dut.w_valid, 0)
+                ctx.set(dut.w_end, 0)
+            if not together:
+                await when_room(ctx)
+                ctx.set(dut.w_end, 1)
+                ctx.set(dut.w_ok, keep)
+                await ctx.tick()
+                ctx.set(dut.w_end, 0)
+
+    async def when_room(ctx):
+        while not ctx.get(dut.w_room):
+            waited.append(1)
+            await ctx.tick()
+
+    async def reader(ctx):
+        cur = []
+        for _ in range(12000):
+            ready = rng.random() < 0.5
+            ctx.set(dut.o.ready, ready)
+            overflow.append(ctx.get(dut.overflow))
+            if ready and ctx.get(dut.o.valid):
+                if not cur:
+                    length = ctx.get(dut.length)
+                cur.append(ctx.get(dut.o.payload.data))
+                if ctx.get(dut.o.payload.last):
+                    assert length == len(cur), (length, len(cur))
+                    out.append(bytes(cur))
+                    cur = []
+            await ctx.tick()
+
+    sim = Simulator(dut)
+    sim.add_clock(8e-9)
+    sim.add_testbench(writer)
+    sim.add_testbench(reader)
+    sim.run()
+    want = [f[:len(f) - trim] for f, keep in frames if keep and len(f) > trim]
+    assert out == want, (len(out), len(want))
+    assert not any(overflow) and len(waited) > 100  # the writer waited for room and places
+
+
 def test_rx_fuzz_keeps_working():
     rng = random.Random(6)
     for _ in range(3):
