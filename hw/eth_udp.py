@@ -164,7 +164,11 @@ class UdpRx(wiring.Component):
         unicast, for_us = Signal(), Signal()  # to our MAC; to it or broadcast
         src_mac = Signal(48)
         arp_ok, arp_sha, arp_spa = Signal(), Signal(48), Signal(32)
-        ip_hdr, ip_ok, total_len, src_ip = Signal(), Signal(), Signal(16), Signal(32)
+        ip_hdr, total_len, src_ip = Signal(), Signal(16), Signal(32)
+        # a datagram for us, its parts each a register of one enable (no chain of updates):
+        # the IPv4 header's (``udp_ok``), the port (``port_ok``), the UDP length (``len_ok``),
+        # all three (``dgram_ok``, the byte before the datagram header's version)
+        udp_ok, port_ok, len_ok, dgram_ok = Signal(), Signal(), Signal(), Signal()
         ip_payload = Signal(16)                # total_len less the IPv4 header: the UDP datagram or ICMP message
         ident = Signal(16)
         udp_src, seq, flags = Signal(16), Signal(16), Signal(8)
@@ -252,7 +256,7 @@ class UdpRx(wiring.Component):
                 m.d.sync += dst_hi.eq(nxt[:24] == self.ip >> 8)
             with m.If(at[33]):
                 hdr_ok = ip_hdr & dst_hi & (byte == ip[3]) & csum_ok
-                m.d.sync += [ip_ok.eq(hdr_ok & is_udp & len_stream),
+                m.d.sync += [udp_ok.eq(hdr_ok & is_udp & len_stream),
                              echo.eq(hdr_ok & is_icmp & ~self.i.payload.last), echo_left.eq(ip_payload),
                              self.icmp_from.mac.eq(src_mac), self.icmp_from.ip.eq(src_ip),
                              self.icmp_from.ident.eq(ident), self.icmp_from.length.eq(ip_payload)]
@@ -261,17 +265,17 @@ class UdpRx(wiring.Component):
             with m.If(at[36]):
                 m.d.sync += port_hi.eq(byte == self.port >> 8)
             with m.If(at[37]):
-                m.d.sync += ip_ok.eq(ip_ok & port_hi & (byte == self.port & 0xFF))
+                m.d.sync += port_ok.eq(port_hi & (byte == self.port & 0xFF))
             with m.If(at[39]):
                 m.d.sync += [stream_len.eq(nxt[:16] - (D.UDP_HEADER + D.HEADER.size)),
-                             ip_ok.eq(ip_ok & (nxt[:16] >= D.UDP_HEADER + D.HEADER.size) & (nxt[:16] <= ip_payload))]
+                             len_ok.eq((nxt[:16] >= D.UDP_HEADER + D.HEADER.size) & (nxt[:16] <= ip_payload))]
             with m.If(at[43]):
                 m.d.sync += seq.eq(Cat(nxt[8:16], nxt[:8]))  # little-endian
             with m.If(at[44]):
-                m.d.sync += [flags.eq(byte), ahead.eq(seq - expected)]
+                m.d.sync += [flags.eq(byte), ahead.eq(seq - expected), dgram_ok.eq(udp_ok & port_ok & len_ok)]
             with m.If(at[45]):  # the datagram header is whole: take it or not
                 in_order = ~synced | flags[0] | ~ahead[15]
-                ok = ip_ok & (byte == D.VERSION)
+                ok = dgram_ok & (byte == D.VERSION)
                 with m.If(ok & in_order):
                     m.d.sync += [forward.eq((stream_len != 0) & ~self.i.payload.last), forward_left.eq(stream_len),
                                  synced.eq(1), expected.eq(seq + 1),

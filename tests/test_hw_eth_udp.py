@@ -88,6 +88,11 @@ def datagram(seq, data, flags=0, **kw):
     return net.udp_frame(d["dst_mac"], HOST_MAC, d["src_ip"], d["dst_ip"], d["sport"], d["dport"], payload, **ip)
 
 
+def _udp_length(frame: bytes, length: int) -> bytes:
+    """``frame`` with its UDP length field (bytes 38-39) replaced."""
+    return frame[:38] + length.to_bytes(2, "big") + frame[40:]
+
+
 def _header_checksum(frame: bytes) -> int:
     return int.from_bytes(frame[24:26], "big")
 
@@ -160,6 +165,8 @@ def test_datagrams_in_by_the_rules():
         (datagram(46, b"opts", options=b"\x01\x01\x01\x01"), "IP options"),
         (datagram(46, b"ver", raw=bytes([46, 0, 0, 9]) + b"ver"), "another version"),
         (datagram(46, b"", raw=b"\x2e\x00\x00"), "too short"),
+        (_udp_length(datagram(46, b"udplen"), 8 + D.HEADER.size + 7), "a UDP length beyond the IP payload"),
+        (_udp_length(datagram(46, b"udplen"), 8 + D.HEADER.size - 1), "a UDP length short of the header"),
         (datagram(46, blobs[3]), "the largest"),
         (datagram(47, blobs[4], ttl=1), "TTL 1"),
         (datagram(3, blobs[5], D.SYNC), "SYNC: a new session"),
@@ -171,7 +178,8 @@ def test_datagrams_in_by_the_rules():
     taken = 0
     for frame, what in cases:
         ok = what not in ("another port", "another address", "another MAC", "broadcast", "a bad header checksum",
-                          "a fragment", "IP options", "another version", "too short")
+                          "a fragment", "IP options", "another version", "too short",
+                          "a UDP length beyond the IP payload", "a UDP length short of the header")
         parts = D.unpack(frame[42:])
         if ok and rule.take(parts[0], parts[1]):
             want += parts[2]
