@@ -150,14 +150,15 @@ class FrameFifo(wiring.Component):
         # and one may wait in ``w``); ``place``, a place for three more frames' lengths; ``n0``/``n1``, the
         # current frame's length less ``trim`` now and one byte on, ``ok0``/``ok1``, whether each
         # is > 0; ``end0``, where the frame ends if it ends now (``wr - trim``).
-        room, place = Signal(init=1), Signal(init=1)
+        room, place, room_place = Signal(init=1), Signal(init=1), Signal(init=1)
         n0 = Signal(range(-trim - 1, depth + 2), init=-trim)
         n1 = Signal(range(-trim - 1, depth + 2), init=1 - trim)
         ok0, ok1 = Signal(), Signal(init=trim == 0)
         end0 = Signal(bits + 1, init=-trim % (2 * depth))
-        m.d.sync += [room.eq((wr - rd)[:bits + 1] <= depth - 3),
-                     place.eq(held + push <= max_frames - 3)]
-        m.d.comb += self.w_room.eq(room & place)
+        room_now, place_now = (wr - rd)[:bits + 1] <= depth - 3, held + push <= max_frames - 3
+        m.d.sync += [room.eq(room_now), place.eq(place_now),
+                     room_place.eq(room_now & place_now)]  # w_room a register itself: no gate after it
+        m.d.comb += self.w_room.eq(room_place)
         m.d.sync += [w.w_valid.eq(self.w_valid), w.w_end.eq(self.w_end), w.w_ok.eq(self.w_ok),
                      w.w_data.eq(self.w_data), w.p_en.eq(self.p_en), w.p_addr.eq(self.p_addr),
                      w.p_data.eq(self.p_data), w.room.eq(room), w.place.eq(place)]

@@ -165,6 +165,7 @@ class UdpRx(wiring.Component):
         src_mac = Signal(48)
         arp_ok, arp_sha, arp_spa = Signal(), Signal(48), Signal(32)
         ip_hdr, total_len, src_ip = Signal(), Signal(16), Signal(32)
+        ip_fields = Signal()  # ip_hdr, not a fragment, a length that holds a UDP header
         # a datagram for us, its parts each a register of one enable (no chain of updates):
         # the IPv4 header's (``udp_ok``), the port (``port_ok``), the UDP length (``len_ok``),
         # all three (``dgram_ok``, the byte before the datagram header's version)
@@ -205,9 +206,8 @@ class UdpRx(wiring.Component):
         dst_hi, tpa_hi, port_hi = Signal(), Signal(), Signal()  # our IP's first three bytes; our port's first
         mac, ip = self.mac.to_bytes(6, "big"), self.ip.to_bytes(4, "big")
         arp_request = 0x0001_0800_0604_0001
+        # (each flag is set afresh at its byte before any later byte of the frame reads it)
         with m.If(take):
-            with m.If(at[0]):
-                m.d.sync += [arp_ok.eq(0), ip_hdr.eq(0)]
             with m.If(at[4]):
                 m.d.sync += [mac_hi.eq(nxt[:40] == self.mac >> 8), bcast_hi.eq(nxt[:40] == BROADCAST >> 8)]
             with m.If(at[5]):
@@ -248,16 +248,15 @@ class UdpRx(wiring.Component):
             with m.If(at[21]):
                 m.d.sync += frag_ok.eq((nxt[:16] & 0x3FFF) == 0)  # bytes 20-21: flags and fragment offset
             with m.If(at[23]):
-                m.d.sync += [ip_hdr.eq(ip_hdr & frag_ok & len_udp),
+                m.d.sync += [ip_fields.eq(ip_hdr & frag_ok & len_udp),
                              is_udp.eq(byte == IP_PROTO_UDP), is_icmp.eq(byte == IP_PROTO_ICMP)]
             with m.If(at[29]):
                 m.d.sync += src_ip.eq(nxt[:32])
             with m.If(at[32]):
                 m.d.sync += dst_hi.eq(nxt[:24] == self.ip >> 8)
             with m.If(at[33]):
-                hdr_ok = ip_hdr & dst_hi & (byte == ip[3]) & csum_ok
-                m.d.sync += [udp_ok.eq(hdr_ok & is_udp & len_stream),
-                             echo.eq(hdr_ok & is_icmp & ~self.i.payload.last), echo_left.eq(ip_payload),
+                hdr_ok = ip_fields & dst_hi & (byte == ip[3]) & csum_ok
+                m.d.sync += [udp_ok.eq(hdr_ok & is_udp & len_stream), echo_left.eq(ip_payload),
                              self.icmp_from.mac.eq(src_mac), self.icmp_from.ip.eq(src_ip),
                              self.icmp_from.ident.eq(ident), self.icmp_from.length.eq(ip_payload)]
             with m.If(at[35]):
@@ -277,8 +276,7 @@ class UdpRx(wiring.Component):
                 in_order = ~synced | flags[0] | ~ahead[15]
                 ok = dgram_ok & (byte == D.VERSION)
                 with m.If(ok & in_order):
-                    m.d.sync += [forward.eq((stream_len != 0) & ~self.i.payload.last), forward_left.eq(stream_len),
-                                 synced.eq(1), expected.eq(seq + 1),
+                    m.d.sync += [forward_left.eq(stream_len), synced.eq(1), expected.eq(seq + 1),
                                  self.datagrams.eq(self.datagrams + 1),
                                  self.peer.mac.eq(src_mac), self.peer.ip.eq(src_ip), self.peer.port.eq(udp_src),
                                  self.peer_valid.eq(1)]
@@ -291,11 +289,21 @@ class UdpRx(wiring.Component):
 
         # the stream bytes (positions 46 .. 34 + udp_len - 1 of a datagram taken) and an ICMP
         # message (34 .. 14 + total_len - 1, its last the frame's if that is shorter)
+        # (``forward`` and ``echo`` each set at one byte or counted down, one choice: no chain)
         last = self.i.payload.last
+        with m.If(take & at[45]):
+            in_order = ~synced | flags[0] | ~ahead[15]
+            m.d.sync += forward.eq(dgram_ok & (byte == D.VERSION) & in_order & (stream_len != 0) & ~last)
+        with m.Elif(take & forward):
+            m.d.sync += forward.eq(~last & (forward_left != 1))
         with m.If(take & forward):
-            m.d.sync += [forward_left.eq(forward_left - 1), forward.eq(~last & (forward_left != 1))]
+            m.d.sync += forward_left.eq(forward_left - 1)
+        with m.If(take & at[33]):
+            m.d.sync += echo.eq(ip_fields & dst_hi & (byte == ip[3]) & csum_ok & is_icmp & ~last)
+        with m.Elif(take & echo):
+            m.d.sync += echo.eq(~last & (echo_left != 1))
         with m.If(take & echo):
-            m.d.sync += [echo_left.eq(echo_left - 1), echo.eq(~last & (echo_left != 1))]
+            m.d.sync += echo_left.eq(echo_left - 1)
         m.d.comb += [self.o.payload.eq(byte), self.o.valid.eq(self.i.valid & forward),
                      self.icmp.payload.data.eq(byte), self.icmp.valid.eq(self.i.valid & echo),
                      self.icmp.payload.last.eq(last | (echo_left == 1)),
