@@ -149,12 +149,15 @@ class FrameFifo(wiring.Component):
         # ``room``, at least three bytes free (a byte may go in during the cycle it is computed,
         # and one may wait in ``w``); ``place``, a place for three more frames' lengths; ``n0``/``n1``, the
         # current frame's length less ``trim`` now and one byte on, ``ok0``/``ok1``, whether each
-        # is > 0; ``end0``, where the frame ends if it ends now (``wr - trim``).
+        # is > 0; ``end0``, where the frame ends if it ends now (``wr - trim``). With no ``trim``,
+        # ``end0`` is ``wr`` and ``ok1`` always 1: neither is a register of its own (fewer
+        # registers behind the end's decision).
         room, place, room_place = Signal(init=1), Signal(init=1), Signal(init=1)
         n0 = Signal(range(-trim - 1, depth + 2), init=-trim)
         n1 = Signal(range(-trim - 1, depth + 2), init=1 - trim)
-        ok0, ok1 = Signal(), Signal(init=trim == 0)
-        end0 = Signal(bits + 1, init=-trim % (2 * depth))
+        ok0 = Signal()
+        ok1 = Signal() if trim else Const(1)
+        end0 = Signal(bits + 1, init=-trim % (2 * depth)) if trim else wr
         room_now, place_now = (wr - rd)[:bits + 1] <= depth - 3, held + push <= max_frames - 3
         m.d.sync += [room.eq(room_now), place.eq(place_now),
                      room_place.eq(room_now & place_now)]  # w_room a register itself: no gate after it
@@ -179,16 +182,25 @@ class FrameFifo(wiring.Component):
             commit = w.w_ok & length_ok if self.waits else w.w_ok & ~broken_now & w.place & length_ok
             with m.If(commit):
                 end = plus_write(end0)  # = start + length
-                m.d.sync += [start.eq(end), wr.eq(end), end0.eq(plus_write(end0 - trim)),
-                             push.eq(1), push_length.eq(length[:bits + 1])]
+                m.d.sync += [start.eq(end), wr.eq(end), push.eq(1), push_length.eq(length[:bits + 1])]
+                if trim:
+                    m.d.sync += end0.eq(plus_write(end0 - trim))
             with m.Else():  # the frame's bytes are forgotten
-                m.d.sync += [wr.eq(start), end0.eq(start - trim)]
+                m.d.sync += wr.eq(start)
+                if trim:
+                    m.d.sync += end0.eq(start - trim)
             m.d.sync += [broken.eq(0), self.overflow.eq(0 if self.waits else w.w_ok & (broken_now | ~w.place)),
-                         n0.eq(-trim), n1.eq(1 - trim), ok0.eq(0), ok1.eq(trim == 0)]
+                         n0.eq(-trim), n1.eq(1 - trim), ok0.eq(0)]
+            if trim:
+                m.d.sync += ok1.eq(0)
         with m.Else():
-            m.d.sync += [wr.eq(plus_write(wr)), end0.eq(plus_write(end0)), broken.eq(broken_now)]
+            m.d.sync += [wr.eq(plus_write(wr)), broken.eq(broken_now)]
+            if trim:
+                m.d.sync += end0.eq(plus_write(end0))
             with m.If(write):
-                m.d.sync += [n0.eq(n1), ok0.eq(ok1), n1.eq(n1 + 1), ok1.eq(n1 >= 0)]
+                m.d.sync += [n0.eq(n1), ok0.eq(ok1), n1.eq(n1 + 1)]
+                if trim:
+                    m.d.sync += ok1.eq(n1 >= 0)
 
         # The reader: a frame's length, then its bytes from the block RAM (two stages, ``s1``
         # and ``s2``, each byte's place in its frame beside it), then a register: all advancing
