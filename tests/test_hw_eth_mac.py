@@ -132,6 +132,16 @@ def test_rx_full_buffer_drops_whole_frames():
     assert got == frames[:3] + [after[-1].data[:-4]] and counts["frames"] == 4 and counts["overflows"] == 3
 
 
+def _take_byte(ctx, dut, cur: list, out: list) -> None:
+    """The byte a ``FrameFifo`` offers, taken this cycle, onto the frame ``cur``: at its last,
+    the frame (its ``length``, which each of its bytes carries, checked) into ``out``."""
+    cur.append(ctx.get(dut.o.payload.data))
+    if ctx.get(dut.o.payload.last):
+        assert ctx.get(dut.length) == len(cur), (ctx.get(dut.length), len(cur))
+        out.append(bytes(cur))
+        cur.clear()
+
+
 def test_frame_fifo_keeps_no_more_frames_than_its_list_of_lengths():
     """``FrameFifo`` with room for many more bytes than frames (``max_frames`` 8): short frames
     written while nothing is read fill its list of lengths; those that find no place are
@@ -161,13 +171,7 @@ def test_frame_fifo_keeps_no_more_frames_than_its_list_of_lengths():
             ctx.set(dut.o.ready, 1)
             for _ in range(400):
                 if ctx.get(dut.o.valid):
-                    if not cur:
-                        length = ctx.get(dut.length)
-                    cur.append(ctx.get(dut.o.payload.data))
-                    if ctx.get(dut.o.payload.last):
-                        assert length == len(cur), (length, len(cur))
-                        out.append(bytes(cur))
-                        cur = []
+                    _take_byte(ctx, dut, cur, out)
                 await ctx.tick()
             kept.append(out)
 
@@ -229,13 +233,7 @@ def test_frame_fifo_with_a_writer_that_waits(trim):
             ctx.set(dut.o.ready, ready)
             overflow.append(ctx.get(dut.overflow))
             if ready and ctx.get(dut.o.valid):
-                if not cur:
-                    length = ctx.get(dut.length)
-                cur.append(ctx.get(dut.o.payload.data))
-                if ctx.get(dut.o.payload.last):
-                    assert length == len(cur), (length, len(cur))
-                    out.append(bytes(cur))
-                    cur = []
+                _take_byte(ctx, dut, cur, out)
             await ctx.tick()
 
     sim = Simulator(dut)
