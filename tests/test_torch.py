@@ -354,6 +354,52 @@ def test_training_runs_equal_through_the_wire_and_in_process():
     assert direct[2].macs == wire[2].macs and direct[2].cycles == wire[2].cycles and direct[2].bytes_sent < 100
 
 
+@pytest.mark.parametrize("kw,storage", [
+    (dict(in_channels=5, out_channels=7, kernel_size=3, padding=1), False),
+    (dict(in_channels=6, out_channels=4, kernel_size=(3, 2), stride=(2, 1), padding=(2, 0), dilation=(1, 2)), False),
+    (dict(in_channels=6, out_channels=6, kernel_size=3, padding=1, groups=3), False),
+    (dict(in_channels=5, out_channels=7, kernel_size=3, padding=1), True),
+])
+def test_conv2d_input_gradient_folded_a_few_images_at_a_time_has_the_whole_products_bits(kw, storage, monkeypatch):
+    """The input gradient of a convolution under ``offload(emu)`` folded onto the image as its
+    columns are made (``_LazyPatches.fold``: here one image at a time, whose positions (99 or
+    49 of them) end inside a tile of the output gradient) equals, bit for bit, the whole patch
+    gradient's col2im (the path without ``fold``), and so do the weight gradient, the product
+    counts and the device's MACs and cycles; wide weight storage reads the weight's codes
+    transposed."""
+    from hbfp import host
+
+    from hbfp.torch.convolution import _LazyPatches
+
+    def run(fold):
+        torch.manual_seed(4)
+        conv = torch.nn.Conv2d(**kw)
+        opt = torch.optim.SGD(conv.parameters(), lr=0.1)
+        if storage:
+            ht.wide_weight_storage(conv, opt)
+        dev = host.open("emu")
+        x = (torch.randn(5, kw["in_channels"], 11, 9) * 4).requires_grad_()
+        with monkeypatch.context() as mp:
+            mp.setattr(_LazyPatches, "FOLD_BYTES", 1)  # one image a time
+            if not fold:
+                mp.setattr(_LazyPatches, "folds", staticmethod(lambda *a: False))
+            else:  # the fold must be the path taken
+                calls = []
+                real = _LazyPatches.fold
+                mp.setattr(_LazyPatches, "fold", lambda self, *a: calls.append(1) or real(self, *a))
+            ht.reset_report()
+            with ht.offload(dev):
+                y = conv(x)
+                (y * torch.linspace(-3, 3, y.numel()).reshape(y.shape)).sum().backward()
+            if fold:
+                assert calls, "the input gradient was not folded"
+        return x.grad, conv.weight.grad, ht.report(), (dev.stats.macs, dev.stats.cycles)
+
+    folded, whole = run(True), run(False)
+    assert np.array_equal(bits(folded[0]), bits(whole[0])) and np.array_equal(bits(folded[1]), bits(whole[1]))
+    assert folded[2] == whole[2] and folded[3] == whole[3]
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_convolution_patches_keep_unfolds_bits_forward_and_backward(compiled, monkeypatch):
     from hbfp import kernels

@@ -73,7 +73,7 @@ class HbfpMatmul(torch.autograd.Function):
         cfg = in_use.recipe.forward
         ctx.device, ctx.stored, ctx.in_use = device, stored, in_use
         ctx.op = _report.current()
-        ctx.lean = None
+        ctx.lean, ctx.patches = None, patches
         if stored is None and patches is None and not (grad_a_t or out_t) and _Lean.fits(a, b, in_use.recipe):
             lean, lib = _Lean.of(device), _compiled_cpu()
             if lean is not None and lib is not None:  # the general path's codes, made leaner
@@ -116,7 +116,12 @@ class HbfpMatmul(torch.autograd.Function):
             return qg[cfg.rounding]
 
         if ctx.needs_input_grad[0]:  # grad @ b^T (b stored as in the forward product)
-            if ctx.a_t:  # (b @ grad^T)^T: the same sums, the same bits, a transposed view
+            if ctx.a_t and ctx.patches is not None and ctx.patches.folds(dev, grad, gi):
+                # a's gradient folded onto the image as it is made (_Patches.backward returns it);
+                # a stands for the patches and takes no memory, nor does its gradient
+                ctx.patches.fold(dev, ctx.qb, ctx.transposed, quantized(gi))
+                grad_a = grad.new_zeros(()).expand(grad.shape[0], ctx.qb[0].shape[1 if ctx.transposed else 0])
+            elif ctx.a_t:  # (b @ grad^T)^T: the same sums, the same bits, a transposed view
                 grad_a = _product(dev, ctx.qb, quantized(gi), gi, in_use, transpose_a=ctx.transposed,
                                   transpose_b=True).t()
             else:

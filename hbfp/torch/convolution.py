@@ -102,6 +102,7 @@ class _LazyPatches:
 
     def __init__(self, x, kernel, stride, padding, dilation):
         self.x, self.geometry = x.detach(), (kernel, stride, padding, dilation)
+        self.grad = None  # the image's gradient, where ``fold`` made it
 
     @staticmethod
     def applies(device, x) -> bool:
@@ -118,6 +119,65 @@ class _LazyPatches:
         with _device_work():
             return kernels.im2col_quantize(self.x, *self.geometry, device.format(cfg.rounding), seed=seed)
 
+    #: The patch gradient's columns made at a time by ``fold``: about this many bytes, so that
+    #: col2im reads them from the cache the product wrote them to.
+    FOLD_BYTES = 2 << 20
+
+    @staticmethod
+    def folds(device, grad: torch.Tensor, cfg: ProductConfig) -> bool:
+        """Whether ``fold`` makes the patches' gradient of this product (``grad`` the output's)."""
+        from .device import _compiled_cpu
+
+        return (cfg.out == "fp32" and device.in_process and _square(device) and grad.dtype == torch.float32
+                and grad.device.type == "cpu" and _compiled_cpu() is not None)
+
+    @torch.compiler.disable
+    def fold(self, device, qw, transpose_w: bool, qg) -> None:
+        """The image's gradient, ``col2im`` of the patches' gradient (``op(W) @ G^T``, C*KH*KW x
+        positions: ``qw`` the codes of W^T as the product stores them, ``transpose_w`` whether it
+        reads them transposed; ``qg`` the output gradient's codes), made a few images at a time:
+        each run of images' columns (from the tile row before its first position to the one
+        after its last) into one buffer, then summed onto those images, while the buffer is in
+        the cache. Every column is its own sum and every pixel adds its terms in the same order,
+        so the gradient has the bits of the whole product's col2im; the product is counted once,
+        as ``_device_gemm`` counts it. Kept for ``_Patches.backward`` (``grad``)."""
+        from hbfp import kernels
+        from hbfp.host import planner
+        from hbfp.host.device import check_product_size
+        from hbfp.kernels import _code_bound, default_threads
+
+        from . import counts as _report
+        from .device import _compiled_cpu
+
+        lib, fmt = _compiled_cpu(), device.format()
+        (ca, ea), (cg, eg) = qw, qg
+        fa = fmt
+        if transpose_w:
+            ca, ea, fa = ca.t(), ea.t(), fmt.transposed()
+        (m, k), p = ca.shape, cg.shape[0]
+        check_product_size(m, p, k, code_bytes=1 if fmt.mantissa_bits <= 8 else 2)
+        g = kernels.conv_geometry(tuple(self.x.shape), *self.geometry)
+        n, per_image, th = g[0], g[12] * g[13], fmt.tile[0]
+        images = max(1, min(n, self.FOLD_BYTES // max(1, 4 * m * per_image)))
+        grad = torch.empty(self.x.shape, dtype=torch.float32)
+        threads = default_threads()
+        with _device_work():
+            bound_a = _code_bound(ca.numpy(), fa)
+            bound_g = _code_bound(cg.numpy(), fmt)
+            width = min(p, images * per_image + 2 * th)
+            buffer = torch.empty((m, width), dtype=torch.float32)
+            for b0 in range(0, n, images):
+                b1 = min(n, b0 + images)
+                p0, p1 = b0 * per_image, b1 * per_image
+                q0, q1 = p0 // th * th, min(p, -(-p1 // th) * th)  # whole tiles of G's rows
+                cols = buffer[:, :q1 - q0]
+                lib.gemm_tensor(ca, ea, fa, cg[q0:q1].t(), eg[q0 // th:-(-q1 // th)].t(), fmt.transposed(), cols,
+                                threads, bound_a, bound_g)
+                lib.col2im(cols[:, p0 - q0:p1 - q0].t(), (b1 - b0, *g[1:]), grad[b0:b1], threads=threads)
+        _report.count_device(m * k * p)
+        device.count_tensors_product(m, p, k, transpose_w, True, planner.OUT_CODES["fp32"])
+        self.grad = grad
+
 
 class _Patches(torch.autograd.Function):
     """The patches of a convolution as one matrix (``patches``: ``F.unfold`` with its columns
@@ -128,9 +188,10 @@ class _Patches(torch.autograd.Function):
     in its order), so gradients keep their bits."""
 
     @staticmethod
-    def forward(ctx, x, kernel, stride, padding, dilation, lazy=False):
+    def forward(ctx, x, kernel, stride, padding, dilation, lazy=None):
         ctx.geometry = (tuple(x.shape), kernel, stride, padding, dilation)
-        if lazy:
+        ctx.lazy = lazy
+        if lazy is not None:
             from hbfp import kernels
 
             g = kernels.conv_geometry(tuple(x.shape), kernel, stride, padding, dilation)
@@ -140,6 +201,9 @@ class _Patches(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         shape, kernel, stride, padding, dilation = ctx.geometry
+        if ctx.lazy is not None and ctx.lazy.grad is not None:  # the product's backward made it
+            image, ctx.lazy.grad = ctx.lazy.grad, None
+            return image, None, None, None, None, None
         if not grad.t().is_contiguous():  # (the product makes it transposed: col2im reads either)
             grad = grad.contiguous()
         return col2im(grad, shape, kernel, stride, padding, dilation), None, None, None, None, None
@@ -212,7 +276,7 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         xg = x if groups == 1 else x[:, g * cin:(g + 1) * cin]
         lazy = _LazyPatches(xg, kernel, stride, padding, dilation) \
             if nd == 2 and device is not None and _LazyPatches.applies(device, xg) else None
-        pg = _Patches.apply(xg, kernel, stride, padding, dilation, lazy is not None)
+        pg = _Patches.apply(xg, kernel, stride, padding, dilation, lazy)
         wg = matrix if groups == 1 else matrix[g * cout:(g + 1) * cout]
         extra = {"patches": lazy} if lazy is not None else {}
         ys.append(mm(pg, wg.t(), stored=stored(wg, True), grad_a_t=True, out_t=True, fp32_out=bias is not None,
