@@ -18,6 +18,7 @@ the middle of a K chain restarts the chain (the accumulator's contents are then 
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import random
@@ -164,6 +165,7 @@ def _check_float(x: np.ndarray, what: str) -> None:
 _memory_limit: int | None = None
 
 
+@functools.cache
 def _physical_memory() -> int | None:
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -427,6 +429,7 @@ class Device:
         self._identity: P.Identity | None = None
         self._resident: dict = {}
         self._direct_cycles: dict = {}
+        self._tensor_blocks: dict = {}  # count_tensors_product's tilings by shape
         # The executor, chosen here once: the in-process emu (an ``EmuDevice`` without ``wire``)
         # computes each product whole; any other device gets the plan's commands through the
         # session.
@@ -474,8 +477,14 @@ class Device:
                               final: OutFormat = OutFormat.FP32) -> None:
         """Counts the cycles and MACs of an M x K by K x N product that ``gemm_tensors`` (or a
         caller of the registry that stands for it: ``hbfp.torch.compiled``) computed in process."""
-        self._count_direct(M, N, K,
-                           planner.blocks(self.identity, M, N, K, transpose_a, transpose_b, False, self.name), final)
+        key = (M, N, K, transpose_a, transpose_b)
+        blocks = self._tensor_blocks.get(key)
+        if blocks is None:  # (a training step repeats its shapes)
+            blocks = planner.blocks(self.identity, M, N, K, transpose_a, transpose_b, False, self.name)
+            if len(self._tensor_blocks) > 4096:
+                self._tensor_blocks.clear()
+            self._tensor_blocks[key] = blocks
+        self._count_direct(M, N, K, blocks, final)
 
     def gemm_tensors(self, a, b, *, bias=None, activation: str | None = None, out: str = "fp32",
                      transpose_a: bool = False, transpose_b: bool = False, c=None, rounding: str = "nearest_even",

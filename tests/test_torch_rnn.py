@@ -11,14 +11,16 @@ import torch.nn as nn
 
 import hbfp.host
 import hbfp.torch as ht
-from hbfp.torch import autograd, rnn
+from hbfp.torch import aten, autograd, rnn  # noqa: F401 (aten: below)
 from hbfp.torch.device import _device_work
 from hbfp.torch.lean import _Lean
 
 
 def _exact_products(monkeypatch):
     """Every product of hbfp.torch in fp32 (operands unquantized): what remains is the
-    recurrence's own arithmetic."""
+    recurrence's own arithmetic. (hbfp.torch.aten binds autograd's ``_product`` and ``_operand``
+    when it is first imported, which ``offload`` does: it is imported above, before any patch,
+    so that it never keeps these for the tests after.)"""
     def product(device, a, b, cfg, rounding, transpose_a=False, transpose_b=False, **kw):
         with _device_work():
             return (a.t() if transpose_a else a).detach() @ (b.t() if transpose_b else b).detach()

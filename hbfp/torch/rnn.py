@@ -72,6 +72,18 @@ def layers(device, x, hx, weights, has_biases, num_layers, dropout, train, bidir
     return (x.transpose(0, 1).contiguous() if batch_first else x), torch.stack(hs), torch.stack(cs)
 
 
+def _lean(device, x: torch.Tensor, in_use):
+    """(``_Lean``, the compiled kernels) where a step's products take the lean path (its
+    quantizations and products, the general path's bits, seeds and counts), else None."""
+    from .device import _compiled_cpu
+    from .lean import _Lean, _fp32_results
+
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not _fp32_results(in_use.recipe):
+        return None
+    lean, lib = _Lean.of(device), _compiled_cpu()
+    return None if lean is None or lib is None else (lean, lib)
+
+
 class _Recurrence(torch.autograd.Function):
     """One LSTM layer's recurrence over the projected inputs ``xp`` (T x B x 4H, biases
     included) from ``h0``, ``c0`` (B x H) with ``w_hh`` (4H x H): the outputs (T x B x H), the
@@ -98,9 +110,14 @@ class _Recurrence(torch.autograd.Function):
             out = torch.empty_like(cell)               # h_t
             q_w = _operand(device, w_hh.detach().t(), fwd, in_use)  # once for every step
             h, c = h0.detach().contiguous(), c0.detach().contiguous()
+            lean = _lean(device, xp, in_use)
+            rows = h.shape[0]
             for x_t, a_t, c_t, tc_t, h_t in zip(xp.unbind(0), acts.unbind(0), cell.unbind(0), tanh_c.unbind(0),
                                                 out.unbind(0)):
-                p = _product(device, _operand(device, h, fwd, in_use), q_w, fwd, in_use)
+                if lean is not None:
+                    p = lean[0]._gemm(lean[1], lean[0]._quantize(lean[1], h, fwd, in_use), q_w, rows, 4 * hid, hid)
+                else:
+                    p = _product(device, _operand(device, h, fwd, in_use), q_w, fwd, in_use)
                 kernels.lstm_cell(p, x_t, c, a_t, c_t, tc_t, h_t)
                 h, c = h_t, c_t
         ctx.device, ctx.in_use, ctx.q_w = device, in_use, q_w
@@ -128,12 +145,20 @@ class _Recurrence(torch.autograd.Function):
             d_out = d_out.contiguous()
             dh, dc = d_h.contiguous(), d_c.contiguous()
             steps_ = list(zip(acts.unbind(0), tanh_c.unbind(0), d_out.unbind(0), d_gates.unbind(0)))
+            lean = _lean(device, acts, in_use)
+            q_wt = (ctx.q_w[0].t(), ctx.q_w[1].t())
             for t in range(steps - 1, -1, -1):
                 a_t, tc_t, dy_t, dg_t = steps_[t]
                 dc_prev = dc_bufs[t % 2]
                 kernels.lstm_cell_backward(a_t, c_prev[t], tc_t, dy_t, dh, dc, dg_t, dc_prev)
                 dc = dc_prev
-                if t or need_h0:  # dh_{t-1} = dG_t @ W_hh (W_hh as the forward read it)
+                if not (t or need_h0):
+                    continue
+                # dh_{t-1} = dG_t @ W_hh (W_hh as the forward read it)
+                if lean is not None:
+                    dh = lean[0]._gemm(lean[1], lean[0]._quantize(lean[1], dg_t, gi, in_use), q_wt, dg_t.shape[0],
+                                       hid, 4 * hid, transpose_b=True)
+                else:
                     dh = _product(device, _operand(device, dg_t, gi, in_use), ctx.q_w, gi, in_use, transpose_b=True)
             d_w = None
             if ctx.needs_input_grad[3]:

@@ -65,7 +65,10 @@ def _counted(name: str, fn, autocast: bool = True):
         if not _applies(args, kwargs):
             return NotImplemented
         _report.count_call(name)
-        if autocast and torch.is_autocast_enabled("cpu"):
+        if not torch.is_autocast_enabled("cpu"):
+            with _report.routing(name):
+                return fn(device, *args, **kwargs)
+        if autocast:
             # as autocast runs a product: fp32 operands in its dtype, the result in it
             dtype = torch.get_autocast_dtype("cpu")
             cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t  # noqa: E731
