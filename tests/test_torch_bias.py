@@ -2,6 +2,7 @@
 layer's dtype (torch's own bf16 kernels round once; adding a bf16 bias to a bf16-rounded
 product rounds twice)."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -40,3 +41,44 @@ def test_random_bf16_layers_with_bias_are_the_fp32_product_plus_bias_rounded_onc
     lin.weight.data.copy_(w)
     lin.bias.data.copy_(b)
     assert torch.equal(lin(x), y)
+
+
+def test_the_addmm_family_rounds_once_and_beta_0_ignores_the_input():
+    """``torch.addmm``, ``addmv`` and ``baddbmm`` in bf16 under offload: the fp32 device product
+    plus the input in fp32, rounded once (the reproducer's 1.0078125, as torch gives); alpha and
+    beta scale in fp32; beta 0 ignores a NaN input, as torch does."""
+    x = torch.zeros(1, 25)
+    x[0, 0], x[0, 24] = 1.0, 2.0 ** -8
+    w, b = torch.ones(1, 25).bfloat16(), torch.tensor([2.0 ** -10]).bfloat16()
+    xb = x.bfloat16()
+    dev = H.open("emu")
+    with HT.offload(dev):
+        got = {"addmm": torch.addmm(b, xb, w.t()), "addmv": torch.addmv(b, w, xb[0]),
+               "baddbmm": torch.baddbmm(b.view(1, 1, 1), xb[None], w.t()[None]),
+               "Tensor.addmm": b[None].addmm(xb, w.t())}
+        nan = torch.addmm(torch.full((1, 1), float("nan")).bfloat16(), xb, w.t(), beta=0)
+        g = torch.Generator().manual_seed(1)
+        inp, a, m = (torch.randn(8, 24, generator=g).bfloat16(), torch.randn(8, 40, generator=g).bfloat16(),
+                     torch.randn(40, 24, generator=g).bfloat16())
+        scaled, prod = torch.addmm(inp, a, m, beta=0.5, alpha=3), torch.mm(a.float(), m.float())
+    for name, y in got.items():
+        assert y.dtype == torch.bfloat16 and float(y.flatten()[0]) == 1.0078125, name
+    assert float(nan) == 1.0  # 1 + 2^-8 rounded to bf16; the NaN input ignored
+    assert torch.equal(scaled, (3 * prod + 0.5 * inp.float()).bfloat16())
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's own use of torch.jit
+def test_compiled_bf16_linear_and_addmm_round_once_as_eager():
+    """Under torch.compile the same values as eager: the traced routes add the bias (or the
+    input) to the fp32 product in fp32 and round once."""
+    x = torch.zeros(1, 25)
+    x[0, 0], x[0, 24] = 1.0, 2.0 ** -8
+    w, b = torch.ones(1, 25).bfloat16(), torch.tensor([2.0 ** -10]).bfloat16()
+    xb = x.bfloat16()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w, b: (F.linear(x, w, b), torch.addmm(b, x, w.t(), beta=0.5)))
+    with torch.no_grad(), HT.offload(H.open("emu")):
+        y, z = fn(xb, w, b)
+    torch._dynamo.reset()
+    assert y.dtype == z.dtype == torch.bfloat16
+    assert float(y) == 1.0078125 and float(z) == float((1.00390625 + 0.5 * 2.0 ** -10) * torch.ones(1).bfloat16())

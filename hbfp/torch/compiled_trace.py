@@ -18,6 +18,7 @@ from . import counts as _report
 from .compiled import _weights
 from .compiled_aten import _DECOMPOSITIONS
 from .compiled_routed import _routed_call
+from .functional import _add_bias, _scaled_sum
 
 __all__ = ["route", "compiling"]
 
@@ -31,15 +32,17 @@ def _mm2(a, b, label: str, storage: list[int]):
     return ops.mm(a, b, label, storage, save, _weights(a, b))[0]
 
 
-def _matmul(a, b, label: str, storage: list[int]):
+def _matmul(a, b, label: str, storage: list[int], fp32_out: bool = False):
     """``hbfp.torch.matmul``'s shapes (vectors, matrices, stacks broadcast) around
-    ``hbfp::mm`` and ``hbfp::bmm``."""
+    ``hbfp::mm`` and ``hbfp::bmm``; ``fp32_out``: 16-bit operands' product as the device's
+    fp32 result (a bias or an input is then added in fp32 and the sum rounded once)."""
     from .functional import _HALF
 
     if a.dim() == 0 or b.dim() == 0:
         raise ValueError("hbfp matmul takes vectors, matrices or stacks of matrices, not scalars")
     if a.dtype in _HALF or b.dtype in _HALF:  # as fp32 (exactly); the result rounded to their dtype
-        return _matmul(a.float(), b.float(), label, storage).to(torch.promote_types(a.dtype, b.dtype))
+        y = _matmul(a.float(), b.float(), label, storage)
+        return y if fp32_out else y.to(torch.promote_types(a.dtype, b.dtype))
     if b.dim() == 1:
         return _matmul(a, b[:, None], label, storage)[..., 0]
     if a.dim() == 1:
@@ -65,12 +68,13 @@ def _linear(x, weight, bias=None):
 
     storage = weight_storage(weight)
     stored = [] if storage is None else [storage.mantissa_bits, *storage.tile]
-    y = _matmul(x, weight.t(), "linear", stored)
-    return y + bias if bias is not None else y
+    if bias is None:
+        return _matmul(x, weight.t(), "linear", stored)
+    return _add_bias(_matmul(x, weight.t(), "linear", stored, fp32_out=True), bias, x.dtype, weight.dtype)
 
 
 def _scaled(inp, a, b, *, beta=1, alpha=1):
-    return beta * inp + alpha * _matmul(a, b, "addmm", [])
+    return _scaled_sum(_matmul(a, b, "addmm", [], fp32_out=True), inp, a.dtype, b.dtype, beta, alpha)
 
 
 _COMPILED = {"linear": _linear, "matmul": lambda a, b: _matmul(a, b, "matmul", []), "addmm": _scaled}

@@ -76,6 +76,21 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor, x_dtype: torch.dtype, w_dtype
     return (y.to(acc) + bias.to(acc)).to(dtype)
 
 
+def _scaled_sum(y: torch.Tensor, inp: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype, beta=1,
+                alpha=1) -> torch.Tensor:
+    """``beta * inp + alpha * y`` (``y`` the device's fp32 product of operands of these dtypes)
+    as torch's ``addmm`` family computes it: scaled and added in fp32 (or wider), rounded once to
+    the result's dtype; ``beta`` 0 ignores ``inp`` (its NaN and inf included), as torch does."""
+    dtype = torch.promote_types(torch.promote_types(a_dtype, b_dtype), inp.dtype)
+    acc = torch.promote_types(torch.float32, dtype)
+    y = y.to(acc)
+    if alpha != 1:
+        y = alpha * y
+    if beta != 0:
+        y = y + (inp.to(acc) if beta == 1 else beta * inp.to(acc))
+    return y.to(dtype)
+
+
 def bilinear(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
              device=None) -> torch.Tensor:
     """``F.bilinear`` in HBFP: y[o] = sum_ij x1[i] W[o, i, j] x2[j] as one product of the

@@ -25,7 +25,7 @@ from . import counts as _report
 from .config import _routing_active, _using, current_recipe, matmul_precision
 from .convolution import _same_padding, _tuple, conv1d, conv2d, convolution
 from .device import default_device
-from .functional import _linear, bilinear, matmul
+from .functional import _linear, _scaled_sum, bilinear, matmul
 
 __all__ = ["offload"]
 
@@ -105,7 +105,7 @@ def _route_conv(fn):
 
 
 def _route_scaled(device, inp, a, b, *, beta=1, alpha=1):
-    return beta * inp + alpha * matmul(a, b, device)
+    return _scaled_sum(matmul(a, b, device, fp32_out=True), inp, a.dtype, b.dtype, beta, alpha)
 
 
 def _route_bilinear(device, x1, x2, weight, bias=None):
