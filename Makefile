@@ -18,7 +18,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@# Icarus Verilog and ccache come from Debian; CI runs as root and installs them here.
 	@if ! command -v iverilog >/dev/null || ! command -v ccache >/dev/null; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq iverilog ccache >/dev/null; \
+	  if [ "$$(id -u)" = 0 ]; then echo "installing iverilog and ccache from Debian (apt-get, as root)"; \
+	    apt-get update -qq && apt-get install -y -qq iverilog ccache >/dev/null; \
 	  else echo "note: apt-get install iverilog ccache (as root) for the Icarus runs and faster Verilator builds"; fi; \
 	fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -613,6 +613,42 @@ def load_runs(path: Path) -> list[Run]:
     return [Run(**{k: v for k, v in d.items() if k in names}) for d in json.loads(Path(path).read_text())]
 
 
+def curve_panels(runs: list[Run]) -> list[tuple[str, str, str]]:
+    """The panels of ``write_report``'s curves, (Run field, title, y label): the training loss
+    always, the test accuracy and the validation loss where a run measured them (a ``--model``
+    task measured by accuracy has no validation loss: no empty panel)."""
+    demo = all(r.model in MODELS for r in runs)
+    panels = [("losses", "training loss", "cross-entropy" if demo else "loss")]
+    if any(r.test_accuracies for r in runs):
+        panels.append(("test_accuracies", "test accuracy (digits)" if demo else "test accuracy", "%"))
+    if any(r.val_losses for r in runs):
+        panels.append(("val_losses", "validation loss (text)" if demo else "validation / test loss",
+                       "nats per character" if demo else "loss"))
+    return panels
+
+
+def curve_styles(runs: list[Run]) -> list[dict]:
+    """Each run's line in the curves (matplotlib keywords): one colour per model, a line style
+    per precision (fp32 solid, HBFP on emu dashed, on another device dotted), a marker per
+    optimizer, and its label."""
+    import matplotlib
+
+    models = list(dict.fromkeys(r.model for r in runs))
+    palette = matplotlib.colormaps["tab10" if len(models) <= 10 else "tab20"]
+    optimizers = list(dict.fromkeys(r.optimizer for r in runs))
+    markers = "os^Dvx*P"
+    styles = []
+    for r in runs:
+        label = f"{r.model} {r.optimizer} {r.precision}" + (f" ({r.device})" if r.device else "")
+        if r.precision != "fp32" and r.weight_storage != "fp32":
+            label += f", {r.weight_storage} weights"
+        styles.append(dict(color=palette(models.index(r.model) % palette.N),
+                           marker=markers[optimizers.index(r.optimizer) % len(markers)], markersize=4,
+                           linestyle="-" if r.precision == "fp32" else
+                           "--" if (r.device or "emu").startswith("emu") else ":", label=label))
+    return styles
+
+
 def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None, output=None) -> str:
     """Write curves (PNG), a markdown table and the runs (JSON) under ``outdir`` (through
     ``output``, a ``report_output`` of it checked earlier; default: checked now); return the
@@ -623,39 +659,27 @@ def write_report(runs: list[Run], outdir: Path, extra: list[str] | None = None, 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     output = output if output is not None else report_output(Path(outdir))
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.5))
-    # one colour per model and optimizer, a line style per precision (fp32 solid, HBFP8 on emu
-    # dashed, on another device dotted)
-    pairs = list(dict.fromkeys((r.model, r.optimizer) for r in runs))
-    palette = matplotlib.colormaps["tab10" if len(pairs) <= 10 else "tab20"]
-    for r in runs:
-        label = f"{r.model} {r.optimizer} {r.precision}" + (f" ({r.device})" if r.device else "")
-        if r.precision != "fp32" and r.weight_storage != "fp32":
-            label += f", {r.weight_storage} weights"
-        style = dict(color=palette(pairs.index((r.model, r.optimizer)) % palette.N), marker="o", markersize=3,
-                     linestyle="-" if r.precision == "fp32" else "--" if (r.device or "emu").startswith("emu") else ":",
-                     label=label)
-        epochs = range(1, len(r.losses) + 1)
-        axes[0].plot(epochs, r.losses, **style)
-        if r.test_accuracies:
-            axes[1].plot(epochs, [100 * a for a in r.test_accuracies], **style)
-        if r.val_losses:
-            axes[2].plot(epochs, r.val_losses, **style)
-    if all(r.model in MODELS for r in runs):  # the demo's models
-        axes[0].set(title="training loss", xlabel="epoch", ylabel="cross-entropy")
-        axes[1].set(title="test accuracy (digits)", xlabel="epoch", ylabel="%")
-        axes[2].set(title="validation loss (text)", xlabel="epoch", ylabel="nats per character")
-    else:  # your own too (--model): its loss, its test set
-        axes[0].set(title="training loss", xlabel="epoch", ylabel="loss")
-        axes[1].set(title="test accuracy", xlabel="epoch", ylabel="%")
-        axes[2].set(title="validation / test loss", xlabel="epoch", ylabel="loss")
-    for ax in axes:
+    panels, styles = curve_panels(runs), curve_styles(runs)
+    columns = max(1, min(4, len(runs)))
+    legend = 0.3 * -(-len(runs) // columns) + 0.2  # inches below the panels for the legend's rows
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.7 * len(panels), 4.8 + legend), squeeze=False)
+    axes = axes[0]
+    for r, style in zip(runs, styles):
+        for ax, (field, _, _) in zip(axes, panels):
+            values = getattr(r, field)
+            if values:
+                ax.plot(range(1, len(values) + 1), [100 * v for v in values] if field == "test_accuracies" else values,
+                        **style)
+    for ax, (_, title, ylabel) in zip(axes, panels):
+        ax.set(title=title, xlabel="epoch", ylabel=ylabel)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=10, frameon=False)
+    fig.tight_layout(rect=(0, legend / (4.8 + legend), 1, 1))
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
     plt.close(fig)

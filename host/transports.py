@@ -1,5 +1,5 @@
 """Byte transports between the host driver and a device. One driver (``hbfp.host.device.Device``)
-runs over all of them (STYLE.md: Glasgow's one interface, several pipes); the servers that put
+runs over all of them (as Glasgow's applets: one interface, several pipes); the servers that put
 a byte device on a TCP port or a pseudo-terminal are ``hbfp.host.server``.
 
 A ``Transport`` moves bytes: ``send(data)``, ``receive(timeout) -> bytes`` (whatever has

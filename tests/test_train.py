@@ -87,3 +87,22 @@ def test_cli_refuses_a_recipe_the_device_cannot_run(tmp_path, capsys):
     assert cli.main(["train", "--recipe", "mxint8", "--models", "mlp", "--sim-epochs", "0", "-o", str(out)]) == 2
     assert not out.exists()
     assert "runs its forward products in MXINT8" in capsys.readouterr().err
+
+
+def test_curves_one_colour_per_model_a_style_per_precision_a_marker_per_optimizer():
+    """The demo's 17 runs (docs/reports/demo-runs.json): every run a line of its own (colour,
+    style, marker, label all told apart), one colour per model, fp32 solid, emu dashed, sim
+    dotted, one marker per optimizer; a --model task measured by accuracy gets no empty
+    validation-loss panel."""
+    runs = tr.load_runs(ROOT / "docs" / "reports" / "demo-runs.json")
+    styles = tr.curve_styles(runs)
+    assert len({(s["color"], s["linestyle"], s["marker"]) for s in styles}) == len(runs) == 17
+    assert len({s["label"] for s in styles}) == len(runs)
+    for r, s in zip(runs, styles):
+        for q, t in zip(runs, styles):
+            assert (s["color"] == t["color"]) == (r.model == q.model)
+            assert (s["marker"] == t["marker"]) == (r.optimizer == q.optimizer)
+        assert s["linestyle"] == ("-" if r.precision == "fp32" else ":" if r.device == "sim" else "--")
+    assert [p[0] for p in tr.curve_panels(runs)] == ["losses", "test_accuracies", "val_losses"]
+    own = [tr.Run(**{**r.__dict__, "model": "mine", "val_losses": []}) for r in runs if r.model == "mlp"]
+    assert [p[0] for p in tr.curve_panels(own)] == ["losses", "test_accuracies"]
