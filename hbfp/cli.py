@@ -610,20 +610,37 @@ def _launch_ranks(args) -> int:
         return 130
     if not failed:
         return 0
-    rank, code = failed[0]
-    # A stopped rank is the cause whatever way its peer ended: a peer's timed-out collective
-    # may raise, or abort the process (SIGABRT) from gloo's own thread.
-    if stopped:
-        why = (f"rank {', '.join(map(str, stopped))} stopped answering: rank {rank} gave up waiting for it after "
-               f"--timeout {args.timeout:g} s")
-    elif code < 0:
-        why = f"rank {rank} died ({signal.Signals(-code).name})"
-    elif rank in said:
-        why = f"rank {rank} failed: {said[rank]}"
-    else:
-        why = f"rank {rank} exited with status {code}"
+    why = _why_ranks_ended(failed, stopped, said, args.timeout)
     print(f"\nhbfp train: {why}", file=sys.stderr)  # on a line of its own, after any progress bar
     return 1
+
+
+def _why_ranks_ended(failed: list[tuple[int, int]], stopped: list[int], said: dict, timeout: float) -> str:
+    """The line that says why a data-parallel training ended: ``failed`` (rank, exit code) of the
+    ranks that ended badly, ``stopped`` the ranks found stopped, ``said`` the line each failed
+    rank sent. A stopped rank is the cause whatever way its peers ended: a peer's timed-out
+    collective may raise, or abort the process (SIGABRT) from gloo's own thread. Else, of the
+    ranks that ended in the same moment, a rank killed by another signal, then one that failed
+    with a line of its own, comes before one that aborted: gloo aborts a rank whose peer went
+    away, so a SIGABRT is the others' consequence."""
+    import signal
+
+    if stopped:
+        rank = failed[0][0]
+        return (f"rank {', '.join(map(str, stopped))} stopped answering: rank {rank} gave up waiting for it after "
+                f"--timeout {timeout:g} s")
+
+    def order(item):
+        rank, code = item
+        killed = code < 0 and code != -signal.SIGABRT
+        return (0 if killed else 1 if rank in said else 2 if code != -signal.SIGABRT else 3, rank)
+
+    rank, code = min(failed, key=order)
+    if code < 0:
+        return f"rank {rank} died ({signal.Signals(-code).name})"
+    if rank in said:
+        return f"rank {rank} failed: {said[rank]}"
+    return f"rank {rank} exited with status {code}"
 
 
 def _stopped(pid: int) -> bool:

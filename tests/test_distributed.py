@@ -308,6 +308,20 @@ def _ranks_of(launcher: subprocess.Popen, n: int, within: float = 60.0) -> list[
     raise AssertionError("the ranks did not start")
 
 
+def test_the_line_names_the_rank_that_caused_the_end_not_a_peer_that_aborted():
+    """Ranks that ended in the same moment: a killed rank (SIGKILL) or one that failed with its own
+    line is named before a peer that gloo aborted (SIGABRT) because it went away; a stopped rank
+    before any (CI saw 'rank 0 died (SIGABRT)' for a SIGKILLed rank 1)."""
+    from hbfp.cli import _why_ranks_ended as why
+
+    assert why([(0, -6), (1, -9)], [], {}, 5) == "rank 1 died (SIGKILL)"
+    assert why([(0, -6), (1, 1)], [], {1: "RuntimeError: boom"}, 5) == "rank 1 failed: RuntimeError: boom"
+    assert why([(0, -6)], [1], {}, 5) == "rank 1 stopped answering: rank 0 gave up waiting for it after --timeout 5 s"
+    assert why([(0, -6)], [], {}, 5) == "rank 0 died (SIGABRT)"
+    assert why([(0, 2), (1, -6)], [], {}, 5) == "rank 0 exited with status 2"
+    assert why([(1, -15), (0, -9)], [], {}, 5) == "rank 0 died (SIGKILL)"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the ranks' PIDs from /proc")
 @pytest.mark.parametrize("signal_name", ["SIGSTOP", "SIGKILL"])
 def test_a_rank_that_stops_or_dies_ends_the_training_with_one_line(tmp_path, signal_name):
