@@ -323,3 +323,18 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(tmp_
         assert isinstance(e.value, OutputError) and "\n" not in str(e.value) and "choose another output folder" in str(e.value)
     check_folder(tmp_path / "new" / "folder", "hbfp train")  # to be made: fine
     assert list(tmp_path.iterdir()) == []  # the probe's folder is gone
+
+
+def test_an_internal_error_keeps_its_traceback_and_exits_1(tmp_path):
+    """A bug (here a command that divides by zero) is not a user's mistake: its traceback is
+    printed and the exit status is 1 (user errors are one line and 2)."""
+    code = ("import sys\nfrom hbfp import cli\n"
+            "def broken(args):\n    return 1 // 0\n"
+            "p = cli.build_parser\n"
+            "def build():\n    parser = p()\n    sub = next(a for a in parser._actions if a.dest == 'command')\n"
+            "    sub.choices['info'].set_defaults(func=broken)\n    return parser\n"
+            "cli.build_parser = build\n"
+            "sys.exit(cli.main(['info', 'emu']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "Traceback" in r.stderr and "ZeroDivisionError" in r.stderr

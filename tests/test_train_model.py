@@ -73,6 +73,11 @@ def test_the_example_runs_from_the_project_folder(tmp_path):
     runs = json.loads((out / "runs.json").read_text())
     assert [x["precision"] for x in runs] == ["fp32", "hbfp8"]  # --sim-epochs is 0 with --model
     assert all(x["model"] == "examples.my_model:build" and x["test_accuracy"] > 0.5 for x in runs)
+    # the usual table and curves; piped (no terminal), a plain line per epoch and no progress bar
+    assert "| examples.my_model:build | adamw | hbfp8 (default) |" in (out / "results.md").read_text()
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    log = r.stdout + r.stderr
+    assert "epoch 1/1" in log and "\r" not in log and "it/s" not in log
 
 
 def test_a_task_of_any_dataset_with_its_own_loss(tmp_path, monkeypatch):
