@@ -29,6 +29,8 @@ Everything runs in one clock domain (the link's 125 MHz in a board top).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from amaranth import Cat, Const, DomainRenamer, Module, Mux, Signal
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
@@ -54,6 +56,9 @@ HEADER_BYTES = D.FRAME_HEADERS
 ARP_BYTES = 28
 #: The last byte of a frame that ``UdpRx`` reads as a header (a datagram header's version).
 LAST_HEADER_BYTE = 45
+#: An IPv4 ARP request's fields after the Ethernet header (bytes 14-21: hardware Ethernet,
+#: protocol IPv4, address lengths 6 and 4, operation 1).
+ARP_REQUEST = 0x0001_0800_0604_0001
 #: Bytes of the FIFO from the receive clock (RGMII's) to the link's, both 125 MHz nominally (a
 #: byte each cycle of either while a frame passes): twice the pointers' round trip at equal
 #: clocks (``AsyncStreamFifo`` keeps a byte a cycle from 8), as the two clocks drift.
@@ -179,9 +184,42 @@ class UdpRx(wiring.Component):
         forward, forward_left = Signal(), Signal(16)  # a datagram's stream bytes, to ``o``
         echo, echo_left = Signal(), Signal(16)        # an ICMP message, to ``icmp``
 
-        # The IPv4 header's checksum: its words summed as they pass (the destination address,
-        # which must be ours, counted from the start), folded twice while it ends, checked at
-        # its last byte.
+        csum_ok = self._header_checksum(m, take, at, nxt)
+
+        # Comparisons with constants are made a byte ahead where they can: a flag registered at
+        # the byte before a decision holds the earlier bytes' part, and the decision adds the
+        # last byte's comparison (eight bits) and a few registered flags, for the link's 125 MHz.
+        mac_hi, bcast_hi = Signal(), Signal()     # bytes 0-4 are our MAC's first five, all 0xFF
+        is_arp, is_ipv4 = Signal(), Signal()      # the EtherType
+        arp_hi = Signal()                         # ARP bytes 14-20 are an IPv4 request's
+        len_udp, len_stream = Signal(), Signal()  # total_len holds a UDP header; and a datagram header
+        frag_ok = Signal()                        # not a fragment
+        is_udp, is_icmp = Signal(), Signal()      # the protocol
+        dst_hi, tpa_hi, port_hi = Signal(), Signal(), Signal()  # our IP's first three bytes; our port's first
+        # The header's registers and flags, which the parts below set and read (each flag is set
+        # afresh at its byte before any later byte of the frame reads it).
+        h = SimpleNamespace(at=at, byte=byte, nxt=nxt, take=take, unicast=unicast, for_us=for_us, src_mac=src_mac,
+                            arp_ok=arp_ok, arp_sha=arp_sha, arp_spa=arp_spa, ip_hdr=ip_hdr, total_len=total_len,
+                            src_ip=src_ip, ip_fields=ip_fields, udp_ok=udp_ok, port_ok=port_ok, len_ok=len_ok,
+                            dgram_ok=dgram_ok, ip_payload=ip_payload, ident=ident, udp_src=udp_src, seq=seq,
+                            flags=flags, stream_len=stream_len, synced=synced, expected=expected, ahead=ahead,
+                            forward=forward, forward_left=forward_left, echo=echo, echo_left=echo_left,
+                            csum_ok=csum_ok, mac_hi=mac_hi, bcast_hi=bcast_hi, is_arp=is_arp, is_ipv4=is_ipv4,
+                            arp_hi=arp_hi, len_udp=len_udp, len_stream=len_stream, frag_ok=frag_ok, is_udp=is_udp,
+                            is_icmp=is_icmp, dst_hi=dst_hi, tpa_hi=tpa_hi, port_hi=port_hi)
+        with m.If(take):
+            self._ethernet_and_arp(m, h)
+            self._ipv4_and_udp(m, h)
+        with m.If(self.arp.valid & self.arp.ready):
+            m.d.sync += self.arp.valid.eq(0)
+
+        self._pass_on(m, h)
+        return m
+
+    def _header_checksum(self, m, take, at, nxt):
+        """The IPv4 header's checksum: its words summed as they pass (the destination address,
+        which must be ours, counted from the start), folded twice while it ends, checked at
+        its last byte; returns the register that says it is right."""
         ip_hi, ip_lo = self.ip >> 16, self.ip & 0xFFFF
         csum, csum_ok = Signal(20), Signal()
         with m.If(take):
@@ -194,99 +232,111 @@ class UdpRx(wiring.Component):
             with m.Elif(at[32]):
                 m.d.sync += csum_ok.eq(csum == 0xFFFF)
 
-        # Comparisons with constants are made a byte ahead where they can: a flag registered at
-        # the byte before a decision holds the earlier bytes' part, and the decision adds the
-        # last byte's comparison (eight bits) and a few registered flags, for the link's 125 MHz.
-        mac_hi, bcast_hi = Signal(), Signal()     # bytes 0-4 are our MAC's first five, all 0xFF
-        is_arp, is_ipv4 = Signal(), Signal()      # the EtherType
-        arp_hi = Signal()                         # ARP bytes 14-20 are an IPv4 request's
-        len_udp, len_stream = Signal(), Signal()  # total_len holds a UDP header; and a datagram header
-        frag_ok = Signal()                        # not a fragment
-        is_udp, is_icmp = Signal(), Signal()      # the protocol
-        dst_hi, tpa_hi, port_hi = Signal(), Signal(), Signal()  # our IP's first three bytes; our port's first
-        mac, ip = self.mac.to_bytes(6, "big"), self.ip.to_bytes(4, "big")
-        arp_request = 0x0001_0800_0604_0001
-        # (each flag is set afresh at its byte before any later byte of the frame reads it)
-        with m.If(take):
-            with m.If(at[4]):
-                m.d.sync += [mac_hi.eq(nxt[:40] == self.mac >> 8), bcast_hi.eq(nxt[:40] == BROADCAST >> 8)]
-            with m.If(at[5]):
-                m.d.sync += [unicast.eq(mac_hi & (byte == mac[5])),
-                             for_us.eq((mac_hi & (byte == mac[5])) | (bcast_hi & (byte == 0xFF)))]
-            with m.If(at[11]):
-                m.d.sync += src_mac.eq(nxt[:48])
-            with m.If(at[13]):
-                m.d.sync += [is_arp.eq(nxt[:16] == ETHERTYPE_ARP), is_ipv4.eq(nxt[:16] == ETHERTYPE_IPV4)]
-            # ARP: hardware Ethernet, protocol IPv4, lengths 6 and 4, a request
-            with m.If(at[20]):
-                m.d.sync += arp_hi.eq(nxt[:56] == arp_request >> 8)
-            with m.If(at[21]):
-                m.d.sync += arp_ok.eq(for_us & is_arp & arp_hi & (byte == arp_request & 0xFF))
-            with m.If(at[27]):
-                m.d.sync += arp_sha.eq(nxt[:48])
-            with m.If(at[31]):
-                m.d.sync += arp_spa.eq(nxt[:32])
-            with m.If(at[40]):
-                m.d.sync += tpa_hi.eq(nxt[:24] == self.ip >> 8)
-            with m.If(at[41]):
-                with m.If(arp_ok & tpa_hi & (byte == ip[3])):
-                    m.d.sync += self.arp_requests.eq(self.arp_requests + 1)
-                    with m.If(~self.arp.valid):  # one at a time: the requester asks again
-                        m.d.sync += [self.arp.valid.eq(1), self.arp.payload.mac.eq(arp_sha),
-                                     self.arp.payload.ip.eq(arp_spa)]
-            # IPv4: version 4, 5 words of header (no options), not a fragment, to our address
-            with m.If(at[14]):
-                m.d.sync += ip_hdr.eq(unicast & is_ipv4 & (byte == 0x45))
-            with m.If(at[17]):
-                m.d.sync += total_len.eq(nxt[:16])
-            with m.If(at[18]):
-                m.d.sync += [ip_payload.eq(total_len - D.IPV4_HEADER),
-                             len_udp.eq(total_len >= D.IPV4_HEADER + D.UDP_HEADER),
-                             len_stream.eq(total_len >= D.IPV4_HEADER + D.UDP_HEADER + D.HEADER.size)]
-            with m.If(at[19]):
-                m.d.sync += ident.eq(nxt[:16])
-            with m.If(at[21]):
-                m.d.sync += frag_ok.eq((nxt[:16] & 0x3FFF) == 0)  # bytes 20-21: flags and fragment offset
-            with m.If(at[23]):
-                m.d.sync += [ip_fields.eq(ip_hdr & frag_ok & len_udp),
-                             is_udp.eq(byte == IP_PROTO_UDP), is_icmp.eq(byte == IP_PROTO_ICMP)]
-            with m.If(at[29]):
-                m.d.sync += src_ip.eq(nxt[:32])
-            with m.If(at[32]):
-                m.d.sync += dst_hi.eq(nxt[:24] == self.ip >> 8)
-            with m.If(at[33]):
-                hdr_ok = ip_fields & dst_hi & (byte == ip[3]) & csum_ok
-                m.d.sync += [udp_ok.eq(hdr_ok & is_udp & len_stream), echo_left.eq(ip_payload),
-                             self.icmp_from.mac.eq(src_mac), self.icmp_from.ip.eq(src_ip),
-                             self.icmp_from.ident.eq(ident), self.icmp_from.length.eq(ip_payload)]
-            with m.If(at[35]):
-                m.d.sync += udp_src.eq(nxt[:16])
-            with m.If(at[36]):
-                m.d.sync += port_hi.eq(byte == self.port >> 8)
-            with m.If(at[37]):
-                m.d.sync += port_ok.eq(port_hi & (byte == self.port & 0xFF))
-            with m.If(at[39]):
-                m.d.sync += [stream_len.eq(nxt[:16] - (D.UDP_HEADER + D.HEADER.size)),
-                             len_ok.eq((nxt[:16] >= D.UDP_HEADER + D.HEADER.size) & (nxt[:16] <= ip_payload))]
-            with m.If(at[43]):
-                m.d.sync += seq.eq(Cat(nxt[8:16], nxt[:8]))  # little-endian
-            with m.If(at[44]):
-                m.d.sync += [flags.eq(byte), ahead.eq(seq - expected), dgram_ok.eq(udp_ok & port_ok & len_ok)]
-            with m.If(at[45]):  # the datagram header is whole: take it or not
-                in_order = ~synced | flags[0] | ~ahead[15]
-                ok = dgram_ok & (byte == D.VERSION)
-                with m.If(ok & in_order):
-                    m.d.sync += [forward_left.eq(stream_len), synced.eq(1), expected.eq(seq + 1),
-                                 self.datagrams.eq(self.datagrams + 1),
-                                 self.peer.mac.eq(src_mac), self.peer.ip.eq(src_ip), self.peer.port.eq(udp_src),
-                                 self.peer_valid.eq(1)]
-                    with m.If(synced & ~flags[0]):
-                        m.d.sync += self.lost.eq(self.lost + ahead)
-                with m.Elif(ok):
-                    m.d.sync += self.late.eq(self.late + 1)
-        with m.If(self.arp.valid & self.arp.ready):
-            m.d.sync += self.arp.valid.eq(0)
+        return csum_ok
 
+    def _ethernet_and_arp(self, m, h):
+        """At a byte taken: the Ethernet header's flags (to us or broadcast, the source, the
+        EtherType) and an ARP request's fields; a request for our address answered on ``arp``."""
+        at, byte, nxt, unicast, for_us, src_mac = h.at, h.byte, h.nxt, h.unicast, h.for_us, h.src_mac
+        arp_ok, arp_sha, arp_spa, mac_hi, bcast_hi = h.arp_ok, h.arp_sha, h.arp_spa, h.mac_hi, h.bcast_hi
+        is_arp, is_ipv4, arp_hi, tpa_hi = h.is_arp, h.is_ipv4, h.arp_hi, h.tpa_hi
+        mac, ip = self.mac.to_bytes(6, "big"), self.ip.to_bytes(4, "big")
+        with m.If(at[4]):
+            m.d.sync += [mac_hi.eq(nxt[:40] == self.mac >> 8), bcast_hi.eq(nxt[:40] == BROADCAST >> 8)]
+        with m.If(at[5]):
+            m.d.sync += [unicast.eq(mac_hi & (byte == mac[5])),
+                         for_us.eq((mac_hi & (byte == mac[5])) | (bcast_hi & (byte == 0xFF)))]
+        with m.If(at[11]):
+            m.d.sync += src_mac.eq(nxt[:48])
+        with m.If(at[13]):
+            m.d.sync += [is_arp.eq(nxt[:16] == ETHERTYPE_ARP), is_ipv4.eq(nxt[:16] == ETHERTYPE_IPV4)]
+        # ARP: hardware Ethernet, protocol IPv4, lengths 6 and 4, a request
+        with m.If(at[20]):
+            m.d.sync += arp_hi.eq(nxt[:56] == ARP_REQUEST >> 8)
+        with m.If(at[21]):
+            m.d.sync += arp_ok.eq(for_us & is_arp & arp_hi & (byte == ARP_REQUEST & 0xFF))
+        with m.If(at[27]):
+            m.d.sync += arp_sha.eq(nxt[:48])
+        with m.If(at[31]):
+            m.d.sync += arp_spa.eq(nxt[:32])
+        with m.If(at[40]):
+            m.d.sync += tpa_hi.eq(nxt[:24] == self.ip >> 8)
+        with m.If(at[41]):
+            with m.If(arp_ok & tpa_hi & (byte == ip[3])):
+                m.d.sync += self.arp_requests.eq(self.arp_requests + 1)
+                with m.If(~self.arp.valid):  # one at a time: the requester asks again
+                    m.d.sync += [self.arp.valid.eq(1), self.arp.payload.mac.eq(arp_sha),
+                                 self.arp.payload.ip.eq(arp_spa)]
+
+    def _ipv4_and_udp(self, m, h):
+        """At a byte taken: the IPv4 header's fields and checks, then the UDP header's and our
+        datagram header's; at its last byte a datagram is taken (or refused by its number)."""
+        at, byte, nxt, unicast, src_mac, ip_hdr = h.at, h.byte, h.nxt, h.unicast, h.src_mac, h.ip_hdr
+        total_len, src_ip, ip_fields, udp_ok, port_ok = h.total_len, h.src_ip, h.ip_fields, h.udp_ok, h.port_ok
+        len_ok, dgram_ok, ip_payload, ident, udp_src = h.len_ok, h.dgram_ok, h.ip_payload, h.ident, h.udp_src
+        seq, flags, stream_len, synced, expected, ahead = h.seq, h.flags, h.stream_len, h.synced, h.expected, h.ahead
+        forward_left, echo_left, csum_ok, is_ipv4 = h.forward_left, h.echo_left, h.csum_ok, h.is_ipv4
+        len_udp, len_stream, frag_ok, is_udp, is_icmp = h.len_udp, h.len_stream, h.frag_ok, h.is_udp, h.is_icmp
+        dst_hi, port_hi = h.dst_hi, h.port_hi
+        ip = self.ip.to_bytes(4, "big")
+        # IPv4: version 4, 5 words of header (no options), not a fragment, to our address
+        with m.If(at[14]):
+            m.d.sync += ip_hdr.eq(unicast & is_ipv4 & (byte == 0x45))
+        with m.If(at[17]):
+            m.d.sync += total_len.eq(nxt[:16])
+        with m.If(at[18]):
+            m.d.sync += [ip_payload.eq(total_len - D.IPV4_HEADER),
+                         len_udp.eq(total_len >= D.IPV4_HEADER + D.UDP_HEADER),
+                         len_stream.eq(total_len >= D.IPV4_HEADER + D.UDP_HEADER + D.HEADER.size)]
+        with m.If(at[19]):
+            m.d.sync += ident.eq(nxt[:16])
+        with m.If(at[21]):
+            m.d.sync += frag_ok.eq((nxt[:16] & 0x3FFF) == 0)  # bytes 20-21: flags and fragment offset
+        with m.If(at[23]):
+            m.d.sync += [ip_fields.eq(ip_hdr & frag_ok & len_udp),
+                         is_udp.eq(byte == IP_PROTO_UDP), is_icmp.eq(byte == IP_PROTO_ICMP)]
+        with m.If(at[29]):
+            m.d.sync += src_ip.eq(nxt[:32])
+        with m.If(at[32]):
+            m.d.sync += dst_hi.eq(nxt[:24] == self.ip >> 8)
+        with m.If(at[33]):
+            hdr_ok = ip_fields & dst_hi & (byte == ip[3]) & csum_ok
+            m.d.sync += [udp_ok.eq(hdr_ok & is_udp & len_stream), echo_left.eq(ip_payload),
+                         self.icmp_from.mac.eq(src_mac), self.icmp_from.ip.eq(src_ip),
+                         self.icmp_from.ident.eq(ident), self.icmp_from.length.eq(ip_payload)]
+        with m.If(at[35]):
+            m.d.sync += udp_src.eq(nxt[:16])
+        with m.If(at[36]):
+            m.d.sync += port_hi.eq(byte == self.port >> 8)
+        with m.If(at[37]):
+            m.d.sync += port_ok.eq(port_hi & (byte == self.port & 0xFF))
+        with m.If(at[39]):
+            m.d.sync += [stream_len.eq(nxt[:16] - (D.UDP_HEADER + D.HEADER.size)),
+                         len_ok.eq((nxt[:16] >= D.UDP_HEADER + D.HEADER.size) & (nxt[:16] <= ip_payload))]
+        with m.If(at[43]):
+            m.d.sync += seq.eq(Cat(nxt[8:16], nxt[:8]))  # little-endian
+        with m.If(at[44]):
+            m.d.sync += [flags.eq(byte), ahead.eq(seq - expected), dgram_ok.eq(udp_ok & port_ok & len_ok)]
+        with m.If(at[45]):  # the datagram header is whole: take it or not
+            in_order = ~synced | flags[0] | ~ahead[15]
+            ok = dgram_ok & (byte == D.VERSION)
+            with m.If(ok & in_order):
+                m.d.sync += [forward_left.eq(stream_len), synced.eq(1), expected.eq(seq + 1),
+                             self.datagrams.eq(self.datagrams + 1),
+                             self.peer.mac.eq(src_mac), self.peer.ip.eq(src_ip), self.peer.port.eq(udp_src),
+                             self.peer_valid.eq(1)]
+                with m.If(synced & ~flags[0]):
+                    m.d.sync += self.lost.eq(self.lost + ahead)
+            with m.Elif(ok):
+                m.d.sync += self.late.eq(self.late + 1)
+
+    def _pass_on(self, m, h):
+        """The bytes passed on: a datagram's stream bytes to ``o``, an ICMP message to ``icmp``;
+        every other byte is taken and dropped."""
+        at, byte, take, ip_fields, dgram_ok, flags = h.at, h.byte, h.take, h.ip_fields, h.dgram_ok, h.flags
+        stream_len, synced, ahead, forward, forward_left = h.stream_len, h.synced, h.ahead, h.forward, h.forward_left
+        echo, echo_left, csum_ok, is_icmp, dst_hi = h.echo, h.echo_left, h.csum_ok, h.is_icmp, h.dst_hi
+        ip = self.ip.to_bytes(4, "big")
         # the stream bytes (positions 46 .. 34 + udp_len - 1 of a datagram taken) and an ICMP
         # message (34 .. 14 + total_len - 1, its last the frame's if that is shorter)
         # (``forward`` and ``echo`` each set at one byte or counted down, one choice: no chain)
@@ -308,7 +358,6 @@ class UdpRx(wiring.Component):
                      self.icmp.payload.data.eq(byte), self.icmp.valid.eq(self.i.valid & echo),
                      self.icmp.payload.last.eq(last | (echo_left == 1)),
                      self.i.ready.eq(Mux(forward, self.o.ready, Mux(echo, self.icmp.ready, 1)))]
-        return m
 
 
 class ArpResponder(wiring.Component):
