@@ -354,50 +354,65 @@ def test_training_runs_equal_through_the_wire_and_in_process():
     assert direct[2].macs == wire[2].macs and direct[2].cycles == wire[2].cycles and direct[2].bytes_sent < 100
 
 
+def _conv_steps(kw: dict, storage: bool) -> tuple:
+    """Two SGD steps of a Conv2d(**kw) under ``offload(emu)`` (``storage``: wide weight storage,
+    whose codes the products read transposed): every output and gradient (input, weight, bias),
+    the report, the device's MACs and cycles."""
+    torch.manual_seed(4)
+    conv = torch.nn.Conv2d(**kw)
+    opt = torch.optim.SGD(conv.parameters(), lr=0.1)
+    if storage:
+        ht.wide_weight_storage(conv, opt)
+    dev = hbfp.host.open("emu")
+    outs = []
+    ht.reset_report()
+    for _ in range(2):
+        x = (torch.randn(5, kw["in_channels"], 11, 9) * 4).requires_grad_()
+        opt.zero_grad()
+        with ht.offload(dev):
+            y = conv(x)
+            (y * torch.linspace(-3, 3, y.numel()).reshape(y.shape)).sum().backward()
+        outs += [y.detach(), x.grad] + [q.grad.clone() for q in conv.parameters()]
+        opt.step()
+    return outs, ht.report(), (dev.stats.macs, dev.stats.cycles)
+
+
 @pytest.mark.parametrize("kw,storage", [
     (dict(in_channels=5, out_channels=7, kernel_size=3, padding=1), False),
+    (dict(in_channels=5, out_channels=7, kernel_size=3, padding=1, bias=False), False),
     (dict(in_channels=6, out_channels=4, kernel_size=(3, 2), stride=(2, 1), padding=(2, 0), dilation=(1, 2)), False),
     (dict(in_channels=6, out_channels=6, kernel_size=3, padding=1, groups=3), False),
     (dict(in_channels=5, out_channels=7, kernel_size=3, padding=1), True),
 ])
-def test_conv2d_input_gradient_folded_a_few_images_at_a_time_has_the_whole_products_bits(kw, storage, monkeypatch):
-    """The input gradient of a convolution under ``offload(emu)`` folded onto the image as its
-    columns are made (``_LazyPatches.fold``: here one image at a time, whose positions (99 or
-    49 of them) end inside a tile of the output gradient) equals, bit for bit, the whole patch
-    gradient's col2im (the path without ``fold``), and so do the weight gradient, the product
-    counts and the device's MACs and cycles; wide weight storage reads the weight's codes
-    transposed."""
-    from hbfp import host
+@pytest.mark.parametrize("path", ["fold", "image"])
+def test_conv2d_made_a_few_images_at_a_time_has_the_whole_products_bits(kw, storage, path, monkeypatch):
+    """A convolution's products made a few images at a time (here one image at a time, whose
+    positions, 99 or 49, end inside a tile) equal, bit for bit, the whole products: ``fold``,
+    the input gradient folded onto the image as its columns are made, against col2im of the
+    whole patch gradient; ``image``, the product made straight into the (N, OUT, OH, OW) output
+    with its bias (``_ImageProduct``, one group), against the product, the bias's sum and the
+    copy into the image's layout one after another. Over two SGD steps: every output and
+    gradient (input, weight, bias), the product counts and the device's MACs and cycles."""
+    from hbfp.torch.image_products import _ImageProduct, _LazyPatches
 
-    from hbfp.torch.convolution import _LazyPatches
-
-    def run(fold):
-        torch.manual_seed(4)
-        conv = torch.nn.Conv2d(**kw)
-        opt = torch.optim.SGD(conv.parameters(), lr=0.1)
-        if storage:
-            ht.wide_weight_storage(conv, opt)
-        dev = host.open("emu")
-        x = (torch.randn(5, kw["in_channels"], 11, 9) * 4).requires_grad_()
-        with monkeypatch.context() as mp:
-            mp.setattr(_LazyPatches, "FOLD_BYTES", 1)  # one image a time
-            if not fold:
-                mp.setattr(_LazyPatches, "folds", staticmethod(lambda *a: False))
-            else:  # the fold must be the path taken
-                calls = []
-                real = _LazyPatches.fold
-                mp.setattr(_LazyPatches, "fold", lambda self, *a: calls.append(1) or real(self, *a))
-            ht.reset_report()
-            with ht.offload(dev):
-                y = conv(x)
-                (y * torch.linspace(-3, 3, y.numel()).reshape(y.shape)).sum().backward()
-            if fold:
-                assert calls, "the input gradient was not folded"
-        return x.grad, conv.weight.grad, ht.report(), (dev.stats.macs, dev.stats.cycles)
-
-    folded, whole = run(True), run(False)
-    assert np.array_equal(bits(folded[0]), bits(whole[0])) and np.array_equal(bits(folded[1]), bits(whole[1]))
-    assert folded[2] == whole[2] and folded[3] == whole[3]
+    owner, name, switch = ((_LazyPatches, "fold", "folds") if path == "fold" else
+                           (_ImageProduct, "forward", "applies"))
+    with monkeypatch.context() as mp:
+        mp.setattr(_LazyPatches, "FOLD_BYTES", 1)  # one image a time
+        calls, real = [], getattr(owner, name)
+        counted = (lambda self, *a: calls.append(1) or real(self, *a)) if path == "fold" else \
+            staticmethod(lambda *a: calls.append(1) or real(*a))
+        mp.setattr(owner, name, counted)
+        by_images = _conv_steps(kw, storage)
+    assert bool(calls) == (path == "fold" or kw.get("groups", 1) == 1)  # the path was taken where it applies
+    with monkeypatch.context() as mp:
+        mp.setattr(owner, switch, staticmethod(lambda *a: False))
+        whole = _conv_steps(kw, storage)
+    assert len(by_images[0]) == len(whole[0])
+    for got, want in zip(by_images[0], whole[0]):
+        assert got.shape == want.shape and got.is_contiguous() == want.is_contiguous()
+        assert np.array_equal(bits(got), bits(want))
+    assert by_images[1] == whole[1] and by_images[2] == whole[2]
 
 
 @pytest.mark.parametrize("compiled", [True, False])

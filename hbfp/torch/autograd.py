@@ -80,6 +80,18 @@ class HbfpMatmul(torch.autograd.Function):
                 ctx.lean, ctx.transposed, ctx.a_t = lean, False, False
                 y, ctx.qa, ctx.qb, ctx.b_view = lean.forward(lib, a, b, in_use)
                 return y
+        HbfpMatmul._operands(ctx, a, b, cfg, in_use, grad_a_t)
+        if out_t:  # (b^T @ a^T)^T: the same sums, the same bits, a transposed view
+            return _product(device, ctx.qb, ctx.qa, cfg, in_use, transpose_a=not ctx.transposed,
+                            transpose_b=True).t()
+        return _product(device, ctx.qa, ctx.qb, cfg, in_use, transpose_b=ctx.transposed)
+
+    @staticmethod
+    def _operands(ctx, a, b, cfg: ProductConfig, in_use: RecipeInUse, grad_a_t: bool) -> None:
+        """The general path's operands in ``ctx`` (``ctx.device``, ``ctx.stored``, ``ctx.patches``
+        set): their codes (``qa``, ``qb``), in this order, with the recipe's seeds, and how the
+        backward products read them."""
+        device, stored, patches = ctx.device, ctx.stored, ctx.patches
         ctx.qa = patches.codes(device, cfg, in_use) if patches is not None else _operand(device, a, cfg, in_use)
         ctx.qb = stored.codes if stored is not None else _operand(device, b, cfg, in_use)
         ctx.transposed = stored is not None and stored.transposed
@@ -88,10 +100,6 @@ class HbfpMatmul(torch.autograd.Function):
         ctx.b_view = ctx.transposed or (b.dim() == 2 and not b.is_contiguous() and b.t().is_contiguous())
         # grad_a_t: a's gradient made transposed (a patch matrix's: col2im reads runs of it there)
         ctx.a_t = grad_a_t
-        if out_t:  # (b^T @ a^T)^T: the same sums, the same bits, a transposed view
-            return _product(device, ctx.qb, ctx.qa, cfg, in_use, transpose_a=not ctx.transposed,
-                            transpose_b=True).t()
-        return _product(device, ctx.qa, ctx.qb, cfg, in_use, transpose_b=ctx.transposed)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

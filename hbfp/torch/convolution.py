@@ -7,7 +7,9 @@ both backward ones, each under its configuration of the recipe, ``grad_input`` a
 
 - a convolution: per group, patches @ W^T (``_Patches``: gathered by the compiled kernels in
   2-d, or quantized from the image directly where the product reads only their codes,
-  ``_LazyPatches``); their gradient summed back onto the image (``col2im``);
+  ``_LazyPatches``); their gradient summed back onto the image (``col2im``; on an in-process
+  device folded onto it as the product makes it, and with one group the product made straight
+  into the output's layout with its bias: ``hbfp.torch.image_products``);
 - a transposed one (weight Cin x Cout/g x K): per group, col2im(x @ W) onto the output
   (``_Col2im``), whose gradient is the patches of the output's gradient.
 
@@ -24,10 +26,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hbfp.recipes import ProductConfig, RecipeInUse
-
-from .device import _device_work, _square, default_device
+from .device import default_device
 from .functional import _add_bias, matmul
+from .image_products import _ImageProduct, _LazyPatches
 from .storage import _matrix, _stored_operand
 
 __all__ = ["convolution", "conv2d", "conv1d", "patches", "col2im"]
@@ -93,90 +94,6 @@ def _out_size(size, kernel, stride, padding, dilation, transposed, output_paddin
         return [(i - 1) * st - 2 * p + dl * (k - 1) + op + 1
                 for i, k, st, p, dl, op in zip(size, kernel, stride, padding, dilation, output_padding)]
     return [(s + 2 * p - dl * (k - 1) - 1) // st + 1 for s, k, st, p, dl in zip(size, kernel, stride, padding, dilation)]
-
-
-class _LazyPatches:
-    """The patches of a convolution of ``x`` that a product reads as codes only: quantized from
-    the image directly (``hbfp.kernels.im2col_quantize``: no fp32 patch matrix), with the
-    rounding and the seed the product would give the patch matrix itself."""
-
-    def __init__(self, x, kernel, stride, padding, dilation):
-        self.x, self.geometry = x.detach(), (kernel, stride, padding, dilation)
-        self.grad = None  # the image's gradient, where ``fold`` made it
-
-    @staticmethod
-    def applies(device, x) -> bool:
-        from hbfp import kernels
-
-        return (device.in_process and _square(device) and x.dtype == torch.float32
-                and x.device.type == "cpu" and kernels._conv_lib(x) is not None)
-
-    @torch.compiler.disable
-    def codes(self, device, cfg: ProductConfig, in_use: RecipeInUse):
-        from hbfp import kernels
-
-        seed = in_use.seed(cfg)  # as _operand draws it: one a quantization
-        with _device_work():
-            return kernels.im2col_quantize(self.x, *self.geometry, device.format(cfg.rounding), seed=seed)
-
-    #: The patch gradient's columns made at a time by ``fold``: about this many bytes, so that
-    #: col2im reads them from the cache the product wrote them to.
-    FOLD_BYTES = 2 << 20
-
-    @staticmethod
-    def folds(device, grad: torch.Tensor, cfg: ProductConfig) -> bool:
-        """Whether ``fold`` makes the patches' gradient of this product (``grad`` the output's)."""
-        from .device import _compiled_cpu
-
-        return (cfg.out == "fp32" and device.in_process and _square(device) and grad.dtype == torch.float32
-                and grad.device.type == "cpu" and _compiled_cpu() is not None)
-
-    @torch.compiler.disable
-    def fold(self, device, qw, transpose_w: bool, qg) -> None:
-        """The image's gradient, ``col2im`` of the patches' gradient (``op(W) @ G^T``, C*KH*KW x
-        positions: ``qw`` the codes of W^T as the product stores them, ``transpose_w`` whether it
-        reads them transposed; ``qg`` the output gradient's codes), made a few images at a time:
-        each run of images' columns (from the tile row before its first position to the one
-        after its last) into one buffer, then summed onto those images, while the buffer is in
-        the cache. Every column is its own sum and every pixel adds its terms in the same order,
-        so the gradient has the bits of the whole product's col2im; the product is counted once,
-        as ``_device_gemm`` counts it. Kept for ``_Patches.backward`` (``grad``)."""
-        from hbfp import kernels
-        from hbfp.host import planner
-        from hbfp.host.device import check_product_size
-        from hbfp.kernels import _code_bound, default_threads
-
-        from . import counts as _report
-        from .device import _compiled_cpu
-
-        lib, fmt = _compiled_cpu(), device.format()
-        (ca, ea), (cg, eg) = qw, qg
-        fa = fmt
-        if transpose_w:
-            ca, ea, fa = ca.t(), ea.t(), fmt.transposed()
-        (m, k), p = ca.shape, cg.shape[0]
-        check_product_size(m, p, k, code_bytes=1 if fmt.mantissa_bits <= 8 else 2)
-        g = kernels.conv_geometry(tuple(self.x.shape), *self.geometry)
-        n, per_image, th = g[0], g[12] * g[13], fmt.tile[0]
-        images = max(1, min(n, self.FOLD_BYTES // max(1, 4 * m * per_image)))
-        grad = torch.empty(self.x.shape, dtype=torch.float32)
-        threads = default_threads()
-        with _device_work():
-            bound_a = _code_bound(ca.numpy(), fa)
-            bound_g = _code_bound(cg.numpy(), fmt)
-            width = min(p, images * per_image + 2 * th)
-            buffer = torch.empty((m, width), dtype=torch.float32)
-            for b0 in range(0, n, images):
-                b1 = min(n, b0 + images)
-                p0, p1 = b0 * per_image, b1 * per_image
-                q0, q1 = p0 // th * th, min(p, -(-p1 // th) * th)  # whole tiles of G's rows
-                cols = buffer[:, :q1 - q0]
-                lib.gemm_tensor(ca, ea, fa, cg[q0:q1].t(), eg[q0 // th:-(-q1 // th)].t(), fmt.transposed(), cols,
-                                threads, bound_a, bound_g)
-                lib.col2im(cols[:, p0 - q0:p1 - q0].t(), (b1 - b0, *g[1:]), grad[b0:b1], threads=threads)
-        _report.count_device(m * k * p)
-        device.count_tensors_product(m, p, k, transpose_w, True, planner.OUT_CODES["fp32"])
-        self.grad = grad
 
 
 class _Patches(torch.autograd.Function):
@@ -270,6 +187,11 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out_ch = weight.shape[0]
     cin, cout = x.shape[1] // groups, out_ch // groups
     matrix = _matrix(weight)  # out x (in / groups * K)
+    if (nd == 2 and device is not None and _LazyPatches.applies(device, x)
+            and _ImageProduct.applies(device, x, weight, bias, groups)):
+        lazy = _LazyPatches(x, kernel, stride, padding, dilation)
+        pg = _Patches.apply(x, kernel, stride, padding, dilation, lazy)
+        return _ImageProduct.apply(pg, matrix.t(), bias, device, stored(matrix, True), lazy, (n, out_ch, *out))
     ys = []
     for g in range(groups):
         # (N * prod(O), C/g * prod(K)) @ (C/g * prod(K), OUT/g)

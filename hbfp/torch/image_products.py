@@ -1,0 +1,182 @@
+"""A 2-d convolution's products on an in-process device, over its positions without the fp32
+patch matrix (``hbfp.torch.convolution``):
+
+- ``_LazyPatches``: the patches' codes quantized from the image directly, and the input's
+  gradient folded onto the image as the product makes it (``fold``);
+- ``_ImageProduct``: the product made straight into the output's layout, with its bias;
+
+each a few images at a time (``_image_runs``), so that what reads a product's columns next finds
+them in the cache. The same sums, bits and counts as the general path's products.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hbfp.recipes import ProductConfig, RecipeInUse
+
+from .device import _device_work, _square
+
+
+def _image_runs(n: int, per_image: int, rows: int, tile: int, values: int):
+    """The runs of images a product over a convolution's positions is made in (``fold``,
+    ``_ImageProduct``): as many images as keep a run's ``values`` fp32 values a position within
+    ``_LazyPatches.FOLD_BYTES``; each run as (first image, image after it, its positions
+    [p0, p1), the whole tile rows [q0, q1) of the ``rows`` positions that hold them)."""
+    images = max(1, min(n, _LazyPatches.FOLD_BYTES // max(1, 4 * values * per_image)))
+    for b0 in range(0, n, images):
+        b1 = min(n, b0 + images)
+        p0, p1 = b0 * per_image, b1 * per_image
+        yield b0, b1, p0, p1, p0 // tile * tile, min(rows, -(-p1 // tile) * tile)
+
+
+def _product_by_images(device, w, transpose_w: bool, rows, n: int):
+    """``op(W) @ rows^T`` a few images at a time (``_image_runs``): ``w`` the codes and exponents
+    of W as the product stores it (``transpose_w``: it reads them transposed), ``rows`` those of
+    a matrix of positions (the patches, an output gradient) of ``n`` images, whole tile rows of
+    it a run. Yields (first image, image after the run, the run's columns: op(W)'s rows x its
+    positions, in a buffer that the next run overwrites); then counts the product once, as
+    ``_device_gemm`` counts it (the same product: every column its own sums)."""
+    from hbfp.host import planner
+    from hbfp.host.device import check_product_size
+    from hbfp.kernels import _code_bound, default_threads
+
+    from . import counts as _report
+    from .device import _compiled_cpu
+
+    lib, fmt = _compiled_cpu(), device.format()
+    (ca, ea), (cr, er) = w, rows
+    fa, th = fmt, fmt.tile[0]
+    if transpose_w:
+        ca, ea, fa = ca.t(), ea.t(), fmt.transposed()
+    (m, k), p = ca.shape, cr.shape[0]
+    check_product_size(m, p, k, code_bytes=1 if fmt.mantissa_bits <= 8 else 2)
+    threads = default_threads()
+    with _device_work():
+        bounds = _code_bound(ca.numpy(), fa), _code_bound(cr.numpy(), fmt)  # of the whole operands
+        runs = list(_image_runs(n, p // n, p, th, m))
+        buffer = torch.empty((m, max(q1 - q0 for *_, q0, q1 in runs)), dtype=torch.float32)
+        for b0, b1, p0, p1, q0, q1 in runs:
+            cols = buffer[:, :q1 - q0]
+            lib.gemm_tensor(ca, ea, fa, cr[q0:q1].t(), er[q0 // th:-(-q1 // th)].t(), fmt.transposed(), cols,
+                            threads, *bounds)
+            yield b0, b1, cols[:, p0 - q0:p1 - q0]
+    _report.count_device(m * k * p)
+    device.count_tensors_product(m, p, k, transpose_w, True, planner.OUT_CODES["fp32"])
+
+
+class _LazyPatches:
+    """The patches of a convolution of ``x`` that a product reads as codes only: quantized from
+    the image directly (``hbfp.kernels.im2col_quantize``: no fp32 patch matrix), with the
+    rounding and the seed the product would give the patch matrix itself."""
+
+    def __init__(self, x, kernel, stride, padding, dilation):
+        self.x, self.geometry = x.detach(), (kernel, stride, padding, dilation)
+        self.grad = None  # the image's gradient, where ``fold`` made it
+
+    @staticmethod
+    def applies(device, x) -> bool:
+        from hbfp import kernels
+
+        return (device.in_process and _square(device) and x.dtype == torch.float32
+                and x.device.type == "cpu" and kernels._conv_lib(x) is not None)
+
+    @torch.compiler.disable
+    def codes(self, device, cfg: ProductConfig, in_use: RecipeInUse):
+        from hbfp import kernels
+
+        seed = in_use.seed(cfg)  # as _operand draws it: one a quantization
+        with _device_work():
+            return kernels.im2col_quantize(self.x, *self.geometry, device.format(cfg.rounding), seed=seed)
+
+    #: The columns of a product over a convolution's positions made at a time (``fold``'s patch
+    #: gradient, ``_ImageProduct``'s output): about this many bytes, so that what reads them next
+    #: (col2im, the copy into the image's layout) finds them in the cache the product wrote.
+    FOLD_BYTES = 2 << 20
+
+    @staticmethod
+    def folds(device, grad: torch.Tensor, cfg: ProductConfig) -> bool:
+        """Whether ``fold`` makes the patches' gradient of this product (``grad`` the output's)."""
+        from .device import _compiled_cpu
+
+        return (cfg.out == "fp32" and device.in_process and _square(device) and grad.dtype == torch.float32
+                and grad.device.type == "cpu" and _compiled_cpu() is not None)
+
+    @torch.compiler.disable
+    def fold(self, device, qw, transpose_w: bool, qg) -> None:
+        """The image's gradient, ``col2im`` of the patches' gradient (``op(W) @ G^T``, C*KH*KW x
+        positions: ``qw`` the codes of W^T as the product stores them, ``transpose_w`` whether it
+        reads them transposed; ``qg`` the output gradient's codes), made a few images at a time:
+        each run of images' columns (from the tile row before its first position to the one
+        after its last) into one buffer, then summed onto those images, while the buffer is in
+        the cache. Every column is its own sum and every pixel adds its terms in the same order,
+        so the gradient has the bits of the whole product's col2im; the product is counted once,
+        as ``_device_gemm`` counts it. Kept for ``_Patches.backward`` (``grad``)."""
+        from hbfp import kernels
+        from hbfp.kernels import default_threads
+
+        g = kernels.conv_geometry(tuple(self.x.shape), *self.geometry)
+        grad = torch.empty(self.x.shape, dtype=torch.float32)
+        lib, threads = kernels.compiled_cpu(), default_threads()
+        for b0, b1, cols in _product_by_images(device, qw, transpose_w, qg, g[0]):
+            lib.col2im(cols.t(), (b1 - b0, *g[1:]), grad[b0:b1], threads=threads)
+        self.grad = grad
+
+
+class _ImageProduct(torch.autograd.Function):
+    """A 2-d convolution's product on an in-process device, made straight into its output
+    (N, OUT, OH, OW) with its bias: W @ patches^T a few images at a time into a buffer (from the
+    tile row of the patches before a run's first position to the one after its last), each run
+    then added to the bias and laid out as the image's planes in one pass while the buffer is in
+    the cache; so the (OUT x positions) product, its sum with the bias and their copy into the
+    image's layout, each a pass over memory, are not made. The same sums, the same bits, the same
+    counts as ``HbfpMatmul``'s product (``out_t``), ``_add_bias`` and the copy; the backward makes
+    the output gradient's (positions x OUT) view as the copy's backward does, the bias's
+    gradient as the sum's (``sum_to_size`` of that view) and the products' as ``HbfpMatmul``."""
+
+    @staticmethod
+    def forward(ctx, a, b, bias, device, stored, patches, shape):
+        from . import counts as _report
+        from .autograd import HbfpMatmul
+        from .config import recipe_in_use
+
+        in_use = recipe_in_use()
+        in_use.note(a, b)
+        cfg = in_use.recipe.forward
+        ctx.device, ctx.stored, ctx.in_use, ctx.patches = device, stored, in_use, patches
+        ctx.op, ctx.lean = _report.current(), None
+        HbfpMatmul._operands(ctx, a, b, cfg, in_use, True)
+        ctx.bias_shape = None if bias is None else bias.shape
+        n, m = shape[:2]
+        out = torch.empty(shape, dtype=torch.float32)
+        planes = out.view(n, m, -1)
+        for b0, b1, cols in _product_by_images(device, ctx.qb, not ctx.transposed, ctx.qa, n):
+            run = cols.view(m, b1 - b0, -1).transpose(0, 1)
+            if bias is None:
+                planes[b0:b1].copy_(run)
+            else:
+                torch.add(run, bias.detach().view(1, m, 1), out=planes[b0:b1])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from . import counts as _report
+        from .autograd import HbfpMatmul
+
+        n, out_ch = grad.shape[:2]
+        # as the backward of the copy into the image's layout makes it: (OUT x positions), then
+        # its (positions x OUT) view, which the bias's sum and the products read
+        g = grad.reshape(n, out_ch, -1).transpose(0, 1).reshape(out_ch, -1).t()
+        grad_bias = None if ctx.bias_shape is None else g.sum_to_size(ctx.bias_shape)
+        with _report.routing(ctx.op or "matmul"):
+            grad_a, grad_b = HbfpMatmul._backward(ctx, g)[:2]
+        return grad_a, grad_b, grad_bias, None, None, None, None
+
+    @staticmethod
+    def applies(device, x, weight, bias, groups: int) -> bool:
+        """Whether the product goes straight into the output: fp32 operands, one group, a
+        recipe whose forward product returns its fp32 sums (``_LazyPatches`` applying)."""
+        from .config import recipe_in_use
+
+        return (groups == 1 and weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
+                and recipe_in_use().recipe.forward.out == "fp32")
