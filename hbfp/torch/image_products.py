@@ -39,6 +39,7 @@ def _product_by_images(device, w, transpose_w: bool, rows, n: int):
     ``_device_gemm`` counts it (the same product: every column its own sums)."""
     from hbfp.host import planner
     from hbfp.host.device import check_product_size
+    from hbfp.host.protocol import code_bytes
     from hbfp.kernels import _code_bound, default_threads
 
     from . import counts as _report
@@ -50,7 +51,7 @@ def _product_by_images(device, w, transpose_w: bool, rows, n: int):
     if transpose_w:
         ca, ea, fa = ca.t(), ea.t(), fmt.transposed()
     (m, k), p = ca.shape, cr.shape[0]
-    check_product_size(m, p, k, code_bytes=1 if fmt.mantissa_bits <= 8 else 2)
+    check_product_size(m, p, k, code_bytes=code_bytes(fmt.mantissa_bits))
     threads = default_threads()
     with _device_work():
         bounds = _code_bound(ca.numpy(), fa), _code_bound(cr.numpy(), fmt)  # of the whole operands

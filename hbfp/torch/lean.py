@@ -89,10 +89,11 @@ class _Lean:
         """``a @ b``, the operands' codes and whether ``b`` is a transposed view (what the
         backward products read)."""
         from hbfp.host.device import check_product_size
+        from hbfp.host.protocol import code_bytes
 
         cfg = in_use.recipe.forward
-        code_bytes = 1 if self.fmt["nearest_even"].mantissa_bits <= 8 else 2
-        check_product_size(a.shape[0], b.shape[1], a.shape[1], code_bytes=code_bytes)
+        bits = self.fmt["nearest_even"].mantissa_bits
+        check_product_size(a.shape[0], b.shape[1], a.shape[1], code_bytes=code_bytes(bits))
         with _device_work():
             qa, qb = self._quantize(lib, a, cfg, in_use), self._quantize(lib, b, cfg, in_use)
             b_view = not b.is_contiguous() and b.t().is_contiguous()
