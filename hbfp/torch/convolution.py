@@ -169,6 +169,7 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     stride, padding, dilation, output_padding = (_tuple(v, nd) for v in (stride, padding, dilation, output_padding or 0))
     n, size = x.shape[0], tuple(x.shape[2:])
     out = _out_size(size, kernel, stride, padding, dilation, transposed, output_padding)
+    on_device = mm is None  # (else a test's products: the geometry alone)
     if mm is None:
         device = device or default_device()
         mm = lambda a, b, **kw: matmul(a, b, device, **kw)  # noqa: E731
@@ -187,7 +188,7 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out_ch = weight.shape[0]
     cin, cout = x.shape[1] // groups, out_ch // groups
     matrix = _matrix(weight)  # out x (in / groups * K)
-    if (nd == 2 and device is not None and _LazyPatches.applies(device, x)
+    if (on_device and nd == 2 and _LazyPatches.applies(device, x)
             and _ImageProduct.applies(device, x, weight, bias, groups)):
         lazy = _LazyPatches(x, kernel, stride, padding, dilation)
         pg = _Patches.apply(x, kernel, stride, padding, dilation, lazy)
