@@ -11,7 +11,8 @@
   (``hbfp.torch.autograd``; their lean path: ``hbfp.torch.lean``), and the functions made of
   them: ``matmul``, ``bilinear`` (``hbfp.torch.functional``), ``conv1d``, ``conv2d``
   (``hbfp.torch.convolution``, whose ``convolution`` makes every kind: any number of spatial
-  dimensions, transposed or not).
+  dimensions, transposed or not; on the emu a 2-d one's products a few images at a time,
+  ``hbfp.torch.image_products``).
 - ``Linear``, ``Conv1d``, ``Conv2d`` and ``convert(model)``, which swaps them into a model in
   place (``hbfp.torch.modules``).
 - ``wide_weight_storage(model, optimizer)``: the paper's wide weight storage
