@@ -317,7 +317,7 @@ class UdpRx(wiring.Component):
             m.d.sync += seq.eq(Cat(nxt[8:16], nxt[:8]))  # little-endian
         with m.If(at[44]):
             m.d.sync += [flags.eq(byte), ahead.eq(seq - expected), dgram_ok.eq(udp_ok & port_ok & len_ok)]
-        with m.If(at[45]):  # the datagram header is whole: take it or not
+        with m.If(at[LAST_HEADER_BYTE]):  # the datagram header is whole: take it or not
             in_order = ~synced | flags[0] | ~ahead[15]
             ok = dgram_ok & (byte == D.VERSION)
             with m.If(ok & in_order):
@@ -341,7 +341,7 @@ class UdpRx(wiring.Component):
         # message (34 .. 14 + total_len - 1, its last the frame's if that is shorter)
         # (``forward`` and ``echo`` each set at one byte or counted down, one choice: no chain)
         last = self.i.payload.last
-        with m.If(take & at[45]):
+        with m.If(take & at[LAST_HEADER_BYTE]):
             in_order = ~synced | flags[0] | ~ahead[15]
             m.d.sync += forward.eq(dgram_ok & (byte == D.VERSION) & in_order & (stream_len != 0) & ~last)
         with m.Elif(take & forward):
