@@ -106,7 +106,7 @@ __all__ = [
 MAGIC = b"HB"
 #: The magic as HEADER's 16-bit ``magic`` field reads it (little-endian).
 MAGIC_WORD = int.from_bytes(MAGIC, "little")
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: The device interface a host speaks: (major, minor). A different major is refused.
 ABI_VERSION = (1, 1)
 CRC_SIZE = 4
@@ -364,7 +364,7 @@ IDENTITY = Descriptor("identity", [
 #: STATUS's reply data.
 STATUS = Descriptor("status", [("accepted", 32), ("refused", 32), ("last_cycles", 32), ("last_error", 8),
                                ("_pad", 8), ("_pad2", 16)])
-#: The cycles at the start of a GEMM reply's data.
+#: The cycles at the end of a GEMM reply's data (after the result).
 CYCLES = Descriptor("cycles", [("cycles", 32)])
 
 

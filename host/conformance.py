@@ -327,12 +327,13 @@ class _Table:
 
     def version(self):
         """BAD_VERSION, checked after the CRC and before the opcode."""
-        self.one("version/2", Op.IDENTIFY, status=Status.BAD_VERSION, version=2)
+        other = P.PROTOCOL_VERSION + 1
+        self.one(f"version/{other}", Op.IDENTIFY, status=Status.BAD_VERSION, version=other)
         self.one("version/0", Op.STATUS, status=Status.BAD_VERSION, version=0)
         self.one("version/255-write", Op.WRITE, P.encode_write(Target.ACC, 0, 0, 0, 0, b""),
                  status=Status.BAD_VERSION, version=255)
-        self.one("version/before-opcode", 0x7E, status=Status.BAD_VERSION, version=2)
-        self.one("version/before-length", Op.STATUS, b"\0", status=Status.BAD_VERSION, version=2)
+        self.one("version/before-opcode", 0x7E, status=Status.BAD_VERSION, version=other)
+        self.one("version/before-length", Op.STATUS, b"\0", status=Status.BAD_VERSION, version=other)
 
     def opcode(self):
         """BAD_OPCODE: 0, above RESET, a reply's opcode, 0xFF."""
@@ -367,7 +368,7 @@ class _Table:
                  "the largest length field: skipped until the pause, silently")
         t = self.tag()
         self.add("length/oversized-before-version",
-                 [Send(_header(Op.IDENTIFY, t, P_ + 1, version=2) + bytes(P_ + 5), replies=1)],
+                 [Send(_header(Op.IDENTIFY, t, P_ + 1, version=P.PROTOCOL_VERSION + 1) + bytes(P_ + 5), replies=1)],
                  [Reply(Status.BAD_LENGTH, Op.IDENTIFY | P.REPLY, t, 0, b"")],
                  "the length is checked when the header is in, before the CRC and the version")
         t = self.tag()
@@ -683,7 +684,7 @@ class _Table:
         crc[-2] ^= 0x01
         good, tg = self.frame(Op.IDENTIFY)
         op0, t0 = self.frame(0x00)
-        v2, tv = self.frame(Op.STATUS, version=2)
+        v2, tv = self.frame(Op.STATUS, version=P.PROTOCOL_VERSION + 1)
         gemm0, tz = self.frame(Op.GEMM, self.gemm(m=0))
         good2, tg2 = self.frame(Op.WRITE, P.encode_write(Target.ACC, 0, 0, 1, self.C, bytes(4 * self.C)))
         self.add("b2b/errors-between",

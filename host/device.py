@@ -463,9 +463,9 @@ class Device:
             for mi, ci in sides(M, bm, nI):
                 for nj, cj in sides(N, bn, nJ):
                     # Every block: nP - 1 chunks of bk whose replies are discarded, then the last.
-                    c = self._direct.product_cycles(mi, nj, last_k, final)
+                    c = self._direct.product_cycles(mi, nj, last_k)
                     if nP > 1:
-                        c += (nP - 1) * self._direct.product_cycles(mi, nj, bk, planner.discarded(self.identity, mi, nj))
+                        c += (nP - 1) * self._direct.product_cycles(mi, nj, bk)
                     cycles += ci * cj * c
             if len(self._direct_cycles) > 4096:
                 self._direct_cycles.clear()

@@ -40,18 +40,12 @@ from hbfp.golden import bf16
 from hbfp.golden.bfp import BFPTensor, quantize
 from hbfp.golden.gemm import epilogue, gemm
 from hbfp.contract import (
-    ACC_READ_LATENCY,
-    ACTIVATION_INPUT_REGISTER,
-    ACTIVATION_LATENCY,
-    CHUNK_SELECT,
     ADD_LATENCY,
     MAC_LATENCY,
     OPERAND_READ_LATENCY,
     PREFETCH_CYCLES,
     FUNCTIONS,
     NORMALIZE_LATENCY,
-    QUANTIZE_LATENCY,
-    UNARY_FUNCTIONS,
     DEVICE_FIELDS,
     CoreConfig,
     DeviceSpec,
@@ -81,82 +75,41 @@ _ROUNDINGS = {code: name for name, code in P.ROUNDING_CODES.items()}
 # ---- the gateware's cycle count (docs/architecture.md, "Latency and throughput of a command")
 
 # The latencies of the gateware's components that the count adds up are the contract's
-# (``OPERAND_READ_LATENCY``, ``PREFETCH_CYCLES``, ``MAC_LATENCY``, ``NORMALIZE_LATENCY``, ``ADD_LATENCY``,
-# ``ACC_READ_LATENCY``, ``ACTIVATION_LATENCY``, ``QUANTIZE_LATENCY``: the gateware builds its
-# components to them); tests/test_emu_gateware.py holds the whole count equal to the
-# gateware's on every command.
-#: The stages that only hw/gemm_core.py's structure sets: the first operand beat is issued the
-#: cycle after the command is accepted; a drained row passes one register before the
-#: accumulate lanes; the epilogue's first read is issued two cycles after acceptance (the
-#: descriptor's register, then its start); a read's chunk of ``out_lanes`` values is registered
-#: once selected from the word (the contract's ``CHUNK_SELECT``); the activation units' bf16
-#: input is registered (``ACTIVATION_INPUT_REGISTER``); the output queue
-#: (``SyncFIFOBuffered``) offers a value ``QUEUE_CYCLES`` after it is written.
-ISSUE_START = 1
+# (``OPERAND_READ_LATENCY``, ``PREFETCH_CYCLES``, ``MAC_LATENCY``, ``NORMALIZE_LATENCY``, ``ADD_LATENCY``:
+# the gateware builds its components to them); tests/test_emu_gateware.py holds the whole count
+# equal to the gateware's on every command.
+#: The stage that only hw/gemm_core.py's structure sets: a drained row passes one register
+#: before the accumulate lanes.
 DRAIN_REGISTER = 1
-EPILOGUE_START = 2
-QUEUE_CYCLES = 2
 
 
-def _activation_stage(cfg: CoreConfig) -> bool:
-    """Whether the core's epilogue has the activation stage (any unary function built)."""
-    return any(f in UNARY_FUNCTIONS for f in cfg.built_functions)
-
-
-def command_cycles(cfg: CoreConfig, m: int, n: int, k: int, out_format: int) -> int:
-    """The cycles a GEMM (or, with ``k = 0``, a READ) takes on the gateware: the core's count
-    from the cycle after it accepts the command to the cycle of its last output beat, which
-    the reply and STATUS report (docs/architecture.md, "Latency and throughput of a
-    command").
+def command_cycles(cfg: CoreConfig, m: int, n: int, k: int) -> int:
+    """The cycles a GEMM (or, with ``k = 0``, a READ) counts on the gateware: the core's count
+    from the cycle after it accepts the command to the cycle in which its last row-block of
+    sums is in the accumulator, which the GEMM's reply (after its result) and STATUS report
+    (docs/architecture.md, "Latency and throughput of a command"). The epilogue, which runs
+    beside the MAC phase, sends the rows at the reply's pace, so what follows the last sums
+    depends on the link and is not counted; a READ computes no sums and counts 0.
 
     The MAC phase issues K-tiles every ``period = max(tk, max(R, C) + PREFETCH_CYCLES)``
-    cycles and never waits; row-block b is closed (its rows readable) at::
+    cycles and never waits; counting the cycle after acceptance as 1, the last row-block is
+    closed (its rows readable) in cycle::
 
-        ready(b) = j_b * period + tk + OPERAND_READ_LATENCY + MAC_LATENCY + R * G + DRAIN_REGISTER
-                   + NORMALIZE_LATENCY + ADD_LATENCY,   j_b = its last K-tile's index
+        j * period + tk + OPERAND_READ_LATENCY + MAC_LATENCY + R * G + DRAIN_REGISTER
+        + NORMALIZE_LATENCY + ADD_LATENCY,   j = the product's last K-tile's index
 
-    (``G`` = ``acc_groups``: a K-tile's sums drain in ``R * G`` beats).
-
-    The epilogue issues its U reads (``out_lanes`` values each: ``M * ceil(N / E)`` row-major,
-    or ``tiles * th * tw / E`` tile-major for BFP) one a cycle from ``EPILOGUE_START``, each
-    once its row is closed, so the last read goes at ``max(EPILOGUE_START + U - 1,
-    max_b(ready(b) + U - 1 - u_b))`` with u_b the first read of row-block b; then the epilogue
-    (accumulator read, bias adders, the activation stage if unary units are built) and the
-    output queue, and for BFP the quantizer: its latency and the last tile's beats.
-
-    It depends on the configuration and the sides and output format only: not on transposes,
-    bias, the activation chosen, accumulation, rounding or the data."""
-    R, C, tk, E = cfg.rows, cfg.cols, cfg.tk, cfg.out_lanes
-    th, tw = cfg.tile
-    bfp = out_format == OutFormat.BFP
-    tiles_n = -(-n // tw)
-    if bfp:
-        tile_reads = tw // E  # reads of a tile's row
-        reads = -(-m // th) * tiles_n * th * tile_reads
-    else:
-        row_reads = -(-n // E)
-        reads = m * row_reads
-    last_read = EPILOGUE_START + reads - 1
-    if k:
-        blocks_n, ktiles = -(-n // C), -(-k // tk)
-        period = max(tk, max(R, C) + PREFETCH_CYCLES)
-        for b in range(-(-m // R)):
-            j = (b + 1) * blocks_n * ktiles - 1
-            ready = (j * period + tk + OPERAND_READ_LATENCY + MAC_LATENCY + R * cfg.acc_groups + DRAIN_REGISTER
-                     + NORMALIZE_LATENCY + ADD_LATENCY)
-            row = b * R
-            if bfp:
-                band, r = divmod(row, th)
-                first = (band * tiles_n * th + r) * tile_reads
-            else:
-                first = row * row_reads
-            last_read = max(last_read, ready + reads - 1 - first)
-    epilogue = (ACC_READ_LATENCY + CHUNK_SELECT + ADD_LATENCY
-                + (ACTIVATION_INPUT_REGISTER + ACTIVATION_LATENCY if _activation_stage(cfg) else 0))
-    cycles = last_read + epilogue + QUEUE_CYCLES
-    if bfp:
-        cycles += QUANTIZE_LATENCY + th * tile_reads - 1
-    return cycles
+    (``G`` = ``acc_groups``: a K-tile's sums drain in ``R * G`` beats), and the count, which
+    starts at 0 in the cycle after acceptance, is one less. It depends on the
+    configuration and the sides only: not on the output format, transposes, bias, the
+    activation, accumulation, rounding or the data."""
+    if not k:
+        return 0
+    R, C, tk = cfg.rows, cfg.cols, cfg.tk
+    period = max(tk, max(R, C) + PREFETCH_CYCLES)
+    j = -(-m // R) * -(-n // C) * -(-k // tk) - 1
+    closed = (j * period + tk + OPERAND_READ_LATENCY + MAC_LATENCY + R * cfg.acc_groups + DRAIN_REGISTER
+              + NORMALIZE_LATENCY + ADD_LATENCY)
+    return closed - 1
 
 
 class Buffers:
@@ -323,14 +276,14 @@ class EmuDevice:
         """Reply bytes waiting to be read."""
         return len(self._out)
 
-    def product_cycles(self, m: int, n: int, k: int, out_format: int) -> int:
-        """The cycles a GEMM of ``m x n x k`` (a READ with ``k = 0``) with result format
-        ``out_format`` takes on this device (``command_cycles``, remembered: a training loop
-        asks for the same few shapes again and again)."""
-        key = (m, n, k, int(out_format))
+    def product_cycles(self, m: int, n: int, k: int) -> int:
+        """The cycles a GEMM of ``m x n x k`` (a READ with ``k = 0``) counts on this device
+        (``command_cycles``, remembered: a training loop asks for the same few shapes again
+        and again)."""
+        key = (m, n, k)
         cycles = self._cycles.get(key)
         if cycles is None:
-            cycles = self._cycles[key] = command_cycles(self.config, m, n, k, out_format)
+            cycles = self._cycles[key] = command_cycles(self.config, m, n, k)
         return cycles
 
     # ---- frames -----------------------------------------------------------------------
@@ -505,10 +458,9 @@ class EmuDevice:
             sums = self.acc[:m, :n].copy()
         result = self._epilogue(sums, self.bias[:n] if add_bias else None, act, out_format,
                                 _ROUNDINGS[d["rounding"]], d["seed"])
-        cycles = command_cycles(cfg, m, n, k, out_format)
+        cycles = command_cycles(cfg, m, n, k)
         self.last_cycles = cycles
-        data = P.encode_result(cycles, result, out_format)
-        return data[4:] if read else data  # READ replies with the result alone
+        return P.encode_result(None if read else cycles, result, out_format)  # READ: the result alone
 
     def _stored(self, codes: np.ndarray, exponents: np.ndarray, shape: tuple[int, int]) -> BFPTensor:
         rows, cols = shape

@@ -385,7 +385,7 @@ def decode_bfp(data: bytes, m: int, n: int, fmt):
 
 
 def result_size(m: int, n: int, out_format: int, mantissa_bits: int, tile: tuple[int, int]) -> int:
-    """Bytes of a GEMM/READ result (after the u32 cycles)."""
+    """Bytes of a GEMM/READ result (a GEMM's u32 cycles after it not counted)."""
     if out_format == OutFormat.FP32:
         return 4 * m * n
     if out_format == OutFormat.BF16:
@@ -394,27 +394,28 @@ def result_size(m: int, n: int, out_format: int, mantissa_bits: int, tile: tuple
     return -(-m // th) * -(-n // tw) * (1 + th * tw * code_bytes(mantissa_bits))
 
 
-def encode_result(cycles: int, result, out_format: int) -> bytes:
-    """A GEMM/READ reply's data: u32 cycles, then the result (fp32 array, bf16 patterns
-    as uint16, or a BFPTensor)."""
-    head = _CYCLES.pack(cycles & 0xFFFFFFFF)
+def encode_result(cycles: int | None, result, out_format: int) -> bytes:
+    """A GEMM reply's data: the result (fp32 array, bf16 patterns as uint16, or a
+    BFPTensor), then the u32 cycles; a READ reply's (``cycles`` None): the result alone."""
     if out_format == OutFormat.FP32:
-        return head + np.ascontiguousarray(result, dtype="<f4").tobytes()
-    if out_format == OutFormat.BF16:
-        return head + np.ascontiguousarray(result, dtype="<u2").tobytes()
-    return head + encode_bfp(result)
+        body = np.ascontiguousarray(result, dtype="<f4").tobytes()
+    elif out_format == OutFormat.BF16:
+        body = np.ascontiguousarray(result, dtype="<u2").tobytes()
+    else:
+        body = encode_bfp(result)
+    return body if cycles is None else body + _CYCLES.pack(cycles & 0xFFFFFFFF)
 
 
 def decode_result(data: bytes, m: int, n: int, out_format: int, fmt, *, cycles: bool = True):
     """(cycles, result) from a GEMM reply's data (``cycles=False``: a READ reply, which has
     no cycles; they are None): an fp32 array, an ``ml_dtypes.bfloat16`` array or a
     ``BFPTensor`` (in ``fmt``). ``ValueError`` when the size is wrong."""
-    head = _CYCLES.size if cycles else 0
-    need = head + result_size(m, n, out_format, fmt.mantissa_bits, fmt.tile)
-    if len(data) != need:
-        raise ValueError(f"a {m}x{n} {OutFormat(out_format).name} result needs {need} bytes, got {len(data)}")
-    count = _CYCLES.unpack_from(data)[0] if cycles else None
-    body = data[head:]
+    tail = _CYCLES.size if cycles else 0
+    size = result_size(m, n, out_format, fmt.mantissa_bits, fmt.tile)
+    if len(data) != size + tail:
+        raise ValueError(f"a {m}x{n} {OutFormat(out_format).name} result needs {size + tail} bytes, got {len(data)}")
+    count = _CYCLES.unpack_from(data, size)[0] if cycles else None
+    body = data[:size]
     if out_format == OutFormat.FP32:
         return count, np.frombuffer(body, dtype="<f4").reshape(m, n).astype(np.float32)
     if out_format == OutFormat.BF16:
@@ -425,5 +426,7 @@ def decode_result(data: bytes, m: int, n: int, out_format: int, fmt, *, cycles: 
 
 
 def decode_cycles(data: bytes) -> int:
-    """The u32 cycles at the start of a GEMM/READ reply's data."""
-    return _CYCLES.unpack_from(data)[0]
+    """The u32 cycles at the end of a GEMM reply's data (after its result)."""
+    if len(data) < _CYCLES.size:
+        raise ValueError(f"a GEMM reply's data ends with its u32 cycles: {len(data)} bytes")
+    return _CYCLES.unpack_from(data, len(data) - _CYCLES.size)[0]

@@ -530,10 +530,7 @@ class Server(_Serving):
                 self._changed_accumulator(s, d["m"], d["n"])
                 s.last_cycles = P.decode_cycles(reply.payload[1:])
             elif op == Op.READ:
-                # A READ's reply has no cycles: the device's STATUS has them.
-                st = self._internal(Op.STATUS)
-                if st is not None:
-                    s.last_cycles = P.decode_status(st).last_cycles
+                s.last_cycles = 0  # a READ computes no sums (its count, which STATUS reports)
         if op == Op.RESET and status == Status.OK:
             # The device's buffers are undefined now: the session's read as zeros, written
             # before its next command that uses them.

@@ -33,7 +33,7 @@ from .buffers import READ_COLUMN, READ_ROW, OperandBuffer, times_constant
 from .epilogue import Epilogue, plan_layout, rows_closed
 from .float_mac import FloatMacArray
 from .gemm_core import (AccWriteSignature, BufferReadSignature, _ceil_table, accept_command, command_layout,
-                        connect_buffer, core_signature)
+                        connect_buffer, core_signature, count_cycles)
 from .params import ACC_READ_LATENCY, FP32_WIDTH, OPERAND_READ_LATENCY, CoreConfig
 
 __all__ = ["FloatCore", "FloatIssue", "FloatDrain", "run_layout", "reference"]
@@ -356,6 +356,7 @@ class FloatCore(wiring.Component):
         ]
 
         rows_done, all_rows = rows_closed(m, cfg, start, cmd.k == 0, drain.closed, rows_total)
+        count_cycles(m, self, busy, all_rows)
 
         # ---- epilogue: the BFP core's --------------------------------------------------------
         m.submodules.epilogue = epi = Epilogue(cfg, command_layout(cfg))

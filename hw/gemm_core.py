@@ -39,7 +39,7 @@ from .mac_array import MacArray
 from .params import ACC_READ_LATENCY, EXP_WIDTH, FP32_WIDTH, OPERAND_READ_LATENCY, PREFETCH_CYCLES, CoreConfig
 
 __all__ = [
-    "GemmCore", "core_signature", "accept_command", "command_error", "write_layout", "command_layout", "output_layout",
+    "GemmCore", "core_signature", "accept_command", "count_cycles", "command_error", "write_layout", "command_layout", "output_layout",
     "BufferWriteSignature", "BufferReadSignature", "connect_buffer", "AccWriteSignature", "exponent_grid", "issue_layout", "exponents_layout", "HostWrites", "MacIssue",
     "ExponentPrefetch", "DrainRegister",
 ]
@@ -96,8 +96,8 @@ def core_signature(cfg: CoreConfig) -> wiring.Signature:
 def accept_command(m: Module, core: wiring.Component, desc, busy, bad):
     """A core's command acceptance (``GemmCore``, ``hw.float_core.FloatCore``): ``cmd`` is taken
     while idle and no write waits; a ``bad`` command sets ``error`` and starts nothing; a good
-    one is registered in ``desc``, sets ``busy`` and restarts ``cycles``, which counts while
-    busy. Returns ``(start, started)``: the accepting cycle, and the next one (``desc`` valid)."""
+    one is registered in ``desc``, sets ``busy`` and restarts ``cycles`` (``count_cycles``).
+    Returns ``(start, started)``: the accepting cycle, and the next one (``desc`` valid)."""
     m.d.comb += core.cmd.ready.eq(~busy & ~core.w.valid)
     accept = core.cmd.valid & core.cmd.ready
     start = Signal()
@@ -108,9 +108,17 @@ def accept_command(m: Module, core: wiring.Component, desc, busy, bad):
         m.d.sync += core.error.eq(bad)
     with m.If(start):
         m.d.sync += [desc.eq(core.cmd.payload), busy.eq(1), core.cycles.eq(0)]
-    with m.If(busy):
-        m.d.sync += core.cycles.eq(core.cycles + 1)
     return start, started
+
+
+def count_cycles(m: Module, core: wiring.Component, busy, all_rows_next):
+    """A core's ``cycles``: from the cycle after acceptance (``accept_command`` zeroes it) while
+    some row-block's sums are still to be closed (``all_rows_next``, ``rows_closed``'s); the
+    epilogue after them goes at the reply's pace and is not counted. A K = 0 command counts 0."""
+    sums_in = Signal()  # every row closed (``rows_closed``'s count, registered)
+    m.d.sync += sums_in.eq(all_rows_next)
+    with m.If(busy & ~sums_in):
+        m.d.sync += core.cycles.eq(core.cycles + 1)
 
 
 class BufferWriteSignature(wiring.Signature):
@@ -527,7 +535,8 @@ class GemmCore(wiring.Component):
     - ``busy``, ``error`` (a command with a zero M or N, a side above ``size``, transposes
       a non-square tile cannot serve, or a BFP output the core was built without (no
       ``cfg.bfp_output``, or stochastic without ``cfg.stochastic``); it produces no output),
-      ``cycles`` (length of the last command, from acceptance to its last output beat).
+      ``cycles`` (the last command's, from acceptance until its last row-block of sums is in
+      the accumulator: ``count_cycles``).
 
     A command with K = 0 runs the epilogue alone: it reads the accumulator (C), with bias,
     activation and output format, which is how the host reads results back.
@@ -640,6 +649,7 @@ class GemmCore(wiring.Component):
         # Rows whose accumulation is final: whole row-blocks as the lanes close them; every row
         # at once for K = 0 (the epilogue takes the counters' next values).
         rows_done, all_rows = rows_closed(m, cfg, start, cmd.k == 0, acc_lanes.closed, rows_total)
+        count_cycles(m, self, busy, all_rows)
 
         # ---- epilogue ------------------------------------------------------------------------
         m.submodules.epilogue = epi = Epilogue(cfg, command_layout(cfg))

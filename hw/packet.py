@@ -4,7 +4,8 @@
 Bytes come from a realigning window (``hw.link.ByteWindow``) in front of the engine, which
 offers up to N bytes whatever their place in the link's beats. The engine hunts for the
 magic and takes the header a byte a cycle, then the payload N bytes a cycle into an N-byte
-wide buffer (``max_payload`` bytes in words of N) while a parallel CRC-32 runs over it; it
+wide buffer (two slots of ``max_payload`` bytes in words of N: a frame arrives in one while
+the one before is executed from the other) while a parallel CRC-32 runs over it; it
 acts on a frame only after the CRC has checked and the fields have been validated. It then
 drives the GEMM core (writes and commands), the input quantizer (WRITE of values) and an
 activation unit (ELEMENTWISE), and sends exactly one reply per frame, up to N payload bytes
@@ -27,7 +28,7 @@ Components, each with named ports, in the order a frame meets them:
   reply's byte layout, a beat's bytes a cycle;
 - ``StatusCounters``: the STATUS record (replies accepted and refused, the last error, the
   last cycles);
-- ``ReplySender``: a reply's header, then its status, fixed bytes and stream as chunks;
+- ``ReplySender``: a reply's header, then its status, stream and fixed bytes as chunks;
 - ``ReplyFramer``: magic, header, payload (up to N bytes a cycle) and CRC of a reply;
 - ``Dispatch``: the state machine: a frame's plan, its execution, its reply, its release;
 - ``PacketEngine``: all of them joined.
@@ -288,20 +289,24 @@ class StoreSignature(wiring.Signature):
 
 
 class FrameReceiver(wiring.Component):
-    """Frames from the byte window into the payload buffer, one ``FRAME`` record each.
+    """Frames from the byte window into the payload buffer, one ``FRAME`` record each, into
+    its two slots by turns.
 
     Ports: ``i`` (``WindowSignature(N)``): the link's bytes; ``store``
     (``StoreSignature``): payload word ``k`` of the frame is bytes ``k*N .. k*N+N-1`` (the
-    last word's lanes beyond the length are don't-care); ``frame`` (stream out,
-    ``frame_layout()``): offered once a frame has ended and held until taken; taking it
-    (``frame.ready``) releases the receiver, which then hunts for the next magic, or first
-    skips the ``length + 4`` bytes of an oversize frame (silently dropped after
-    ``frame_timeout`` cycles without a byte).
+    last word's lanes beyond the length are don't-care) of slot ``slot``; ``frame`` (stream
+    out, ``frame_layout()``): offered once a frame has ended and held until taken; taking it
+    (``frame.ready``) releases the receiver, which turns to the other slot and hunts for the
+    next magic, or first skips the ``length + 4`` bytes of an oversize frame (silently
+    dropped after ``frame_timeout`` cycles without a byte). The engine takes a frame once it
+    has decided it, and a frame only after it is done with the one before (``Dispatch``): so
+    the slot the receiver turns to is free, and the next frame arrives while this one is
+    executed and answered.
 
     Throughput: hunting, the 8 header bytes after the magic and the 4 CRC bytes take a byte a
     cycle; the payload N bytes a cycle (the window offers them at any alignment on the wire);
     skipping up to N. The receiver takes no byte while a frame waits in ``frame``: the link
-    stalls while the engine executes and replies. A frame stopped mid-way for
+    stalls while the engine executes the frame before it. A frame stopped mid-way for
     ``frame_timeout`` cycles without a byte arriving (``i.arrived``, or taken) ends with
     ``TIMEOUT``, with whatever of the header had arrived (the rest zero).
     """
@@ -312,6 +317,7 @@ class FrameReceiver(wiring.Component):
         super().__init__({
             "i": In(WindowSignature(stream_bytes)),
             "store": Out(StoreSignature(stream_bytes, self.words)),
+            "slot": Out(1),
             "frame": Out(stream.Signature(frame_layout())),
         })
 
@@ -418,7 +424,7 @@ class FrameReceiver(wiring.Component):
             with m.State("DONE"):
                 m.d.comb += self.frame.valid.eq(1)
                 with m.If(self.frame.ready):
-                    m.d.sync += skip_left.eq(head.length + protocol.CRC_SIZE)
+                    m.d.sync += [skip_left.eq(head.length + protocol.CRC_SIZE), self.slot.eq(~self.slot)]
                     m.next = "HUNT"
                     with m.If(event == FrameEvent.OVERSIZE):
                         m.next = "SKIP"
@@ -1307,17 +1313,17 @@ class ElementwiseFeed(wiring.Component):
 
 
 class ReplySender(wiring.Component):
-    """A reply, once its frame is executed: the header to the ``ReplyFramer`` (opcode, tag and
-    the payload's length), then the payload as chunks of up to R bytes (R = ``max(N,
-    result_chunk_bytes(cfg), 2)``): the status byte, ``plan.fixed`` bytes of ``fixed``
-    (IDENTIFY's identity, STATUS's record, GEMM's cycles), then ``plan.stream`` bytes, from
-    ``act`` (ELEMENTWISE: two bytes a result) or ``result`` (GEMM and READ: the
-    ``ResultSerializer``'s chunks).
+    """A reply: the header to the ``ReplyFramer`` (opcode, tag and the payload's length), then
+    the payload as chunks of up to R bytes (R = ``max(N, result_chunk_bytes(cfg), 2)``): the
+    status byte, ``plan.stream`` bytes from ``act`` (ELEMENTWISE: two bytes a result) or
+    ``result`` (GEMM and READ: the ``ResultSerializer``'s chunks, as the core gives them), then
+    ``plan.fixed`` bytes of ``fixed`` (IDENTIFY's identity, STATUS's record, GEMM's cycles after
+    its result).
 
     Ports: ``start`` (strobe: the header goes from the next cycle on), ``plan``
-    (``plan_layout``), ``fixed``; ``act``, ``result`` (streams in); ``header``, ``o`` (streams
-    out); ``streaming`` (the stream's part goes: the engine's second pass may start);
-    ``done`` (strobe: the payload's last chunk has gone, the cycle after).
+    (``plan_layout``), ``fixed`` (read in the payload's last chunks); ``act``, ``result``
+    (streams in); ``header``, ``o`` (streams out); ``done`` (strobe: the payload's last chunk
+    has gone, the cycle after).
     """
 
     def __init__(self, cfg: CoreConfig, *, stream_bytes: int, max_payload: int):
@@ -1331,7 +1337,6 @@ class ReplySender(wiring.Component):
             "result": In(stream.Signature(chunk_layout(result_chunk_bytes(cfg)))),
             "header": Out(stream.Signature(REPLY_HEADER)),
             "o": Out(stream.Signature(chunk_layout(self.chunk_bytes))),
-            "streaming": Out(1),
             "done": Out(1),
         })
 
@@ -1361,23 +1366,13 @@ class ReplySender(wiring.Component):
             with m.State("STATUS"):
                 m.d.comb += [src.valid.eq(1), src.payload.data[0].eq(plan.status), src.payload.count.eq(1)]
                 with m.If(src.ready):
-                    with m.If(plan.fixed != 0):
-                        m.next = "FIXED"
-                    with m.Elif(plan.stream != 0):
+                    with m.If(plan.stream != 0):
                         m.next = "STREAM"
+                    with m.Elif(plan.fixed != 0):
+                        m.next = "FIXED"
                     with m.Else():
                         m.next = "DONE"
-            with m.State("FIXED"):
-                m.d.comb += [src.valid.eq(1), src.payload.data.eq((self.fixed >> (fixed_index * 8))[:8 * R]),
-                             src.payload.count.eq(fixed_k)]
-                with m.If(src.ready):
-                    m.d.sync += [fixed_index.eq(fixed_index + fixed_k), fixed_left.eq(fixed_left - fixed_k)]
-                    with m.If(fixed_left == fixed_k):
-                        m.next = "STREAM"
-                        with m.If(plan.stream == 0):
-                            m.next = "DONE"
             with m.State("STREAM"):
-                m.d.comb += self.streaming.eq(1)
                 with m.If(plan.action == Action.ELEMENTWISE):
                     m.d.comb += [
                         src.valid.eq(self.act.valid),
@@ -1396,6 +1391,15 @@ class ReplySender(wiring.Component):
                 with m.If(pushed):
                     m.d.sync += stream_left.eq(stream_left - src.payload.count)
                     with m.If(stream_left == src.payload.count):
+                        m.next = "FIXED"
+                        with m.If(plan.fixed == 0):
+                            m.next = "DONE"
+            with m.State("FIXED"):
+                m.d.comb += [src.valid.eq(1), src.payload.data.eq((self.fixed >> (fixed_index * 8))[:8 * R]),
+                             src.payload.count.eq(fixed_k)]
+                with m.If(src.ready):
+                    m.d.sync += [fixed_index.eq(fixed_index + fixed_k), fixed_left.eq(fixed_left - fixed_k)]
+                    with m.If(fixed_left == fixed_k):
                         m.next = "DONE"
             with m.State("DONE"):
                 m.d.comb += self.done.eq(1)
@@ -1410,13 +1414,13 @@ class Dispatch(wiring.Component):
     later (``check``, registered as ``plan``); the reply counts in STATUS (``count``) the next
     cycle, and RESET then zeroes the counters (``clear``). Then, by ``plan.action``: WRITE
     starts the payload's reader and replay (``read``, ``replay``) and waits for the replay's end
-    (``replayed``); GEMM and READ run the core's command (``cmd_valid``, ``cmd_ready``) with its
-    output discarded (``draining``) until its last beat (``result_last``), take its cycles
-    (``capture``), and during the reply's stream run it again as a K = 0 command
-    (``second_pass``), whose output goes into the reply; ELEMENTWISE starts the reader. Every
-    frame then gets its reply (``reply``: ``ReplySender``; ``streaming``, ``replied``), and is
-    released (``release``) in the cycle after the reply's last chunk: the receiver may take the
-    next frame while the framer still sends this reply's last bytes.
+    (``replayed``); GEMM and READ run the core's command (``cmd_valid``, ``cmd_ready``) and
+    start the reply as the core accepts it, so that its output goes into the reply as the rows
+    close, and take the core's cycles (``capture``) once the reply has gone; ELEMENTWISE starts
+    the reader. A frame is released (``release``) as it is decided: the receiver takes the next
+    one into the payload buffer's other slot while this one is executed and answered; the
+    next is decided in the cycle after this reply's last chunk (``reply``: ``ReplySender``;
+    ``replied``), while the framer still sends its last bytes.
     """
 
     def __init__(self, cfg: CoreConfig, *, stream_bytes: int, max_payload: int):
@@ -1433,17 +1437,13 @@ class Dispatch(wiring.Component):
             "replayed": In(1),
             "cmd_valid": Out(1),
             "cmd_ready": In(1),
-            "second_pass": Out(1),
-            "draining": Out(1),
-            "result_last": In(1),
             "reply": Out(1),
-            "streaming": In(1),
             "replied": In(1),
         })
 
     def elaborate(self, platform):
         m = Module()
-        plan, second_pass = self.plan, self.second_pass
+        plan = self.plan
         assert FrameChecker.LATENCY >= 2
         check_wait = Signal(range(FrameChecker.LATENCY))
         with m.FSM():
@@ -1456,6 +1456,7 @@ class Dispatch(wiring.Component):
                 with m.If(check_wait == 0):
                     m.next = "DECIDE"
             with m.State("DECIDE"):  # the frame offered LATENCY cycles ago: its plan is valid
+                m.d.comb += self.release.eq(1)  # the receiver goes on into the other slot
                 m.d.sync += plan.eq(self.check)
                 m.next = "DISPATCH"
             with m.State("DISPATCH"):
@@ -1465,7 +1466,6 @@ class Dispatch(wiring.Component):
                         m.d.comb += [self.read.eq(1), self.replay.eq(1)]
                         m.next = "WRITE"
                     with m.Case(Action.CORE):
-                        m.d.sync += second_pass.eq(0)
                         m.next = "CORE_RUN"
                     with m.Case(Action.ELEMENTWISE):
                         m.d.comb += [self.read.eq(1), self.reply.eq(1)]
@@ -1483,24 +1483,12 @@ class Dispatch(wiring.Component):
             with m.State("CORE_RUN"):
                 m.d.comb += self.cmd_valid.eq(1)
                 with m.If(self.cmd_ready):
-                    m.next = "CORE_DRAIN"
-            with m.State("CORE_DRAIN"):
-                m.d.comb += self.draining.eq(1)
-                with m.If(self.result_last):
-                    m.next = "CORE_CYCLES"
-            with m.State("CORE_CYCLES"):
-                # The core's ``cycles`` is final the cycle after its last output beat.
-                m.d.comb += [self.capture.eq(1), self.reply.eq(1)]
-                m.d.sync += second_pass.eq(1)
-                m.next = "REPLY"
+                    m.d.comb += self.reply.eq(1)
+                    m.next = "REPLY"
             with m.State("REPLY"):
-                with m.If(self.streaming & (plan.action != Action.ELEMENTWISE)):
-                    # The second pass: the same epilogue, now into the reply.
-                    m.d.comb += self.cmd_valid.eq(second_pass)
-                    with m.If(self.cmd_valid & self.cmd_ready):
-                        m.d.sync += second_pass.eq(0)
                 with m.If(self.replied):
-                    m.d.comb += self.release.eq(1)
+                    # After the result: the core's count stopped with its last sums.
+                    m.d.comb += self.capture.eq(plan.action == Action.CORE)
                     m.next = "IDLE"
         return m
 
@@ -1515,7 +1503,8 @@ class PacketEngine(wiring.Component):
     ``act_o``.
 
     Receiving (``FrameReceiver``): the magic and header a byte a cycle, the payload N bytes a
-    cycle into a ``max_payload``-byte buffer of N-byte words, never stalling ``i`` inside a
+    cycle into one of the buffer's two slots of ``max_payload`` bytes in N-byte words (the
+    next frame arrives in the other while this one executes), never stalling ``i`` inside a
     frame; nothing is executed before the CRC has checked: a corrupted WRITE changes no
     buffer (the reply is BAD_CRC and the host simply sends it again).
 
@@ -1530,13 +1519,12 @@ class PacketEngine(wiring.Component):
     - WRITE replays the data from the buffer (``PayloadReader`` -> a window ->
       ``WriteReplay``): up to a row chunk a cycle, as ``w`` beats to the core or through the
       input quantizer; the reply goes out after the last beat.
-    - GEMM and READ run the core twice: first the command itself with its output discarded
-      (so the core never waits on the reply, and the ``cycles`` of the reply and of STATUS
-      are the core's own count for the command, independent of the host's pace), then, once
-      the reply's header (and for GEMM the ``cycles``) is out, the same epilogue again as a
-      K = 0 command whose output the ``ResultSerializer`` sends. K = 0 re-reads the
-      accumulator the first pass left, so the second pass equals the first bit for bit (BFP
-      stochastic rounding restarts at stream position 0 in both).
+    - GEMM and READ run the core's command once, its output through the ``ResultSerializer``
+      into the reply as the core's epilogue gives it (each row-block's rows as they close,
+      while the next row-block is computed), at the reply's pace; GEMM's ``cycles`` follow the
+      result. They are the core's count until its last sums were in the accumulator, which the
+      host's pace does not change (the MAC phase never waits on the epilogue), and STATUS
+      keeps them (a READ's: 0).
     - ELEMENTWISE streams x (and g, from its own window) through ``act_i``, and ``act_o``
       into the reply, two bytes a result.
     - IDENTIFY, STATUS, RESET reply from registers. Every reply counts in STATUS the cycle
@@ -1609,8 +1597,17 @@ class PacketEngine(wiring.Component):
         m.submodules.reply_register = reply_register = StreamRegister(chunk_layout(sender.chunk_bytes))
         m.submodules.reply_window = reply = ByteWindow(sender.chunk_bytes, N)
         m.submodules.framer = framer = ReplyFramer(N)
-        m.submodules.payload = buf = BlockRam(8 * N, _words(P, N), stall=True)
+        # Two slots of max_payload bytes: a frame arrives in one while the one before it is
+        # executed from the other (``FrameReceiver``); ``exec_slot``: the decided frame's.
+        W = _words(P, N)
+        m.submodules.payload = buf = BlockRam(8 * N, 2 * W, stall=True)
         buf_wr, buf_rd = buf.write, buf.read0
+        exec_slot = Signal()
+        with m.If(dispatch.release):
+            m.d.sync += exec_slot.eq(rx.slot)
+
+        def in_slot(addr, slot):
+            return Cat(addr, slot) if W & (W - 1) == 0 else addr + Mux(slot, W, 0)
 
         wiring.connect(m, wiring.flipped(self.i), rx.i)
         wiring.connect(m, sender.o, reply_register.i)
@@ -1621,8 +1618,9 @@ class PacketEngine(wiring.Component):
         wiring.connect(m, reader.a, win_a.i)
         wiring.connect(m, reader.b, win_b.i)
         m.d.comb += [
-            buf_wr.en.eq(rx.store.en), buf_wr.addr.eq(rx.store.addr), buf_wr.data.eq(rx.store.data),
-            buf_rd.en.eq(reader.rd_en), buf_rd.addr.eq(reader.rd_addr), reader.rd_data.eq(buf_rd.data),
+            buf_wr.en.eq(rx.store.en), buf_wr.addr.eq(in_slot(rx.store.addr, rx.slot)), buf_wr.data.eq(rx.store.data),
+            buf_rd.en.eq(reader.rd_en), buf_rd.addr.eq(in_slot(reader.rd_addr, exec_slot)),
+            reader.rd_data.eq(buf_rd.data),
             checker.frame.eq(rx.frame.payload),
         ]
 
@@ -1659,19 +1657,15 @@ class PacketEngine(wiring.Component):
         else:
             m.d.comb += win_a.o.take.eq(replay.i.take)
 
-        # ---- GEMM and READ: the core command, run twice --------------------------------------
+        # ---- GEMM and READ: the core's command, its output into the reply ----------------------
         m.d.comb += [
             self.cmd.valid.eq(dispatch.cmd_valid), dispatch.cmd_ready.eq(self.cmd.ready),
             self.cmd.payload.eq(plan.cmd),
-            self.cmd.payload.k.eq(Mux(dispatch.second_pass, 0, plan.cmd.k)),
-            dispatch.result_last.eq(self.result.valid & self.result.payload.last),
             ser.out_format.eq(plan.cmd.out_format),
             ser.n.eq(plan.cmd.n),
             ser.start.eq(self.cmd.valid & self.cmd.ready),
-            ser.i.valid.eq(self.result.valid & ~dispatch.draining),
-            ser.i.payload.eq(self.result.payload),
-            self.result.ready.eq(dispatch.draining | ser.i.ready),
         ]
+        wiring.connect(m, wiring.flipped(self.result), ser.i)
 
         # ---- STATUS counters (docs/protocol.md, 0x06): every reply counts once, the cycle
         # after its status is decided (from the plan's register, not the checker's last
@@ -1680,14 +1674,14 @@ class PacketEngine(wiring.Component):
                      counters.clear.eq(dispatch.clear), counters.capture.eq(dispatch.capture),
                      counters.cycles.eq(self.core_cycles)]
 
-        # ---- the reply: status, fixed bytes, then the stream ---------------------------------
+        # ---- the reply: status, the stream, then fixed bytes ---------------------------------
         op = plan.opcode[:7]  # the request's opcode (the reply bit cleared)
         identity = int.from_bytes(self.identity(), "little")
         m.d.comb += [
             sender.start.eq(dispatch.reply), sender.plan.eq(plan),
             sender.fixed.eq(Mux(op == Op.IDENTIFY, Const(identity, 8 * FIXED_BYTES),
-                                Mux(op == Op.STATUS, counters.record, counters.record.last_cycles))),
-            dispatch.streaming.eq(sender.streaming), dispatch.replied.eq(sender.done),
+                                Mux(op == Op.STATUS, counters.record, self.core_cycles))),
+            dispatch.replied.eq(sender.done),
         ]
         wiring.connect(m, wiring.flipped(self.act_o), sender.act)
         wiring.connect(m, ser.o, sender.result)

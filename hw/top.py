@@ -6,7 +6,7 @@ GEMM core.
                                                 |   |   |  \\
                                     w, cmd, result  |   |   ELEMENTWISE: Activation (1 lane)
                                           GemmCore  |   WRITE of values: Quantize (value_lanes)
-                                                    payload buffer (max_payload bytes, N-byte words)
+                                                    payload buffer (two slots of max_payload bytes, N-byte words)
 ```
 """
 
@@ -27,8 +27,8 @@ from .quantize import Quantize
 
 __all__ = ["AcceleratorTop", "DEFAULT_MAX_PAYLOAD", "DEFAULT_FRAME_TIMEOUT"]
 
-# The defaults are the contract's, so emu and the gateware agree: a 4 KiB payload buffer (one
-# block RAM; the host splits larger WRITEs) and a frame timeout of 2^20 cycles (about 10 ms at
+# The defaults are the contract's, so emu and the gateware agree: a 4 KiB payload (the host
+# splits larger WRITEs; the buffer holds two, one arriving while the other executes) and a frame timeout of 2^20 cycles (about 10 ms at
 # 100 MHz, over a hundred bytes' time of a 115200-baud UART).
 
 
@@ -48,7 +48,8 @@ class AcceleratorTop(wiring.Component):
     divisor of the tile's columns that fits both and takes the link's bytes of a cycle, as
     partial row chunks), ``stream_bytes`` (1 ..
     255, the width of ``i`` and ``o``), ``clock_hz`` (reported by IDENTIFY; 0: unknown),
-    ``max_payload`` (bytes of the request buffer, 32 .. 2**24), ``frame_timeout`` (cycles).
+    ``max_payload`` (bytes of a request's payload, 32 .. 2**24; the payload buffer holds two),
+    ``frame_timeout`` (cycles).
 
     Throughput: ``stream_bytes`` (N) bytes a cycle each way in a frame's payload (a request's
     data into the payload buffer; a reply's result out as fast as the core gives it, up to

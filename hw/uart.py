@@ -42,9 +42,9 @@ __all__ = ["UartRx", "UartTx", "UartTop", "UartLoop", "MIN_DIVISOR", "DEFAULT_FI
 #: The smallest bit time in cycles: the receiver waits ``divisor // 2 - 1`` cycles after it
 #: sees a start bit's edge before it samples its middle, and that must be at least one.
 MIN_DIVISOR = 4
-#: Bytes of the receive FIFO: one 4 KiB block RAM, as the payload buffer. The engine stops
-#: taking bytes from the end of a request until the end of its reply; the FIFO holds what
-#: the host sends meanwhile (the next WRITE while a WRITE executes and replies).
+#: Bytes of the receive FIFO: 4 KiB, a payload's. The engine takes a request while the one
+#: before it executes and replies, and stops taking bytes at the end of that one until the
+#: first has its reply; the FIFO holds what the host sends meanwhile.
 DEFAULT_FIFO_DEPTH = 4096
 #: Bits on the line per byte: start, eight data bits, stop.
 BITS_PER_BYTE = 10

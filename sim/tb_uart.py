@@ -408,7 +408,7 @@ async def test_top_identify_and_products(dut):
     ident = await dev.identify()
     mask = functions_mask(cfg["built"])
     want = protocol.Identity(
-        protocol_version=1, abi_major=protocol.ABI_VERSION[0], abi_minor=protocol.ABI_VERSION[1], stream_bytes=1,
+        protocol_version=protocol.PROTOCOL_VERSION, abi_major=protocol.ABI_VERSION[0], abi_minor=protocol.ABI_VERSION[1], stream_bytes=1,
         rows=cfg["rows"], cols=cfg["cols"], mantissa_bits=cfg["mantissa_bits"], tile_rows=cfg["tile"][0],
         tile_cols=cfg["tile"][1], leaky_shift=cfg["leaky_shift"], size=cfg["size"], functions_mask=mask,
         clock_hz=cfg["clock_hz"], max_payload=cfg["max_payload"], frame_timeout=cfg["frame_timeout"])
@@ -455,7 +455,7 @@ async def test_top_pipelined_requests(dut):
                                                         for (op, p), t in zip(requests, tags))))
     replies = [await dev.check_reply(op, t, Status.OK) for (op, _), t in zip(requests, tags)]
     await sending
-    got = dev.decode_result(replies[-2].data[4:], m, n, OutFormat.FP32)
+    got = dev.decode_result(replies[-2].data[:-4], m, n, OutFormat.FP32)  # the result, then the cycles
     dev.compare(got, gemm(qa, qb), OutFormat.FP32, f"pipelined GEMM {m}x{n}x{k}")
     status = protocol.decode_status(replies[-1].data)
     assert (status.accepted, status.refused) == (len(requests), 0), status  # STATUS counts itself

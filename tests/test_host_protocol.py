@@ -14,7 +14,7 @@ from hbfp.host.protocol import Frame, FrameParser, Op, OutFormat, Status
 
 def test_frame_layout_and_round_trip():
     frame = P.encode_frame(Op.GEMM, 0x1234, b"abc")
-    assert frame[:2] == b"HB" and frame[2] == 1 and frame[3] == Op.GEMM
+    assert frame[:2] == b"HB" and frame[2] == P.PROTOCOL_VERSION == 2 and frame[3] == Op.GEMM
     assert struct.unpack_from("<HI", frame, 4) == (0x1234, 3)
     assert frame[10:13] == b"abc"
     assert struct.unpack_from("<I", frame, 13)[0] == zlib.crc32(frame[:13])
@@ -64,14 +64,14 @@ def test_expire_gives_up_a_partial_frame():
     assert p.in_progress and p.partial_opcode == Op.WRITE
     assert p.expire() == [] and not p.in_progress
     d = FrameParser(device=True)
-    d.feed(b"HB\x01")
+    d.feed(b"HB" + bytes([P.PROTOCOL_VERSION]))
     assert d.in_progress and d.partial_opcode is None
     d.expire()
     assert not d.in_progress and d.feed(P.encode_frame(Op.IDENTIFY, 9))[0].tag == 9
 
 
 def test_oversized_length():
-    head = contract.HEADER.pack(magic=contract.MAGIC_WORD, version=1, opcode=Op.WRITE, tag=5, length=1000)
+    head = contract.HEADER.pack(magic=contract.MAGIC_WORD, version=P.PROTOCOL_VERSION, opcode=Op.WRITE, tag=5, length=1000)
     # host: reported, and the hunt goes on at once
     got = FrameParser(100).feed(head + P.encode_frame(Op.IDENTIFY, 6))
     assert got[0] == (Status.BAD_LENGTH, Op.WRITE, 5) and got[1].tag == 6
@@ -141,7 +141,9 @@ def test_results_round_trip():
     cycles, y = P.decode_result(P.encode_result(99, x, OutFormat.FP32), 5, 7, OutFormat.FP32, HBFP8)
     assert cycles == 99 and np.array_equal(x, y)
     bits = rng.integers(0, 1 << 16, (5, 7)).astype(np.uint16)
-    _, y = P.decode_result(P.encode_result(1, bits, OutFormat.BF16)[4:], 5, 7, OutFormat.BF16, HBFP8, cycles=False)
-    assert np.array_equal(y.view(np.uint16), bits)
+    data = P.encode_result(1, bits, OutFormat.BF16)
+    assert data[-4:] == bytes([1, 0, 0, 0]) and data[:-4] == P.encode_result(None, bits, OutFormat.BF16)  # cycles last
+    _, y = P.decode_result(data[:-4], 5, 7, OutFormat.BF16, HBFP8, cycles=False)
+    assert np.array_equal(y.view(np.uint16), bits) and P.decode_cycles(data) == 1
     with pytest.raises(ValueError, match="needs"):
         P.decode_result(b"\0" * 10, 5, 7, OutFormat.FP32, HBFP8)

@@ -356,15 +356,17 @@ def test_top_gemm_bit_exact(top):
     start, wire_start = top.cycles, top.wire_cycles
     reply = _transact(top, protocol.Op.GEMM, 3, protocol.encode_gemm(m, n, k))
     assert reply.status == ok, reply.status
-    (device_cycles,) = struct.unpack_from("<I", reply.data)
+    (device_cycles,) = struct.unpack_from("<I", reply.data, len(reply.data) - 4)  # after the result
     # The exchange occupies the link from its request's first beat to its reply's last: the
-    # core's run, the reply's bytes at stream_bytes a beat, and nothing while the host idles.
+    # core's run, which the reply's bytes at stream_bytes a beat overlap (each row-block's
+    # rows leave once its sums are done), and nothing while the host idles.
     wire = top.wire_cycles - wire_start
     reply_beats = (len(reply.data) + 1 + protocol.HEADER.size + protocol.CRC_SIZE) / top.stream_bytes
-    assert device_cycles + reply_beats <= wire <= top.cycles - start
+    assert max(device_cycles, reply_beats) < wire < device_cycles + reply_beats, (device_cycles, reply_beats, wire)
+    assert wire <= top.cycles - start
     top.run(1000)
     assert top.wire_cycles - wire_start == wire
-    got = np.frombuffer(reply.data[4:], np.float32).reshape(m, n)
+    got = np.frombuffer(reply.data[:-4], np.float32).reshape(m, n)  # the result, then the cycles
     fmt = cfg.fmt()
     want = np.asarray(gemm(quantize(a, fmt), quantize(b, fmt)), np.float32)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
