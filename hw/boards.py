@@ -4,11 +4,11 @@
 | board | FPGA | flow | host link | clock | default configuration |
 |---|---|---|---|---|---|
 | ``ulx3s`` | ECP5 LFE5U-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | UART (FTDI) | 75 MHz (PLL from 25 MHz) | 16x16 (144 PEs on DSP blocks, 112 on LUT multipliers), 1 output lane, HBFP8, 96x96 buffers, relu + gelu |
-| ``icebreaker`` | iCE40 UP5K | yosys + nextpnr-ice40 (YoWASP) to a bitstream | UART (FTDI) | 12 MHz | 1x1, HBFP8, 24x24 buffers, a reduced device (below) |
+| ``icebreaker`` | iCE40 UP5K | yosys (ABC's classic LUT mapper) + nextpnr-ice40 (YoWASP); does not fit (below) | UART (FTDI) | 12 MHz | 1x1, HBFP8, 24x24 buffers, a reduced device (below) |
 | ``ecpix5`` | ECP5 LFE5UM5G-85F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | Gigabit Ethernet (RGMII), UDP | core 75 MHz, link 125 MHz (PLL from 100 MHz) | 16x16 as the ULX3S's, ``ip=192.168.1.50,port=7000`` |
 | ``colorlight_5a75b`` | ECP5 LFE5U-25F | yosys + nextpnr-ecp5 (YoWASP) to a bitstream | Gigabit Ethernet (RGMII, the first PHY), UDP | core 50 MHz, link 125 MHz (PLL from 25 MHz) | 4x4, HBFP8, 48x48 buffers, relu |
 | ``de10_nano`` | Cyclone V 5CSEBA6U23I7 | Quartus project | UART (GPIO header pins) | 50 MHz | 8x8, HBFP8, 96x96, all functions |
-| ``stratix5`` | Stratix V GX 5SGXEA7K2F40C2 | Quartus project | Avalon-ST, 16 bytes wide (PCIe) | 100 MHz | 32x32, 8-bit mantissas, 32x32 tiles, 256x256 buffers |
+| ``stratix5`` | Stratix V GX 5SGXEA7K2F40C2 | Quartus project | Avalon-ST, 16 bytes wide (PCIe) | 100 MHz (the kit's LVDS pair) | 32x32 (704 PEs on DSP blocks, 320 on LUT multipliers), 8-bit mantissas, 32x32 tiles, 256x256 buffers |
 
 The UART boards run ``hw.uart.UartTop`` (``AcceleratorTop`` behind an 8N1 receiver and
 transmitter) at the board's oscillator, or where the board says so (``Board.pll_hz``) at a
@@ -23,14 +23,22 @@ RGMII PHY (``hw.rgmii``), the link at 125 MHz and the core at ``pll_hz``, both f
 (``ecp5_link_pll``); LED 0 blinks, LED 1 and 2 toggle with each datagram taken and sent. The
 host opens them with ``udp:IP:PORT``; the device answers ARP and ``ping`` for its address.
 
-The iCEBreaker's UP5K (5,280 logic cells) holds the smallest device only: a 1x1 array
+The iCEBreaker's UP5K (5,280 logic cells) was meant for the smallest device: a 1x1 array
 built without the optional units (``CoreConfig.value_quantizer``, ``bfp_output``,
 ``stochastic`` False, no activation units); the host does their work, bit for bit the same
-(docs/host.md, "Reduced devices"). The whole device with them needs about 12,000 cells.
+(docs/host.md, "Reduced devices"). It fitted once (5,075 cells); the pipelines added since
+for 75 MHz and more on the ECP5 boards make even this device 7,954 cells (30 of 30 block
+RAMs), and ``hbfp build`` stops at nextpnr with "does not fit". Yosys maps it with ABC's
+classic mapper (``hw.openflow.ice40_native_abc``): ``synth_ice40``'s ABC9 with ``-dff``
+exhausts YoWASP's stack. Where the cells go: docs/reports/icebreaker/fit.md.
 
 The Stratix board shows where the design scales: a 32x32 array (with 24x24 tiles the array
 side must divide 24, so this configuration uses 32x32 tiles) behind a 128-bit Avalon-ST
-stream, the width of a PCIe hard IP's application interface. The stream's ports are
+stream, the width of a PCIe hard IP's application interface. Its 256 DSP blocks hold three
+8x8 products each: 704 PEs multiply in 235 of them, the design's 18 other multipliers (17
+activation units' and the reply serializer's) in a block each at most, and the other 320 PEs
+in LUTs. Its clock is the kit's 100 MHz LVDS pair, and the .sdc adds
+``derive_clock_uncertainty`` (as the DE10-Nano's does). The stream's ports are
 *virtual pins* in the Quartus project, which compiles stand-alone for area and timing; in a
 system they connect to the PCIe IP (Platform Designer) instead.
 
@@ -54,14 +62,14 @@ from pathlib import Path
 
 from amaranth import ClockDomain, Elaboratable, Instance, Module, Signal
 from amaranth.lib.cdc import ResetSynchronizer
-from amaranth.build import Attrs, Clock, Pins, PinsN, Resource, ResourceError, Subsignal
+from amaranth.build import Attrs, Clock, DiffPairs, Pins, PinsN, Resource, ResourceError, Subsignal
 from amaranth.lib import io
 from amaranth.vendor import AlteraPlatform
 
 from hbfp.contract import Option, parse_int, parse_options
 from hbfp.outputs import Output, OutputConflict, check_folder
 
-from .openflow import ABC9_XAIGER1, conflicting_drivers
+from .openflow import ABC9_XAIGER1, conflicting_drivers, ice40_native_abc
 from .params import CoreConfig
 from .top import AcceleratorTop
 from .eth_top import DEFAULT_IP, DEFAULT_PORT
@@ -108,7 +116,9 @@ class StratixVGXPlatform(AlteraPlatform):
     Pins (from Altera's PCIe reference design for this kit; check them against the kit's
     user guide before programming a board):
 
-    - ``clk100``: PIN_AH22, LVDS, 100 MHz (the design's clock);
+    - ``clk100``: the LVDS pair PIN_AH22 (p) / PIN_AJ22 (n), 100 MHz (the design's clock;
+      the kit's CLKINBOT_P0/N0: the reference design's ``reconfig_xcvr_clk`` on AH22 with
+      the LVDS standard, whose complement is AJ22), through a differential input buffer;
     - ``rst_n``: PIN_A7, 1.5 V, active low (a push button);
     - ``led`` 0-3: PIN_U10, PIN_J11, PIN_U9, PIN_AH28, 2.5 V;
     - ``pcie_perst_n``: PIN_AC28, 2.5 V (the PCIe slot's reset);
@@ -126,9 +136,14 @@ class StratixVGXPlatform(AlteraPlatform):
 
     #: Bytes per beat of the Avalon-ST link.
     STREAM_BYTES = 16
+    #: Variable-precision DSP blocks of the 5SGXEA7, and the independent 9x9 multipliers each
+    #: holds (Intel's Stratix V Device Overview, "Variable Precision DSP Block": a 9x9 takes a
+    #: third of a block, an 18x18 half, a 27x27 one): an 8-bit PE's signed 8x8 product is a 9x9.
+    DSP_BLOCKS = 256
+    MULTIPLIERS_PER_DSP = 3
 
     resources = [
-        Resource("clk100", 0, Pins("AH22", dir="i"), Clock(100e6), Attrs(IO_STANDARD="LVDS")),
+        Resource("clk100", 0, DiffPairs("AH22", "AJ22", dir="i"), Clock(100e6), Attrs(IO_STANDARD="LVDS")),
         Resource("rst_n", 0, PinsN("A7", dir="i"), Attrs(IO_STANDARD="1.5 V")),
         *[Resource("led", i, Pins(p, dir="o"), Attrs(IO_STANDARD="2.5 V"))
           for i, p in enumerate(["U10", "J11", "U9", "AH28"])],
@@ -147,6 +162,25 @@ class StratixVGXPlatform(AlteraPlatform):
         ),
     ]
     connectors = []
+
+    def create_missing_domain(self, name):
+        """``sync`` on the LVDS clock (``clk100``'s pair through a differential ``altiobuf_in``),
+        reset by ``rst_n`` through a reset synchronizer, as Amaranth's default domain is.
+        Amaranth 0.5's own differential input buffer passes its pins as tuples, which its
+        ``Instance`` refuses, so the buffer is instantiated here."""
+        if name != "sync":
+            return super().create_missing_domain(name)
+        m = Module()
+        clk = self.request(self.default_clk, dir="-")
+        clk_i = Signal()
+        m.submodules.clk_buf = Instance(
+            "altiobuf_in", p_enable_bus_hold="FALSE", p_number_of_channels=1, p_use_differential_mode="TRUE",
+            i_datain=clk.p, i_datain_b=clk.n, o_dataout=clk_i)
+        m.submodules.rst_buf = rst_buf = io.Buffer("i", self.request(self.default_rst, dir="-"))
+        m.domains.sync = sync = ClockDomain("sync")
+        m.d.comb += sync.clk.eq(clk_i)
+        m.submodules.reset_sync = ResetSynchronizer(rst_buf.i, domain="sync")
+        return m
 
 
 # ---- the boards -------------------------------------------------------------------------
@@ -275,8 +309,9 @@ BOARDS: dict[str, Board] = {b.name: b for b in (
           # one 4 kbit block RAM each for the FIFO and the payload buffer
           f"rows=1,cols=1,size=24,functions=none,value_quantizer=0,bfp_output=0,stochastic=0,"
           f"baud={DEFAULT_BAUD},fifo_depth=512,max_payload=2048",
-          "The largest configuration that fits the UP5K's 5,280 logic cells: a reduced device (no input "
-          "or output quantizer, no activation units; the host does their work)."),
+          "The smallest device: a reduced one (no input or output quantizer, no activation units; the host "
+          "does their work). It needs 7,954 of the UP5K's 5,280 logic cells: it does not fit "
+          "(docs/reports/icebreaker/fit.md)."),
     Board("de10_nano", "Terasic DE10-Nano (Cyclone V 5CSEBA6U23I7)", _de10_nano, "quartus", "uart",
           f"rows=8,cols=8,size=96,baud={DEFAULT_BAUD},fifo_depth={DEFAULT_FIFO_DEPTH}",
           "UART on GPIO header pins AG13 (rx) / AF13 (tx), 3.3 V: connect a USB-UART adapter."),
@@ -298,8 +333,14 @@ BOARDS: dict[str, Board] = {b.name: b for b in (
           "delays the transmit clock).", pll_hz=50_000_000, rgmii_delays=(2.0, 0.0),
           short="colorlight"),
     Board("stratix5", "Intel Stratix V GX FPGA Development Kit (5SGXEA7K2F40C2)", StratixVGXPlatform, "quartus",
-          "avalon-st", f"rows=32,cols=32,tile=32x32,size=256,max_payload={1 << 20}",
-          "128-bit Avalon-ST stream (virtual pins) for a PCIe hard IP; 32x32 tiles (a 32-wide array needs them)."),
+          # 704 MACs (22 rows) on DSP blocks, three 8x8 products a block: 235 of the 256. The rest of
+          # the design has 18 multipliers (the 17 activation units' 8x8 mantissa products: 16 epilogue
+          # lanes and ELEMENTWISE's unit; the reply serializer's 5x3), counted at a block each: 253.
+          # The other 320 PEs multiply in LUTs (hw.lut_mult).
+          "avalon-st", f"rows=32,cols=32,tile=32x32,size=256,dsp_macs=704,max_payload={1 << 20}",
+          "128-bit Avalon-ST stream (virtual pins) for a PCIe hard IP; 32x32 tiles (a 32-wide array needs them); "
+          "704 PEs multiply in DSP blocks (three to a block: 235 of the 256, 253 with the design's other "
+          "multipliers), 320 in LUTs; the clock is the kit's 100 MHz LVDS pair (AH22/AJ22)."),
 )}
 
 
@@ -654,9 +695,11 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
             # The default router1: router2 found no route from the reset synchronizer into the
             # reset's global buffer (DCCA) on the 4 x 4 top, which router1 routes.
             kwargs["nextpnr_opts"] += " --placer static"
-        kwargs["script_after_read"] = ABC9_XAIGER1
+            kwargs["script_after_read"] = ABC9_XAIGER1
     if board.flow == "ice40":
-        kwargs["synth_opts"] = "-dsp -dff"
+        kwargs.update(ice40_native_abc(project))
+    if board.flow == "quartus":
+        kwargs["add_constraints"] = QUARTUS_SDC
     plan = platform.build(top, name=project, build_dir=str(directory), do_build=False, **kwargs)
     files = {"config.json": config, **plan.files}
     # The tools of an open flow write the project's other files (hbfp_<board>.*) and build.log.
@@ -705,6 +748,11 @@ def build(name: str, out_dir: Path | str = "build/boards", *, run: bool = True, 
             f"{mhz:.1f} of {want:g} MHz" for mhz, want in sorted(report["clocks"].values(), key=lambda c: c[1])) + ")"))
     return result
 
+
+#: The Quartus projects' timing constraints beyond the board clock's ``create_clock``: the clock
+#: uncertainty (jitter, PLL and clock-network effects) that TimeQuest otherwise leaves out of
+#: the setup and hold analysis. (No PLL: no ``derive_pll_clocks``.)
+QUARTUS_SDC = "derive_clock_uncertainty"
 
 #: The bitstream file each open flow writes (Amaranth's build plans): ecppack's .bit, icepack's .bin.
 BITSTREAM_SUFFIX = {"ecp5": ".bit", "ice40": ".bin"}

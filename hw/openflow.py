@@ -10,6 +10,9 @@ and returns what it measured:
   routing, by default out of context (no I/O buffers: the design's ports stay internal, as
   for a core inside a board top); utilization per resource and Fmax per clock.
 
+For the iCE40 board builds (Amaranth's build plans), ``ice40_native_abc`` gives the Yosys
+script parts that map to LUTs with ABC's classic mapper instead of ``synth_ice40``'s ABC9 step.
+
 ``log``, when given, receives one line per step as it starts (a progress hook). The tools
 come from the ``fpga`` extra (``pip install -e .[fpga]``); ``bin_path`` finds the scripts of
 the running interpreter's environment first. The first YoWASP call of a new installation
@@ -27,8 +30,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["ECP5", "RESOURCES", "ABC9_XAIGER1", "bin_path", "run_tool", "verilog_modules", "synth_ecp5", "lut4_cells",
-           "pnr_ecp5", "read_nextpnr_report", "conflicting_drivers"]
+__all__ = ["ECP5", "RESOURCES", "ABC9_XAIGER1", "ice40_native_abc", "bin_path", "run_tool", "verilog_modules",
+           "synth_ecp5", "lut4_cells", "pnr_ecp5", "read_nextpnr_report", "conflicting_drivers"]
 
 
 class _ECP5Target:
@@ -58,6 +61,28 @@ Log = Callable[[str], None] | None
 #: netlist), and earlier tops stopped on an assertion in ABC_OPS_REINTEGRATE (Yosys issue 6237
 #: names this chicken bit for it).
 ABC9_XAIGER1 = "scratchpad -set abc9.xaiger 1"
+
+
+def ice40_native_abc(top: str, options: str = "-dsp") -> dict[str, str]:
+    """The overrides of Amaranth's iCE40 build plan (``synth_opts``, ``script_after_synth``) that
+    run ``synth_ice40 options`` for ``top`` with ABC's classic LUT mapper (``abc -dress -lut 4``,
+    as ``synth_ice40`` mapped before ABC9) in place of its ``map_luts`` step: every other step is
+    ``synth_ice40``'s own (``-run``). YoWASP's ABC9 with ``-dff`` exhausts the WebAssembly call
+    stack on the iCEBreaker top (in ABC's recursive ``Nwk_ManPushForward``), or takes about nine
+    minutes where this takes seconds (docs/reports/icebreaker/fit.md)."""
+    return {
+        "synth_opts": f"{options} -run begin:map_luts",
+        "script_after_synth": "\n".join([
+            "check -latchonly -assert",
+            "techmap -map +/ice40/latches_map.v",
+            "abc -dress -lut 4",
+            "ice40_wrapcarry -unwrap",
+            "techmap -map +/ice40/ff_map.v",
+            "clean",
+            "opt_lut -tech ice40",
+            f"synth_ice40 {options} -top {top} -run map_cells:",
+        ]),
+    }
 
 
 def conflicting_drivers(log_path: str | Path) -> list[str]:

@@ -94,6 +94,10 @@ SIM_FULL_ONLY = {
     "tests/test_hw_float_mac.py::test_float_mac_array_equals_golden[4-4-fp16-4-verilator]":
         "the 2x2 fp16 array on both simulators",
     "tests/test_boards.py::test_quartus_project_is_complete[stratix5-10.0-pins1]": "the DE10-Nano's Quartus project",
+    # The Stratix board's own 32x32 configuration: two minutes to write its project.
+    "tests/test_boards.py::test_stratix5_clock_is_the_kits_lvds_pair": "the DE10-Nano's clock and I/O standards",
+    "tests/test_boards.py::test_stratix5_multipliers_fit_its_dsp_blocks":
+        "dsp_macs' split between DSP and LUT PEs (tests/test_hw_mac_array.py, test_hw_lut_mult.py)",
     "tests/test_hw_rgmii.py::test_rgmii_cocotb[icarus]": "its run with the delays on, Icarus too",
 }
 

@@ -4,6 +4,7 @@ constrained, a compile script), and the open-flow projects carry the board's pin
 Small configurations keep the elaboration short; the full builds run in ``make fpga-report``."""
 
 import json
+import math
 import re
 
 import pytest
@@ -33,15 +34,49 @@ def qsf_assignments(qsf: str):
     return {k.replace("\\[", "["): v for k, v in locations.items()}, {v.replace("\\[", "[") for v in virtual}
 
 
+def io_standards(qsf: str) -> dict[str, str]:
+    return {port.replace("\\[", "["): std for port, std in
+            re.findall(r"set_instance_assignment -to \"?([^\s\"]+)\"? -name IO_STANDARD \"?([^\"\n]+)\"?", qsf)}
+
+
+#: Quartus I/O standards of a differential pair (a pin and its complement).
+DIFFERENTIAL = re.compile(r"LVDS|DIFFERENTIAL|PCML|LVPECL|HCSL|RSDS")
+
+
+def verilog_modules(verilog: str) -> dict[str, str]:
+    """Module name (without Verilog's escape) -> its text, of Amaranth's Verilog output."""
+    parts = re.split(r"^module ", verilog, flags=re.M)[1:]
+    return {part.split("(", 1)[0].strip().lstrip("\\"): part[: part.index("endmodule")] for part in parts}
+
+
+def products(module: str) -> list[list[int]]:
+    """The multiplications of a module whose operands are both signals (Quartus takes each to a
+    DSP block; a constant factor is shifts and adds), as their operands' widths."""
+    widths = {name: int(msb) + 1 for msb, name in re.findall(r"^\s*(?:reg|wire|input|output)\s+(?:signed\s+)?"
+                                                          r"\[(\d+):0\]\s+(\S+?)\s*[;=]", module, re.M)}
+    found = []
+    for rhs in re.findall(r"^\s*assign\s+\S+\s*=\s*([^;]*\S\s\*\s[^;]*);", module, re.M):
+        operands = [re.sub(r"^\$signed\((.*)\)$", r"\1", o.strip()) for o in rhs.split(" * ")]
+        if not any(re.fullmatch(r"\d+'s?[bdh][0-9a-fA-F_]+", o) for o in operands):
+            found.append([widths.get(o, 0) for o in operands])
+    return found
+
+
+@pytest.fixture(scope="module")
+def stratix5_project(tmp_path_factory):
+    """The Stratix board's project in its default configuration (32x32; two minutes to write)."""
+    return boards.build("stratix5", tmp_path_factory.mktemp("stratix5"), log=lambda s: None)
+
+
 @pytest.mark.parametrize("name, clock_ns, pins", [
     ("de10_nano", 20.0, {"V11", "AG13", "AF13"}),  # clk50, UART rx, tx
-    ("stratix5", 10.0, {"AH22", "A7"}),  # clk100, rst_n
+    ("stratix5", 10.0, {"AH22", "AJ22", "A7"}),  # clk100 (an LVDS pair), rst_n
 ])
-def test_quartus_project_is_complete(tmp_path, name, clock_ns, pins):
-    overrides = dict(SMALL)
-    if name == "stratix5":
-        overrides.update(tile=(24, 24))
-    result = boards.build(name, tmp_path, log=lambda s: None, **overrides)
+def test_quartus_project_is_complete(tmp_path, request, name, clock_ns, pins):
+    if name == "stratix5":  # the board's own configuration, shared with the DSP blocks' test
+        result = request.getfixturevalue("stratix5_project")
+    else:
+        result = boards.build(name, tmp_path, log=lambda s: None, **SMALL)
     d, project = result.directory, result.name
     qsf = (d / f"{project}.qsf").read_text()
     sdc = (d / f"{project}.sdc").read_text()
@@ -70,11 +105,71 @@ def test_quartus_project_is_complete(tmp_path, name, clock_ns, pins):
         assert len(data) == 8 * boards.StratixVGXPlatform.STREAM_BYTES
     else:
         assert not virtual
-    # The clock is constrained at the board's frequency; the script runs the whole Quartus flow.
+    # The clock is constrained at the board's frequency, with the clock's uncertainty (jitter)
+    # in TimeQuest's analysis; the script runs the whole Quartus flow.
     assert re.search(rf"create_clock -name \S+ -period {clock_ns}\b", sdc)
+    assert re.search(r"^\s*derive_clock_uncertainty\s*$", sdc, re.M)
     for tool in ("quartus_map", "quartus_fit", "quartus_asm", "quartus_sta"):
         assert tool in script
     assert (d / "config.json").is_file()
+    check_io_standards(qsf, verilog)
+    assert clock_port(sdc) in locations
+
+
+def clock_port(sdc: str) -> str:
+    return re.search(r"create_clock .*\[get_ports \"?([^\s\"\]]+)", sdc).group(1)
+
+
+def check_io_standards(qsf: str, verilog: str) -> None:
+    """A differential standard only on the two pins of a pair, each with its location, through a
+    differential input buffer; the single-ended ports have single-ended standards."""
+    locations, _ = qsf_assignments(qsf)
+    standards = io_standards(qsf)
+    for port, std in standards.items():
+        if DIFFERENTIAL.search(std):
+            pair = re.fullmatch(r"(.*)__([pn])", port)
+            assert pair, f"{port}: the differential {std} on a single-ended port"
+            base, side = pair.groups()
+            other = f"{base}__{'n' if side == 'p' else 'p'}"
+            assert standards.get(other) == std and port in locations and other in locations, port
+            assert re.search(rf"\.datain\({base}__p\),\s*\.datain_b\({base}__n\)", verilog), port
+        else:
+            assert not port.endswith(("__p", "__n")), f"{port}: half of a pair with the single-ended {std}"
+
+
+def test_stratix5_clock_is_the_kits_lvds_pair(stratix5_project):
+    """The kit's 100 MHz clock is an LVDS pair (CLKINBOT_P0/N0: AH22 and its complement AJ22)
+    into a differential buffer, constrained on its p pin, with the clock's uncertainty."""
+    d, project = stratix5_project.directory, stratix5_project.name
+    qsf, sdc = (d / f"{project}.qsf").read_text(), (d / f"{project}.sdc").read_text()
+    locations, _ = qsf_assignments(qsf)
+    assert (locations["clk100_0__p"], locations["clk100_0__n"]) == ("AH22", "AJ22")
+    assert io_standards(qsf)["clk100_0__p"] == "LVDS"
+    check_io_standards(qsf, (d / f"{project}.v").read_text())
+    assert clock_port(sdc) == "clk100_0__p" and re.search(r"-period 10.0\b", sdc)
+    assert re.search(r"^\s*derive_clock_uncertainty\s*$", sdc, re.M)
+    assert "derive_pll_clocks" not in sdc  # no PLL in the design
+    assert "altera_pll" not in (d / f"{project}.v").read_text()
+
+
+def test_stratix5_multipliers_fit_its_dsp_blocks(stratix5_project):
+    """The written project's multipliers fit the 5SGXEA7's 256 DSP blocks: the ``dsp_macs`` PEs'
+    8x8 products three to a block (9x9 mode), every other multiplication of the design a block
+    of its own; the other PEs multiply in LUTs, with no ``*`` of their own."""
+    result, platform = stratix5_project, boards.StratixVGXPlatform
+    cfg, project = result.cfg, result.name
+    modules = verilog_modules((result.directory / f"{project}.v").read_text())
+    mac = f"{project}.device.core.mac"
+    pe = products(modules[mac])
+    assert len(pe) == cfg.dsp_macs < cfg.rows * cfg.cols
+    assert all(w <= 9 for widths in pe for w in widths), pe[:3]  # a 9x9 each
+    booth = [name for name in modules if name.startswith(f"{mac}.booth_")]
+    assert len(booth) == cfg.rows * cfg.cols - cfg.dsp_macs
+    assert not any(products(modules[name]) for name in booth)
+    others = sum(len(products(text)) for name, text in modules.items() if name != mac)
+    assert others >= cfg.out_lanes  # the epilogue's activation units' among them (a lane each)
+    blocks = math.ceil(len(pe) / platform.MULTIPLIERS_PER_DSP) + others
+    assert blocks <= platform.DSP_BLOCKS, f"{blocks} DSP blocks of {platform.DSP_BLOCKS}"
 
 
 def test_ecp5_project_has_the_board_pins_and_clock(tmp_path):
@@ -164,8 +259,48 @@ def test_icebreaker_is_a_reduced_device(tmp_path):
         assert re.search(rf"set_io \S+ {pin}\b", pcf), pin
     script = (result.directory / f"build_{result.name}.sh").read_text()
     assert "NEXTPNR_ICE40" in script and "ICEPACK" in script and "--report" in script
+    # ABC's classic LUT mapper in place of synth_ice40's ABC9 step (which exhausts YoWASP's stack)
     ys = (result.directory / f"{result.name}.ys").read_text()
-    assert "synth_ice40 -dsp -dff" in ys and ys.index(openflow.ABC9_XAIGER1) < ys.index("synth_ice40")
+    steps = [f"synth_ice40 -dsp -run begin:map_luts -top {result.name}", "abc -dress -lut 4",
+             f"synth_ice40 -dsp -top {result.name} -run map_cells:", f"write_json {result.name}.json"]
+    assert [ys.index(step) for step in steps] == sorted(ys.index(step) for step in steps)
+    assert "-dff" not in ys and "abc9" not in ys
+
+
+def test_ice40_native_abc_maps_to_ice40_cells(tmp_path):
+    """The iCE40 flow's script runs in YoWASP's Yosys without ABC9: a counter on the iCEBreaker
+    comes out as LUTs, carries and flip-flops (and its I/O), nothing left unmapped."""
+    import subprocess
+
+    from amaranth import Elaboratable, Module, Signal
+    from amaranth.lib import io
+
+    try:
+        env = boards.yowasp_env("ice40")
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+    class Counter(Elaboratable):
+        def elaborate(self, platform):
+            m = Module()
+            count = Signal(20)
+            m.d.sync += count.eq(count + 1)
+            m.submodules.led = led = io.Buffer("o", platform.request("led", 0, dir="-"))
+            m.d.comb += led.o.eq(count[-1])
+            return m
+
+    platform = boards.BOARDS["icebreaker"].platform()
+    plan = platform.build(Counter(), name="counter", do_build=False, **openflow.ice40_native_abc("counter"))
+    plan.extract(tmp_path)
+    subprocess.run([env["YOSYS"], "-q", "-l", "counter.rpt", "counter.ys"], cwd=tmp_path, check=True,
+                   capture_output=True)
+    log = (tmp_path / "counter.rpt").read_text()
+    assert "Executing ABC pass" in log and "ABC9" not in log
+    netlist = json.loads((tmp_path / "counter.json").read_text())["modules"]["counter"]
+    kinds = {cell["type"] for cell in netlist["cells"].values()}
+    assert {"SB_LUT4", "SB_CARRY"} <= kinds and any(kind.startswith("SB_DFF") for kind in kinds), kinds
+    assert kinds <= {"SB_LUT4", "SB_CARRY", "SB_DFF", "SB_DFFE", "SB_DFFSR", "SB_DFFESR", "SB_DFFSS", "SB_DFFESS",
+                     "SB_IO", "SB_GB_IO", "$scopeinfo"}, kinds
 
 
 def test_cli_build_units(tmp_path, capsys):
