@@ -47,7 +47,7 @@ from amaranth import Module, Signal, signed
 from amaranth.back import verilog
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
-from hbfp.contract import ConfigError, fewest_acc_lanes
+from hbfp.contract import ConfigError
 from hbfp.hw.boards import _nextpnr_utilisation
 from hbfp.hw.float_core import FloatCore
 from hbfp.hw.gemm_core import GemmCore
@@ -451,10 +451,8 @@ def parser() -> argparse.ArgumentParser:
 
 def config(args) -> CoreConfig:
     units = dict(bfp_output=False, stochastic=False) if args.reduced else {}
-    tk = CoreConfig(rows=args.rows, cols=args.cols, size=args.size, tile=tuple(args.tile)).tk
-    lanes = args.acc_lanes or fewest_acc_lanes(args.rows, args.cols, tk)
     return CoreConfig(rows=args.rows, cols=args.cols, size=args.size, tile=tuple(args.tile),
-                      functions=tuple(args.functions), acc_lanes=lanes, **units)
+                      functions=tuple(args.functions), acc_lanes=args.acc_lanes, **units)
 
 
 def run(args) -> dict:

@@ -464,10 +464,14 @@ def default_out_lanes(rows: int, cols: int, tile: tuple[int, int], stream_bytes:
 
 
 def fewest_acc_lanes(rows: int, cols: int, tk: int) -> int:
-    """The fewest accumulate lanes (``CoreConfig.acc_lanes``) a core can have: the smallest
-    divisor of ``cols`` whose lanes drain a K-tile's ``rows x cols`` sums within the K-tile
-    (``rows * cols / acc_lanes <= tk``); each lane then works in most cycles."""
-    return next(d for d in range(1, cols + 1) if cols % d == 0 and rows * (cols // d) <= tk)
+    """The fewest accumulate lanes (``CoreConfig.acc_lanes``) a core can have, its default: the
+    smallest divisor of ``cols`` whose lanes drain a K-tile's ``rows x cols`` sums within the
+    K-tile (``rows * cols / acc_lanes <= tk``) and, if they are shared (fewer than ``cols``),
+    whose read-modify-write with the group select closes within it (``rmw_latency``); each lane
+    then works in most cycles, and the array at full rate."""
+    shared_rmw = ACC_READ_LATENCY + ACC_GROUP_SELECT + ADD_LATENCY + 1
+    return next(d for d in range(1, cols + 1)
+                if cols % d == 0 and rows * (cols // d) <= tk and (d == cols or shared_rmw <= tk))
 
 
 def _is_int(v) -> bool:
@@ -487,7 +491,8 @@ class CoreConfig:
     units (``Unit``); a device without them is a *reduced* device. ``out_lanes``: the epilogue's
     results a cycle (None: ``default_out_lanes``). ``acc_lanes``: the normalizer and fp32 adder
     lanes that take the MAC array's K-tile sums into the accumulator (a divisor of ``cols``;
-    None: ``cols``, one per column): each serves ``acc_groups = cols / acc_lanes`` columns,
+    None: the fewest that keep the array at full rate, ``fewest_acc_lanes``): each serves
+    ``acc_groups = cols / acc_lanes`` columns,
     and a K-tile's sums drain in ``rows * acc_groups`` beats, which must fit in the K-tile.
     ``dsp_macs``: the processing elements that multiply in DSP blocks, the rest in LUTs (None:
     all). None of the three changes a result.
@@ -550,7 +555,7 @@ class CoreConfig:
             raise ConfigError(f"out_lanes must divide cols ({self.cols}) and the tile's columns ({tw}), "
                               f"got {self.out_lanes!r}")
         if self.acc_lanes is None:
-            object.__setattr__(self, "acc_lanes", self.cols)
+            object.__setattr__(self, "acc_lanes", fewest_acc_lanes(self.rows, self.cols, self.tk))
         if not _is_int(self.acc_lanes) or self.acc_lanes < 1 or self.cols % self.acc_lanes:
             raise ConfigError(f"acc_lanes must divide cols ({self.cols}), got {self.acc_lanes!r}")
         if self.rows * self.acc_groups > self.tk:
@@ -837,7 +842,7 @@ OPTIONS: dict[str, Option] = {
     "functions": Option(parse_functions, "core", "activation units built: relu+gelu, none, all"),
     "leaky_shift": Option(parse_int, "core", "leaky_relu's slope 2^-SHIFT"),
     "out_lanes": Option(parse_int, "core", "epilogue lanes: results a cycle (divides cols and the tile's columns)"),
-    "acc_lanes": Option(parse_int, "core", "normalizer/adder lanes into the accumulator (divides cols; default cols)"),
+    "acc_lanes": Option(parse_int, "core", "normalizer/adder lanes into the accumulator (divides cols; default: the fewest at full rate)"),
     "dsp_macs": Option(parse_int, "core", "processing elements that multiply in DSP blocks (the rest in LUTs)"),
     **{u.label: Option(parse_bool, "core", f"build the {u.label} unit (0/1)") for u in Unit},
     "stream_bytes": Option(parse_int, "device", "bytes per beat of the link"),

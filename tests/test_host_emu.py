@@ -198,15 +198,16 @@ def test_non_square_tile_serves_k_along_stored_rows_only():
 
 
 def test_command_cycles_formula():
-    # docs/architecture.md's formula written out on the default 8x8 core (tk 24): K-tiles every
-    # 24 cycles; the count stops when the last row-block (b = 11) is closed, after its last
-    # K-tile (index 575) has streamed, drained its 8 rows and been accumulated. The epilogue
-    # (and its output format) is not counted; a READ counts 0.
+    # docs/architecture.md's formula written out on the default 8x8 core (tk 24, 4 accumulate
+    # lanes: a K-tile drains in 8 x 2 beats): K-tiles every 24 cycles; the count stops when the
+    # last row-block (b = 11) is closed, after its last K-tile (index 575) has streamed, drained
+    # and been accumulated. The epilogue (and its output format) is not counted; a READ counts 0.
     from hbfp.contract import ADD_LATENCY, MAC_LATENCY, NORMALIZE_LATENCY, OPERAND_READ_LATENCY
     from hbfp.host.emu import DRAIN_REGISTER
 
     cfg = CoreConfig()
-    closed = OPERAND_READ_LATENCY + MAC_LATENCY + 8 + DRAIN_REGISTER + NORMALIZE_LATENCY + ADD_LATENCY
+    assert cfg.acc_lanes == 4
+    closed = OPERAND_READ_LATENCY + MAC_LATENCY + 16 + DRAIN_REGISTER + NORMALIZE_LATENCY + ADD_LATENCY
     assert command_cycles(cfg, 96, 96, 96) == 575 * 24 + 24 + closed - 1
     assert command_cycles(cfg, 96, 96, 0) == 0  # READ
     assert command_cycles(cfg, 96, 96, 24) == 143 * 24 + 24 + closed - 1  # 12 x 12 blocks, one K-tile each
