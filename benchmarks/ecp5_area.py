@@ -9,12 +9,13 @@ under docs/reports/; ``--json FILE`` writes the figures for a machine:
 
 - ``lut4``, ``ff``, ``dsp``, ``bram``: nextpnr's TRELLIS_COMB, TRELLIS_FF, MULT18X18D, DP16KD;
 - ``fmax_mhz``: the median Fmax over the seeds; ``seeds``: ``[{seed, fmax_mhz}, ...]``;
-- ``array_lut4``, ``lanes_lut4``, ``yosys_lut4``: from Yosys' statistics of the same
-  synthesis, in which the MAC array (the core's ``mac`` submodule) and the normalizer and
-  adder lanes (submodules named ``normalize<j>``, ``add<j>``) keep their module boundaries
-  (``keep_hierarchy``; the rest is flattened as usual): their LUT4s and the whole design's,
-  each LUT4 + 2 x CCU2C as nextpnr counts them (distributed RAM aside);
-  ``share_outside_array_and_lanes`` = 1 - (array + lanes) / whole, all three from Yosys.
+- ``array_lut4``, ``lanes_lut4``: nextpnr's TRELLIS_COMB cells (``lut4``'s count) of the MAC
+  array (the core's ``mac`` submodule) and of the normalizer and adder lanes (submodules named
+  ``normalize<j>``, ``add<j>``), counted by their cells' hierarchical names in the first seed's
+  routed netlist (``hbfp.hw.openflow.comb_cells_by_module``; the design is synthesized
+  flattened, as the board builds are, and its cells keep the names of the modules they came
+  from); ``share_outside_array_and_lanes`` = 1 - (array + lanes) / ``lut4``, all three
+  nextpnr's; ``yosys_lut4``: Yosys' LUT4 + 2 x CCU2C of the whole core, before packing.
 
 Needs the ``fpga`` extra: ``pip install -e .[fpga]``. The first YoWASP call takes about a
 minute to prepare; synthesis of the 8x8 core takes minutes, each place and route longer
@@ -32,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hbfp.hw.generate import generate
-from hbfp.hw.openflow import ECP5, lut4_cells, pnr_ecp5, synth_ecp5, verilog_modules
+from hbfp.hw.openflow import ECP5, comb_cells_by_module, lut4_cells, pnr_ecp5, synth_ecp5, verilog_modules
 from hbfp.hw.params import CoreConfig
 
 from report import publish, verilog_logic  # benchmarks/report.py
@@ -73,11 +74,11 @@ def measure(cfg: CoreConfig, work: Path, seeds=(1, 2, 3), nodsp: bool = False, d
                     return res if path == saved else {**res, "reused": str(path)}
     names = verilog_modules(src)
     array, lanes = measured_modules(names, ARRAY_MODULE), measured_modules(names, LANE_MODULES)
-    log(f"synth_ecp5{' -nodsp' if nodsp else ''} (kept: {', '.join(array + lanes)}) ...")
-    synth = synth_ecp5(src, "gemm_core", work, nodsp=nodsp, keep=array + lanes)
+    log(f"synth_ecp5{' -nodsp' if nodsp else ''} ...")
+    synth = synth_ecp5(src, "gemm_core", work, nodsp=nodsp)
     def place_and_route(seed):
         log(f"nextpnr-ecp5 --{device} --out-of-context --seed {seed} ...")
-        pnr = pnr_ecp5(synth["json"], work / f"seed{seed}", device, package, freq, seed)
+        pnr = pnr_ecp5(synth["json"], work / f"seed{seed}", device, package, freq, seed, routed=seed == seeds[0])
         log(f"  seed {seed}: {pnr['fmax_min']:.1f} MHz ({pnr['seconds']:.0f} s)")
         return {"seed": seed, "fmax_mhz": pnr["fmax_min"], "utilization": pnr["utilization"],
                 "seconds": pnr["seconds"]}
@@ -85,21 +86,24 @@ def measure(cfg: CoreConfig, work: Path, seeds=(1, 2, 3), nodsp: bool = False, d
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:  # each seed a nextpnr process
         runs = list(pool.map(place_and_route, seeds))
     util = runs[0]["utilization"]  # packing comes before placement: the same for every seed
-    whole = lut4_cells(synth["cells"])
-    array_lut4 = sum(lut4_cells(synth["modules"][n]) for n in array)
-    lanes_lut4 = sum(lut4_cells(synth["modules"][n]) for n in lanes)
+    # Packing comes before placement: every seed's netlist has the same cells.
+    placed = comb_cells_by_module(work / f"seed{seeds[0]}" / "routed.json", {"array": array, "lanes": lanes})
+    assert placed["all"] == util["TRELLIS_COMB"][0], (placed, util["TRELLIS_COMB"])
     res = {
         "config": {"rows": cfg.rows, "cols": cfg.cols, "size": cfg.size, "functions": list(cfg.built_functions),
+                   "acc_lanes": cfg.acc_lanes, "out_lanes": cfg.out_lanes,
                    "nodsp": nodsp, "device": device, "package": package, "freq_mhz": freq},
         "lut4": util["TRELLIS_COMB"][0], "ff": util["TRELLIS_FF"][0], "dsp": util["MULT18X18D"][0],
         "bram": util["DP16KD"][0], "available": {k: util[k][1] for k in ("TRELLIS_COMB", "TRELLIS_FF",
                                                                          "MULT18X18D", "DP16KD")},
         "fmax_mhz": statistics.median(r["fmax_mhz"] for r in runs),
         "seeds": [{"seed": r["seed"], "fmax_mhz": r["fmax_mhz"]} for r in runs],
-        "array_lut4": array_lut4, "lanes_lut4": lanes_lut4, "yosys_lut4": whole,
-        "share_outside_array_and_lanes": 1 - (array_lut4 + lanes_lut4) / whole,
+        "array_lut4": placed["array"], "lanes_lut4": placed["lanes"],
+        "share_outside_array_and_lanes": placed["outside"] / placed["all"],
+        "share_count": "nextpnr TRELLIS_COMB cells (LUT4s and carry halves, packed) by hierarchical name",
+        "yosys_lut4": lut4_cells(synth["cells"]),
         "array_modules": array, "lanes_modules": lanes,
-        "hierarchy": "synth_ecp5 with keep_hierarchy on the array and lane modules (the rest flattened)",
+        "hierarchy": "synth_ecp5 flattened, as the board builds",
         "synth_seconds": synth["seconds"], "pnr_seconds": [r["seconds"] for r in runs],
         "stat": synth["stat"], "options": options,
     }
@@ -136,9 +140,10 @@ def table(res: dict, command: str) -> str:
         f"Fmax after place and route: **{fmax:.1f} MHz**, the median of {seeds} (target {c['freq_mhz']:g} MHz); "
         f"peak {c['rows'] * c['cols'] * fmax / 1e3:.2f} GMAC/s at that clock.",
         "",
-        f"Within the core (Yosys, LUT4 + 2 x CCU2C, {res['hierarchy']}): the MAC array "
-        f"{res['array_lut4']:,}, the normalizer and adder lanes {res['lanes_lut4']:,}, of {res['yosys_lut4']:,}: "
-        f"{100 * res['share_outside_array_and_lanes']:.0f}% of the logic is outside the array and the lanes.",
+        f"Within the core ({res['hierarchy']}), nextpnr's TRELLIS_COMB cells by their hierarchical names: "
+        f"the MAC array {res['array_lut4']:,}, the {res['config'].get('acc_lanes', '')} normalizer and adder "
+        f"lanes {res['lanes_lut4']:,}, of {res['lut4']:,}: {100 * res['share_outside_array_and_lanes']:.1f}% of the "
+        f"logic is outside the array and the lanes (Yosys: {res['yosys_lut4']:,} LUT4 + 2 x CCU2C before packing).",
         "",
         "Yosys cell counts (before packing):", "", "```", res["stat"].strip(), "```", "",
     ]

@@ -15,12 +15,17 @@ adder lanes within it), and with ``--write`` saves docs/reports/ecp5-core-8x8-s9
 docs/reports/summary.json, the headline figures for a machine:
 
 - ``core_8x8_fmax_mhz``, ``core_8x8_lut4``, ``core_8x8_array_lut4``, ``core_8x8_lanes_lut4``,
-  ``core_8x8_share_outside_array_and_lanes`` (a fraction of Yosys' LUT4s);
+  ``core_8x8_share_outside_array_and_lanes``: all four of nextpnr's count (TRELLIS_COMB cells,
+  the array's and the lanes' by their hierarchical names), which ``core_8x8_share_count`` names;
+  ``core_8x8_acc_lanes`` (the core's accumulate lanes) and ``core_8x8_fmax_seeds_mhz``;
 - ``board_<name>_macs``, ``board_<name>_fmax_mhz``, ``board_<name>_lut4`` (iCE40:
   ``board_<name>_cells``, its logic cells) per open-flow board (``<name>``: the board's
   ``summary_name``, e.g. ``colorlight`` for ``colorlight_5a75b``) built, and
   ``board_<name>_bitstream``: true when the build made its bitstream, false when the design
-  does not fit;
+  does not fit; with ``--board-seeds`` (several placement seeds) ``board_<name>_fmax_mhz`` is
+  their median, ``board_<name>_fmax_seeds_mhz`` each one's, ``board_<name>_seeds_timing_met``
+  on how many timing was met, and ``--write`` keeps each seed's nextpnr report and log and its
+  bitstream's sha256 under docs/reports/<board>/;
 - ``density_mac_s_per_lut4_vs_fp16_core``: MAC/s per LUT4 of the BFP8 core over the fp16 core,
   both whole cores LUT-only (the BFP8 core with its Booth LUT multipliers), from the density
   experiment (benchmarks/density.py, run from here in its default configuration unless
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -94,8 +100,9 @@ def mac_array_logic(flow: str, cfg, work: Path) -> dict:
 
 #: The keys summary.json always has (null where not measured).
 SUMMARY_KEYS = (
-    "core_8x8_fmax_mhz", "core_8x8_lut4", "core_8x8_array_lut4", "core_8x8_lanes_lut4",
-    "core_8x8_share_outside_array_and_lanes", "board_ulx3s_macs", "board_ulx3s_fmax_mhz", "board_ulx3s_lut4",
+    "core_8x8_fmax_mhz", "core_8x8_fmax_seeds_mhz", "core_8x8_lut4", "core_8x8_array_lut4", "core_8x8_lanes_lut4",
+    "core_8x8_share_outside_array_and_lanes", "core_8x8_share_count", "core_8x8_acc_lanes", "board_ulx3s_macs", "board_ulx3s_fmax_mhz", "board_ulx3s_lut4",
+    "board_ulx3s_seeds_timing_met", "board_ulx3s_fmax_seeds_mhz",
     "board_ecpix5_macs", "board_ecpix5_fmax_mhz", "board_ecpix5_lut4",
     "board_colorlight_macs", "board_colorlight_fmax_mhz", "board_colorlight_lut4",
     "board_icebreaker_macs", "board_icebreaker_fmax_mhz", "board_icebreaker_cells",
@@ -124,9 +131,11 @@ def core_8x8(args) -> dict:
         publish(table(res, command), f"ecp5-{name}.md", args.write)
         if args.write:
             report.write_text(json.dumps(figures(res), indent=1) + "\n")
-    return {"core_8x8_fmax_mhz": res["fmax_mhz"], "core_8x8_lut4": res["lut4"],
-            "core_8x8_array_lut4": res["array_lut4"], "core_8x8_lanes_lut4": res["lanes_lut4"],
-            "core_8x8_share_outside_array_and_lanes": res["share_outside_array_and_lanes"]}
+    return {"core_8x8_fmax_mhz": res["fmax_mhz"], "core_8x8_fmax_seeds_mhz": [s["fmax_mhz"] for s in res["seeds"]],
+            "core_8x8_lut4": res["lut4"], "core_8x8_array_lut4": res["array_lut4"],
+            "core_8x8_lanes_lut4": res["lanes_lut4"],
+            "core_8x8_share_outside_array_and_lanes": res["share_outside_array_and_lanes"],
+            "core_8x8_share_count": res["share_count"], "core_8x8_acc_lanes": res["config"]["acc_lanes"]}
 
 
 def density_summary(args) -> dict:
@@ -224,6 +233,32 @@ def reusable(directory: Path, board, cfg, top_kw) -> dict | None:
     return boards.parse_nextpnr_report(report, saved["clock_hz"])
 
 
+def keep_builds(board, runs) -> str:
+    """For a board built on several seeds: each seed's bitstream hash, nextpnr report and log
+    (gzipped) under docs/reports/<board>/seed<N>/, and a sentence that says so."""
+    import gzip
+    import hashlib
+    import shutil
+
+    if len(runs) < 2:
+        return ""
+    project = f"hbfp_{board.name}"
+    hashes = []
+    for seed, report, _, folder in runs:
+        dest = REPORTS / board.name / f"seed{seed}"
+        dest.mkdir(parents=True, exist_ok=True)
+        bitstream = folder / f"{project}{boards.BITSTREAM_SUFFIX[board.flow]}"
+        digest = hashlib.sha256(bitstream.read_bytes()).hexdigest()
+        shutil.copyfile(folder / f"{project}.report.json", dest / "nextpnr.report.json")
+        log = folder / f"{project}.tim"
+        if log.exists():
+            (dest / "nextpnr.log.gz").write_bytes(gzip.compress(log.read_bytes(), mtime=0))
+        (dest / "bitstream.sha256").write_text(f"{digest}  {bitstream.name}\n")
+        hashes.append(f"seed {seed} {digest[:16]}...")
+    return (f"each seed's nextpnr report and log and its bitstream's sha256 are in docs/reports/{board.name}/ "
+            f"({', '.join(hashes)})")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--boards", nargs="+", choices=list(boards.BOARDS), default=list(boards.BOARDS))
@@ -241,6 +276,10 @@ def main(argv=None) -> int:
                    help="boards left out of this run (--boards) keep their row, note and summary figures from the "
                         "existing boards.md and summary.json, and with --no-core the 8x8 core its figures: for a run "
                         "after changes that leave those designs alone")
+    p.add_argument("--board-seeds", type=int, nargs="+", default=[1],
+                   help="nextpnr placement seeds of every open-flow board built (default 1): the first's build in "
+                        "OUT/<board>, the others' in OUT/seed<N>/<board>; the row gives each seed's Fmax, timing is "
+                        "met when it is on every seed, and summary.json has board_<name>_seeds_timing_met")
     p.add_argument("--core-jobs", type=int, default=2, help="the 8x8 core's seeds placed and routed at a time (default 2)")
     p.add_argument("--density-jobs", type=int, default=2, help="the density experiment's flows at a time (default 2)")
     args = p.parse_args(argv)
@@ -263,25 +302,32 @@ def main(argv=None) -> int:
             notes.append(f"- **{name}**: Quartus project written in {time.perf_counter() - t0:.0f} s ({files}); "
                          f"compile with `sh build_hbfp_{name}.sh` where Quartus Prime is installed. {board.notes}")
             continue
-        directory = Path(args.out) / name
-        report = reusable(directory, board, cfg, top_kw) if args.reuse else None
-        seconds = None
-        if report is None:
-            t0 = time.perf_counter()
-            try:
-                report = boards.build(name, args.out).report
-            except boards.DoesNotFit as e:
-                util = e.utilization
-                cols = COLUMNS[board.flow]
-                cell = {k: (f"{util[r]['used']:,}/{util[r]['available']:,}" if r in util else "") for k, r in cols.items()
-                        if r}
-                rows.append(f"| {name} | {board.title} | {conf} | **does not fit:** {cell.get('logic', '')} | "
-                            f"{cell.get('ff', '')} | {cell.get('dsp', '')} | {cell.get('bram', '')} | | | "
-                            f"{clock_mhz:.0f} | | | |")
-                notes.append(f"- **{name}**: {e}")
-                summary[f"board_{board.summary_name}_bitstream"] = False
-                continue
-            seconds = time.perf_counter() - t0
+        runs = []  # (seed, report, seconds or None: reused, build folder) per placement seed
+        try:
+            for seed in args.board_seeds:
+                out = Path(args.out) if seed == args.board_seeds[0] else Path(args.out) / f"seed{seed}"
+                report = reusable(out / name, board, cfg, top_kw) if args.reuse else None
+                seconds = None
+                if report is None:
+                    t0 = time.perf_counter()
+                    report = boards.build(name, out, seed=seed).report
+                    seconds = time.perf_counter() - t0
+                runs.append((seed, report, seconds, out / name))
+        except boards.DoesNotFit as e:
+            util = e.utilization
+            cols = COLUMNS[board.flow]
+            cell = {k: (f"{util[r]['used']:,}/{util[r]['available']:,}" if r in util else "") for k, r in cols.items()
+                    if r}
+            rows.append(f"| {name} | {board.title} | {conf} | **does not fit:** {cell.get('logic', '')} | "
+                        f"{cell.get('ff', '')} | {cell.get('dsp', '')} | {cell.get('bram', '')} | | | "
+                        f"{clock_mhz:.0f} | | | |")
+            notes.append(f"- **{name}**: {e}")
+            summary[f"board_{board.summary_name}_bitstream"] = False
+            continue
+        _, report, seconds, _ = runs[0]
+        met = sum(r["timing_met"] for _, r, _, _ in runs)
+        if args.write:
+            kept = keep_builds(board, runs)
         util = report["utilization"]
         cols = COLUMNS[board.flow]
 
@@ -295,17 +341,24 @@ def main(argv=None) -> int:
 
         mac = mac_array_logic(board.flow, cfg, Path(args.out) / f"{name}-mac-array")
         outside = 1 - mac["logic"] / used("logic")
-        fmax = report["fmax_mhz"]
+        fmax = statistics.median(r["fmax_mhz"] for _, r, _, _ in runs)
         key = board.summary_name
         logic = "cells" if board.flow == "ice40" else "lut4"  # an iCE40 logic cell: a LUT4 and a flip-flop
         summary.update({f"board_{key}_macs": macs, f"board_{key}_fmax_mhz": fmax, f"board_{key}_{logic}": used("logic"),
                         f"board_{key}_bitstream": True})
+        if len(runs) > 1:
+            summary[f"board_{key}_seeds_timing_met"] = met
+            summary[f"board_{key}_fmax_seeds_mhz"] = [r["fmax_mhz"] for _, r, _, _ in runs]
+        per_seed = "" if len(runs) == 1 else " (" + ", ".join(
+            f"{r['fmax_mhz']:.1f} seed {s}" for s, r, _, _ in runs) + ")"
+        status = ("met" if met == len(runs) else "**not met**") + ("" if len(runs) == 1 else f" on {met} of {len(runs)} seeds")
         rows.append(
             f"| {name} | {board.title} | {conf} | {cell('logic')} | {cell('ff')} | {cell('dsp')} | {cell('bram')} | "
-            f"{fmax:.1f} | {'met' if report['timing_met'] else '**not met**'} | {clock_mhz:.0f} | "
+            f"{fmax:.1f}{per_seed} | {status} | {clock_mhz:.0f} | "
             f"{gmacs(macs * fmax)} | {gmacs(macs * clock_mhz)} | {100 * outside:.0f}% |")
         notes.append(f"- **{name}**: bitstream `build/boards/{name}/hbfp_{name}{boards.BITSTREAM_SUFFIX[board.flow]}`"
                      + (f", built in {seconds / 60:.1f} min" if seconds else " (reused build)")
+                     + (f"; {kept}" if args.write and kept else "")
                      + f"; the MAC array alone: {mac['logic']:,} logic cells and {mac['dsp']} DSP blocks of "
                      f"{used('logic'):,} and {used('dsp')}. "
                      + ("" if len(report.get("clocks", {})) < 2 else "Every clock, Fmax of the MHz it needs: " + ", ".join(

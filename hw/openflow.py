@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 __all__ = ["ECP5", "RESOURCES", "ABC9_XAIGER1", "ice40_native_abc", "bin_path", "run_tool", "verilog_modules",
-           "synth_ecp5", "lut4_cells", "pnr_ecp5", "read_nextpnr_report", "conflicting_drivers"]
+           "synth_ecp5", "lut4_cells", "pnr_ecp5", "comb_cells_by_module", "read_nextpnr_report", "conflicting_drivers"]
 
 
 class _ECP5Target:
@@ -198,13 +198,15 @@ def pnr_ecp5(
     seed: int = 1,
     ooc: bool = True,
     *,
+    routed: bool = False,
     log: Log = None,
 ) -> dict:
     """Place and route the netlist ``json_path`` with nextpnr-ecp5 in ``work``.
 
     ``device``: nextpnr's device option without dashes ("25k", "45k", "85k", "um5g-85k",
     ...); ``freq``: the target clock in MHz (timing may fail: Fmax is what is measured);
-    ``ooc``: out of context (``--out-of-context``). Writes ``pnr.log`` and ``report.json``.
+    ``ooc``: out of context (``--out-of-context``). Writes ``pnr.log`` and ``report.json``,
+    and with ``routed`` the placed and routed netlist ``routed.json`` (``comb_cells_by_module``).
     Returns ``{"utilization": {resource: (used, available)}, "fmax": {clock: MHz},
     "fmax_min": the slowest clock's MHz (None without clocks), "seconds": run time}``."""
     work = Path(work)
@@ -216,10 +218,55 @@ def pnr_ecp5(
     ]
     if ooc:
         cmd.insert(cmd.index("--timing-allow-fail"), "--out-of-context")
+    if routed:
+        cmd += ["--write", "routed.json"]
     if log:
         log(f"nextpnr-ecp5 --{device}{' --out-of-context' if ooc else ''} ...")
     seconds = run_tool(cmd, work, work / "pnr.log")
     return {**read_nextpnr_report(work / "report.json"), "seconds": seconds}
+
+
+def comb_cells_by_module(routed_json: str | Path, modules: dict[str, list[str]]) -> dict[str, int]:
+    """nextpnr's logic cells (TRELLIS_COMB: a LUT4, or half a CCU2C carry cell) of a placed and
+    routed ECP5 netlist (``pnr_ecp5(..., routed=True)``), counted per group of ``modules``
+    (group name -> module paths within the top, as ``verilog_modules`` names them, the top's name
+    first): a cell belongs to a module when its hierarchical name starts with the module's path
+    (the Yosys netlist kept the module, or flattened it with its names). The cells nextpnr makes
+    itself (``$nextpnr_...``: a carry chain's ends) go with the named cells they share nets
+    with, by majority. Cells of no group are counted as ``"outside"``; the total as ``"all"``."""
+    cells = json.loads(Path(routed_json).read_text())["modules"]["top"]["cells"]
+    prefixes = [(p.split(".", 1)[1] + ".", group) for group, paths in modules.items() for p in paths if "." in p]
+
+    def group_of(name: str) -> str | None:
+        return next((g for p, g in prefixes if name.startswith(p)), "outside") if not name.startswith("$nextpnr") \
+            else None
+
+    combs = {n: c for n, c in cells.items() if c["type"] == "TRELLIS_COMB"}
+    groups = {n: group_of(n) for n in combs}
+    by_net: dict[int, list[str]] = {}
+    for n, c in cells.items():
+        for bits in c.get("connections", {}).values():
+            for b in bits:
+                if isinstance(b, int):
+                    by_net.setdefault(b, []).append(n)
+    for _ in range(4):  # a chain's made cells may only touch other made cells at first
+        for n, g in groups.items():
+            if g is not None:
+                continue
+            votes: dict[str, int] = {}
+            for bits in combs[n].get("connections", {}).values():
+                for b in bits:
+                    for other in by_net.get(b, []) if isinstance(b, int) else []:
+                        og = groups.get(other) if other in combs else (None if other.startswith("$") else group_of(other))
+                        if og is not None and other != n:
+                            votes[og] = votes.get(og, 0) + 1
+            if votes:
+                groups[n] = max(votes, key=votes.get)
+    counts = {g: 0 for g in [*modules, "outside"]}
+    for g in groups.values():
+        counts[g or "outside"] += 1
+    counts["all"] = len(combs)
+    return counts
 
 
 def read_nextpnr_report(path: str | Path) -> dict:

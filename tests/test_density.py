@@ -1,6 +1,7 @@
 """benchmarks/density.py without the FPGA tools: its designs elaborate, and its figures, ratios,
 summary keys and report follow from a fixed set of measured rows."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -132,3 +133,37 @@ def test_a_flattened_synthesis_is_reported_without_breakdown(density):
     text = density.report(fig, args, 60.0)
     assert "ABC9 step failed on the kept modules: bf16 `FloatCore` (LUT-only)" in text
     assert "bf16 not broken down (synthesized flattened)" in text
+
+
+def test_fpga_report_keeps_each_seeds_build_record(tmp_path, monkeypatch):
+    """A board built on several placement seeds: each seed's nextpnr report, its log (gzipped)
+    and its bitstream's sha256 are kept under docs/reports/<board>/seed<N>/."""
+    import gzip
+    import hashlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fpga_report
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from hbfp.hw import boards
+
+    monkeypatch.setattr(fpga_report, "REPORTS", tmp_path / "reports")
+    board = boards.BOARDS["ulx3s"]
+    runs = []
+    for seed in (1, 2):
+        folder = tmp_path / f"seed{seed}" / "ulx3s"
+        folder.mkdir(parents=True)
+        (folder / "hbfp_ulx3s.bit").write_bytes(bytes([seed]) * 10)
+        (folder / "hbfp_ulx3s.report.json").write_text(json.dumps({"seed": seed}))
+        (folder / "hbfp_ulx3s.tim").write_text(f"Info: Max frequency for clock: {70 + seed} MHz\n")
+        runs.append((seed, {"fmax_mhz": 70.0 + seed, "timing_met": False}, None, folder))
+    assert fpga_report.keep_builds(board, runs[:1]) == ""  # one seed: nothing kept
+    said = fpga_report.keep_builds(board, runs)
+    for seed in (1, 2):
+        kept = tmp_path / "reports" / "ulx3s" / f"seed{seed}"
+        digest = hashlib.sha256(bytes([seed]) * 10).hexdigest()
+        assert (kept / "bitstream.sha256").read_text() == f"{digest}  hbfp_ulx3s.bit\n"
+        assert json.loads((kept / "nextpnr.report.json").read_text()) == {"seed": seed}
+        assert gzip.decompress((kept / "nextpnr.log.gz").read_bytes()).decode().endswith(f"{70 + seed} MHz\n")
+        assert f"seed {seed} {digest[:16]}" in said

@@ -1,6 +1,8 @@
 """The open flow's bookkeeping, without running the tools: module names of generated Verilog,
 cell counts of kept submodules, LUT4s as nextpnr counts them."""
 
+import json
+
 from amaranth.back import verilog
 
 from hbfp.hw import openflow
@@ -38,3 +40,26 @@ def test_conflicting_drivers_are_read_from_yosys_check(tmp_path):
     (tmp_path / "clean.log").write_text("Checking module top...\nFound and reported 0 problems.\n")
     assert openflow.conflicting_drivers(tmp_path / "clean.log") == []
     assert openflow.conflicting_drivers(tmp_path / "absent.log") == []
+
+
+def test_comb_cells_by_module_counts_by_hierarchical_name(tmp_path):
+    """nextpnr's logic cells per module of a routed netlist: by the cells' hierarchical names, a
+    carry chain's cells that nextpnr made going with the named cells they share nets with."""
+    from hbfp.hw.openflow import comb_cells_by_module
+
+    def comb(*nets):
+        return {"type": "TRELLIS_COMB", "connections": {f"P{i}": [n] for i, n in enumerate(nets)}}
+
+    cells = {
+        "mac.pe0.lut": comb(10, 11), "mac.pe1.lut": comb(11, 12),
+        "$nextpnr_CCU2C_1$CCU2_COMB0": comb(12, 13),  # shares net 12 with the array's cell
+        "$nextpnr_CCU2C_2$CCU2_COMB0": comb(13, 14),  # only with the made cell before it
+        "accumulate$5.add0.sum": comb(20), "accumulate$5.normalize0.x": comb(21),
+        "epilogue.quantize.mix": comb(30), "issue.count": comb(31),
+        "mac.pe0.ff": {"type": "TRELLIS_FF", "connections": {"Q": [10]}},  # not a logic cell
+    }
+    path = tmp_path / "routed.json"
+    path.write_text(json.dumps({"modules": {"top": {"cells": cells}}}))
+    got = comb_cells_by_module(path, {"array": ["core.mac"],
+                                      "lanes": ["core.accumulate$5.add0", "core.accumulate$5.normalize0"]})
+    assert got == {"array": 4, "lanes": 2, "outside": 2, "all": 8}
