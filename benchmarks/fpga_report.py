@@ -397,7 +397,8 @@ def main(argv=None) -> int:
         "# FPGA boards: area, Fmax and throughput",
         "",
         "Regenerate with `make fpga-report` (`python benchmarks/fpga_report.py --write`); builds with "
-        "`hbfp build --board NAME`. Open flow: YoWASP Yosys + nextpnr (seed 1); logic = LUT4 cells "
+        "`hbfp build --board NAME`. Open flow: YoWASP Yosys + nextpnr (placement seed 1, or the seeds a row "
+        "names: its Fmax is their median); logic = LUT4 cells "
         "(ECP5 TRELLIS_COMB; iCE40 logic cells, a LUT4 and a flip-flop each). Peak GMAC/s = array size x clock.",
         "",
         "| board | FPGA | configuration | logic | FF | DSP | BRAM | Fmax (MHz) | timing at board clock | "
