@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         (reply,) = link.collect(1)
         runs.append((dev.cycles - c1, time.perf_counter() - w1, time.thread_time() - u1))
         (device_cycles,) = struct.unpack_from("<I", reply.data)
-        got = np.frombuffer(reply.data[:-4], np.float32).reshape(m, n)  # the result, then the cycles
+        got = np.frombuffer(reply.data[:-P.CYCLES_SIZE], np.float32).reshape(m, n)  # the result, then the cycles
         if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
             print("MISMATCH against hbfp.golden.gemm.gemm")
             return 1

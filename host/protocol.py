@@ -37,6 +37,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "ABI_VERSION",
     "HEADER",
+    "CYCLES_SIZE",
     "CRC_SIZE",
     "REPLY",
     "NO_ACTIVATION",
@@ -86,6 +87,8 @@ __all__ = [
 # The codes and layouts are the device contract's (hbfp.contract), re-exported here for the
 # host's code that reads them as protocol names.
 HEADER = C.HEADER.struct  # magic, version, opcode, tag, length
+#: Bytes of the u32 cycles that end a GEMM reply's data.
+CYCLES_SIZE = C.CYCLES.size
 #: The optional units by ``CoreConfig`` field name -> bit of IDENTIFY's ``omitted`` mask.
 UNITS = {u.label: int(u) for u in Unit}
 GEMM_FLAGS = {f.name.lower(): int(f) for f in GemmFlag}

@@ -427,8 +427,8 @@ async def run_product(dev: Device, rng: random.Random, nrng: np.random.Generator
         activation=protocol.NO_ACTIVATION if act is None else FUNCTIONS.index(act), out_format=out,
         rounding=ROUNDINGS.index(prod["rounding"]), seed=prod["seed"])
     reply = await dev.request(Op.GEMM, payload)
-    (cycles,) = struct.unpack_from("<I", reply.data, len(reply.data) - 4)  # after the result
-    got = dev.decode_result(reply.data[:-4], m, n, out)
+    cycles = protocol.decode_cycles(reply.data)  # after the result
+    got = dev.decode_result(reply.data[:-protocol.CYCLES_SIZE], m, n, out)
     dev.compare(got, want, out, f"GEMM {prod}")
     if prod["repeat"]:
         # The same command again, the host now taking bytes at full speed: the same reply,
@@ -437,7 +437,7 @@ async def run_product(dev: Device, rng: random.Random, nrng: np.random.Generator
         dev.link.set_stall(0.0)
         again = await dev.request(Op.GEMM, payload)
         dev.link.set_stall(stall)
-        assert again.payload == reply.payload, f"GEMM {prod} repeated: another reply ({again.data[-4:]!r} cycles)"
+        assert again.payload == reply.payload, f"GEMM {prod} repeated: another reply ({again.data[-protocol.CYCLES_SIZE:]!r} cycles)"
     # The core's own count, until its last sums are in the accumulator: at least its MAC beats
     # (tk a K-tile of each R x C block), and the same whatever the host's pace (the MAC phase
     # never waits on the reply).

@@ -455,7 +455,7 @@ async def test_top_pipelined_requests(dut):
                                                         for (op, p), t in zip(requests, tags))))
     replies = [await dev.check_reply(op, t, Status.OK) for (op, _), t in zip(requests, tags)]
     await sending
-    got = dev.decode_result(replies[-2].data[:-4], m, n, OutFormat.FP32)  # the result, then the cycles
+    got = dev.decode_result(replies[-2].data[:-protocol.CYCLES_SIZE], m, n, OutFormat.FP32)  # the result, then the cycles
     dev.compare(got, gemm(qa, qb), OutFormat.FP32, f"pipelined GEMM {m}x{n}x{k}")
     status = protocol.decode_status(replies[-1].data)
     assert (status.accepted, status.refused) == (len(requests), 0), status  # STATUS counts itself

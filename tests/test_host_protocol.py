@@ -142,8 +142,9 @@ def test_results_round_trip():
     assert cycles == 99 and np.array_equal(x, y)
     bits = rng.integers(0, 1 << 16, (5, 7)).astype(np.uint16)
     data = P.encode_result(1, bits, OutFormat.BF16)
-    assert data[-4:] == bytes([1, 0, 0, 0]) and data[:-4] == P.encode_result(None, bits, OutFormat.BF16)  # cycles last
-    _, y = P.decode_result(data[:-4], 5, 7, OutFormat.BF16, HBFP8, cycles=False)
+    body = data[:-P.CYCLES_SIZE]
+    assert data[-P.CYCLES_SIZE:] == bytes([1, 0, 0, 0]) and body == P.encode_result(None, bits, OutFormat.BF16)  # cycles last
+    _, y = P.decode_result(body, 5, 7, OutFormat.BF16, HBFP8, cycles=False)
     assert np.array_equal(y.view(np.uint16), bits) and P.decode_cycles(data) == 1
     with pytest.raises(ValueError, match="needs"):
         P.decode_result(b"\0" * 10, 5, 7, OutFormat.FP32, HBFP8)

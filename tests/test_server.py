@@ -149,7 +149,7 @@ def _gemm_all(client: Raw, tag: int, size: int) -> np.ndarray:
     client.send(Op.GEMM, tag, P.encode_gemm(size, size, size))
     r = client.reply()
     assert r.status == Status.OK
-    return np.frombuffer(r.data[:-4], "<f4")  # the result, then the cycles
+    return np.frombuffer(r.data[:-P.CYCLES_SIZE], "<f4")  # the result, then the cycles
 
 
 def _read_all(client: Raw, tag: int, size: int) -> np.ndarray:

@@ -12,7 +12,6 @@ per cycle, both port wrappers, and the library cache.
 from __future__ import annotations
 
 import os
-import struct
 import sys
 import time
 from pathlib import Path
@@ -356,7 +355,7 @@ def test_top_gemm_bit_exact(top):
     start, wire_start = top.cycles, top.wire_cycles
     reply = _transact(top, protocol.Op.GEMM, 3, protocol.encode_gemm(m, n, k))
     assert reply.status == ok, reply.status
-    (device_cycles,) = struct.unpack_from("<I", reply.data, len(reply.data) - 4)  # after the result
+    device_cycles = protocol.decode_cycles(reply.data)  # after the result
     # The exchange occupies the link from its request's first beat to its reply's last: the
     # core's run, which the reply's bytes at stream_bytes a beat overlap (each row-block's
     # rows leave once its sums are done), and nothing while the host idles.
@@ -366,7 +365,7 @@ def test_top_gemm_bit_exact(top):
     assert wire <= top.cycles - start
     top.run(1000)
     assert top.wire_cycles - wire_start == wire
-    got = np.frombuffer(reply.data[:-4], np.float32).reshape(m, n)  # the result, then the cycles
+    got = np.frombuffer(reply.data[:-protocol.CYCLES_SIZE], np.float32).reshape(m, n)  # the result, then the cycles
     fmt = cfg.fmt()
     want = np.asarray(gemm(quantize(a, fmt), quantize(b, fmt)), np.float32)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
