@@ -256,6 +256,62 @@ def test_patches_quantized_from_the_image_equal_the_quantized_patches(shape, ker
     assert np.array_equal(codes.numpy(), ref.codes) and np.array_equal(exps.numpy(), ref.exponents)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("shape, kernel, stride, padding, dilation", CONVS[:4])
+def test_conv_runs_equal_the_whole_products(variant, shape, kernel, stride, padding, dilation):
+    """conv_runs, a convolution's product a run of images at a time (the runs side by side on
+    the threads, each product on one thread into its own buffer): the golden product of the
+    whole matrices, then col2im of it (``fold``) or its planes plus the bias in fp32 (torch's
+    addition), bit for bit, on 1 to 3 threads and runs of 1, 2 or every image; a NaN tile
+    included."""
+    import torch
+
+    lib = kernels._COMPILED[variant]
+    g = kernels.conv_geometry(shape, kernel, stride, padding, dilation)
+    n, c, positions, ckk, out_ch = g[0], g[1], g[0] * g[12] * g[13], g[1] * g[4] * g[5], 7
+    rng = np.random.default_rng(positions)
+    fmt = HBFP8
+
+    def stored(x):  # codes and exponents as torch tensors, and the golden operand
+        q = quantize(x, fmt)
+        return torch.from_numpy(q.codes), torch.from_numpy(q.exponents), q
+
+    def transposed(q):
+        return BFPTensor(q.codes.T, q.exponents.T, q.fmt.transposed())
+
+    rows = (rng.standard_normal((positions, out_ch)) * 8).astype(np.float32)  # an output gradient
+    wt = rng.standard_normal((ckk, out_ch)).astype(np.float32)  # W^T, C*KH*KW x OUT
+    wt[:3, :2] = np.nan
+    cr, er, qr = stored(rows)
+    cw, ew, qw = stored(wt)
+    want_fold = kernels.col2im(np.ascontiguousarray(golden_gemm(qw, transposed(qr)).T), shape, kernel, stride,
+                               padding, dilation)
+    patches = rng.standard_normal((positions, ckk)).astype(np.float32)
+    w = rng.standard_normal((out_ch, ckk)).astype(np.float32)
+    bias = torch.from_numpy(rng.standard_normal(out_ch).astype(np.float32))
+    cp, ep, qp = stored(patches)
+    cv, ev, qv = stored(w)
+    sums = torch.from_numpy(golden_gemm(qv, transposed(qp)))  # OUT x positions
+    want_planes = (sums + bias[:, None]).reshape(out_ch, n, -1).transpose(0, 1).reshape(n, out_ch, g[12], g[13])
+    bound = kernels._code_bound(cp.numpy(), fmt)  # int8 codes: 127
+    for threads in (1, 2, 3):
+        for run_images in sorted({1, 2, n}):
+            grad = torch.full(shape, 7.0)
+            lib.conv_runs(cw, ew, fmt, cr.t(), er.t(), fmt.transposed(), run_images, None, g, grad, True, threads,
+                          bound, bound)
+            assert same(grad.numpy(), want_fold), (threads, run_images)
+            out = torch.full((n, out_ch, g[12], g[13]), 7.0)
+            lib.conv_runs(cv, ev, fmt, cp.t(), ep.t(), fmt.transposed(), run_images, bias, g, out, False, threads,
+                          bound, bound)
+            assert same(out.numpy(), want_planes.numpy()), (threads, run_images)
+            lib.conv_runs(cv, ev, fmt, cp.t(), ep.t(), fmt.transposed(), run_images, None, g, out, False, threads,
+                          bound, bound)
+            assert same(out.numpy(), sums.reshape(out_ch, n, -1).transpose(0, 1).reshape(out.shape).numpy())
+    with pytest.raises(ValueError):  # a fold's rows are C*KH*KW
+        lib.conv_runs(cv, ev, fmt, cp.t(), ep.t(), fmt.transposed(), 1, None, g, torch.empty(shape), True, 1, bound,
+                      bound)
+
+
 @pytest.mark.parametrize("shape", [(32, 1024, 64), (3, 5, 7), (2, 17, 9), (1, 33, 40), (4, 8, 8), (2, 100, 3), (0, 4, 4)])
 def test_transpose_equals_a_copy_of_the_transposed_view(shape):
     """kernels.transpose (a convolution's rows to the image and back): the blocks of 8 x 8 in

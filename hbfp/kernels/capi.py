@@ -10,7 +10,7 @@ import ctypes
 
 #: Bumped whenever a signature, a struct or the meaning of an argument changes; a library that
 #: reports another number is rebuilt, never called.
-ABI = 5
+ABI = 6
 
 #: C types of the table and their ctypes.
 _CTYPES = {
@@ -90,6 +90,16 @@ FUNCTIONS = {
         "n", "c", "h", "w", "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw", "oh", "ow", "th", "tw")),
         ("mbits", "int"), ("rounding", "int"), ("key", "unsigned"), ("codes", "void *"), ("code_bytes", "int"),
         ("exps", "unsigned char *"), ("threads", "int"))),
+    # A convolution's product op(W) @ P^T (W: a, m x k; P^T: b, k x N*OH*OW positions) made a run
+    # of `run_images` images at a time, runs side by side on the threads, each into its own
+    # buffer, then into `out`: with `fold`, col2im of the run's columns (m = C*KH*KW) onto the
+    # images' N x C x H x W gradient; else the run's (m = OUT) planes of the N x OUT x OH*OW
+    # output, plus `bias` (OUT values or NULL) in the caller's fp32 environment.
+    "hbfp_conv_runs": ("int", (("a", "const hbfp_operand *"), ("b", "const hbfp_operand *"), ("m", "long"),
+                               ("k", "long"), ("run_images", "long"), ("bias", "const float *"),
+                               *((d, "long") for d in ("n", "c", "h", "w", "kh", "kw", "sh", "sw", "ph", "pw", "dh",
+                                                       "dw", "oh", "ow")),
+                               ("out", "float *"), ("fold", "int"), ("threads", "int"))),
     # The LSTM cell's elementwise work, forward and backward (src/cell.c), contiguous rows.
     "hbfp_lstm_cell": ("int", (("p", "const float *"), ("xp", "const float *"), ("c_prev", "const float *"),
                                ("rows", "long"), ("hid", "long"), ("acts", "float *"), ("c", "float *"),

@@ -5,7 +5,7 @@ patch matrix (``hbfp.torch.convolution``):
   gradient folded onto the image as the product makes it (``fold``);
 - ``_ImageProduct``: the product made straight into the output's layout, with its bias;
 
-each a few images at a time (``_image_runs``), so that what reads a product's columns next finds
+each a few images at a time (``_run_images``), the runs side by side on the threads, so that what reads a product's columns next finds
 them in the cache. The same sums, bits and counts as the general path's products.
 """
 
@@ -18,25 +18,24 @@ from hbfp.recipes import ProductConfig, RecipeInUse
 from .device import _device_work, _square
 
 
-def _image_runs(n: int, per_image: int, rows: int, tile: int, values: int):
-    """The runs of images a product over a convolution's positions is made in (``fold``,
-    ``_ImageProduct``): as many images as keep a run's ``values`` fp32 values a position within
-    ``_LazyPatches.FOLD_BYTES``; each run as (first image, image after it, its positions
-    [p0, p1), the whole tile rows [q0, q1) of the ``rows`` positions that hold them)."""
-    images = max(1, min(n, _LazyPatches.FOLD_BYTES // max(1, 4 * values * per_image)))
-    for b0 in range(0, n, images):
-        b1 = min(n, b0 + images)
-        p0, p1 = b0 * per_image, b1 * per_image
-        yield b0, b1, p0, p1, p0 // tile * tile, min(rows, -(-p1 // tile) * tile)
+def _run_images(n: int, per_image: int, values: int) -> int:
+    """The images a run of a product over a convolution's positions takes (``_product_by_images``):
+    as many as keep a run's ``values`` fp32 values a position within ``_LazyPatches.FOLD_BYTES``."""
+    return max(1, min(n, _LazyPatches.FOLD_BYTES // max(1, 4 * values * per_image)))
 
 
-def _product_by_images(device, w, transpose_w: bool, rows, n: int):
-    """``op(W) @ rows^T`` a few images at a time (``_image_runs``): ``w`` the codes and exponents
-    of W as the product stores it (``transpose_w``: it reads them transposed), ``rows`` those of
-    a matrix of positions (the patches, an output gradient) of ``n`` images, whole tile rows of
-    it a run. Yields (first image, image after the run, the run's columns: op(W)'s rows x its
-    positions, in a buffer that the next run overwrites); then counts the product once, as
-    ``_device_gemm`` counts it (the same product: every column its own sums)."""
+def _product_by_images(device, w, transpose_w: bool, rows, geometry: tuple, out, *, bias=None, fold: bool) -> None:
+    """``op(W) @ rows^T`` a few images at a time (``_run_images``) into ``out``: ``w`` the codes
+    and exponents of W as the product stores it (``transpose_w``: it reads them transposed),
+    ``rows`` those of a matrix of positions (the patches, an output gradient) of the images of
+    ``geometry`` (``kernels.conv_geometry``'s). A run's product covers the whole tile rows of
+    ``rows`` that hold its positions, into a buffer of the thread that makes it (the runs side
+    by side on the kernels' threads: a product of a few thousand columns does not split well
+    over threads, runs do), then its images' part of ``out`` is made from the buffer while it
+    is in the cache: with ``fold``, col2im of its columns onto the images' gradient; else its
+    images' planes of the N x OUT x OH x OW output, plus ``bias`` (``hbfp.kernels`` native
+    ``conv_runs``). Every column is its own sum, so ``out`` has the bits of the whole product's;
+    the product is counted once, as ``_device_gemm`` counts it."""
     from hbfp.host import planner
     from hbfp.host.device import check_product_size
     from hbfp.host.protocol import code_bytes
@@ -47,21 +46,17 @@ def _product_by_images(device, w, transpose_w: bool, rows, n: int):
 
     lib, fmt = _compiled_cpu(), device.format()
     (ca, ea), (cr, er) = w, rows
-    fa, th = fmt, fmt.tile[0]
+    fa = fmt
     if transpose_w:
         ca, ea, fa = ca.t(), ea.t(), fmt.transposed()
     (m, k), p = ca.shape, cr.shape[0]
     check_product_size(m, p, k, code_bytes=code_bytes(fmt.mantissa_bits))
-    threads = default_threads()
+    n, per_image = geometry[0], geometry[12] * geometry[13]
     with _device_work():
         bounds = _code_bound(ca.numpy(), fa), _code_bound(cr.numpy(), fmt)  # of the whole operands
-        runs = list(_image_runs(n, p // n, p, th, m))
-        buffer = torch.empty((m, max(q1 - q0 for *_, q0, q1 in runs)), dtype=torch.float32)
-        for b0, b1, p0, p1, q0, q1 in runs:
-            cols = buffer[:, :q1 - q0]
-            lib.gemm_tensor(ca, ea, fa, cr[q0:q1].t(), er[q0 // th:-(-q1 // th)].t(), fmt.transposed(), cols,
-                            threads, *bounds)
-            yield b0, b1, cols[:, p0 - q0:p1 - q0]
+        lib.conv_runs(ca, ea, fa, cr.t(), er.t(), fmt.transposed(), _run_images(n, per_image, m),
+                      None if bias is None else bias.detach().contiguous(), geometry, out, fold, default_threads(),
+                      *bounds)
     _report.count_device(m * k * p)
     device.count_tensors_product(m, p, k, transpose_w, True, planner.OUT_CODES["fp32"])
 
@@ -110,17 +105,15 @@ class _LazyPatches:
         reads them transposed; ``qg`` the output gradient's codes), made a few images at a time:
         each run of images' columns (from the tile row before its first position to the one
         after its last) into one buffer, then summed onto those images, while the buffer is in
-        the cache. Every column is its own sum and every pixel adds its terms in the same order,
+        the cache; the runs shared over the threads (``_product_by_images``'s ``shared``: each
+        writes only its images' gradient). Every column is its own sum and every pixel adds its terms in the same order,
         so the gradient has the bits of the whole product's col2im; the product is counted once,
         as ``_device_gemm`` counts it. Kept for ``_Patches.backward`` (``grad``)."""
         from hbfp import kernels
-        from hbfp.kernels import default_threads
 
         g = kernels.conv_geometry(tuple(self.x.shape), *self.geometry)
         grad = torch.empty(self.x.shape, dtype=torch.float32)
-        lib, threads = kernels.compiled_cpu(), default_threads()
-        for b0, b1, cols in _product_by_images(device, qw, transpose_w, qg, g[0]):
-            lib.col2im(cols.t(), (b1 - b0, *g[1:]), grad[b0:b1], threads=threads)
+        _product_by_images(device, qw, transpose_w, qg, g, grad, fold=True)
         self.grad = grad
 
 
@@ -129,7 +122,7 @@ class _ImageProduct(torch.autograd.Function):
     (N, OUT, OH, OW) with its bias: W @ patches^T a few images at a time into a buffer (from the
     tile row of the patches before a run's first position to the one after its last), each run
     then added to the bias and laid out as the image's planes in one pass while the buffer is in
-    the cache; so the (OUT x positions) product, its sum with the bias and their copy into the
+    the cache (``_product_by_images``); so the (OUT x positions) product, its sum with the bias and their copy into the
     image's layout, each a pass over memory, are not made. The same sums, the same bits, the same
     counts as ``HbfpMatmul``'s product (``out_t``), ``_add_bias`` and the copy; the backward makes
     the output gradient's (positions x OUT) view as the copy's backward does, the bias's
@@ -148,15 +141,11 @@ class _ImageProduct(torch.autograd.Function):
         ctx.op, ctx.lean = _report.current(), None
         HbfpMatmul._operands(ctx, a, b, cfg, in_use, True)
         ctx.bias_shape = None if bias is None else bias.shape
-        n, m = shape[:2]
+        from hbfp import kernels
+
         out = torch.empty(shape, dtype=torch.float32)
-        planes = out.view(n, m, -1)
-        for b0, b1, cols in _product_by_images(device, ctx.qb, not ctx.transposed, ctx.qa, n):
-            run = cols.view(m, b1 - b0, -1).transpose(0, 1)
-            if bias is None:
-                planes[b0:b1].copy_(run)
-            else:
-                torch.add(run, bias.detach().view(1, m, 1), out=planes[b0:b1])
+        g = kernels.conv_geometry(tuple(patches.x.shape), *patches.geometry)
+        _product_by_images(device, ctx.qb, not ctx.transposed, ctx.qa, g, out, bias=bias, fold=False)
         return out
 
     @staticmethod

@@ -41,6 +41,13 @@ typedef int i32;
 typedef int (*hbfp_task)(void *ctx, long part);
 int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads);
 
+/* The calling thread's own buffer `slot` of at least `bytes` (64-byte aligned; NULL when out of
+   memory), kept for the thread's next call and freed when the thread ends: so that calls from
+   several threads (the parts of hbfp_parallel, Python threads) never share one. Its contents
+   are whatever the thread's last user left. */
+enum { HBFP_BUFFER_GEMM, HBFP_BUFFER_RUN, HBFP_BUFFERS };
+void *hbfp_thread_buffer(int slot, size_t bytes);
+
 /* ---- a convolution's patches (conv.c) ---------------------------------------------------- */
 
 /* Rows [p0, p0 + count) of the patch matrix of a convolution (hbfp_im2col's) into dst. */
@@ -70,6 +77,17 @@ static inline void hbfp_fp_leave(unsigned old)
     _mm_setcsr(old);
 #else
     (void)old;
+#endif
+}
+
+/* The calling thread's fp32 environment as it is (for hbfp_fp_leave to set in another thread:
+   work of a part that must round as the caller's own arithmetic does). */
+static inline unsigned hbfp_fp_state(void)
+{
+#ifdef HBFP_X86
+    return _mm_getcsr();
+#else
+    return 0;
 #endif
 }
 

@@ -274,3 +274,72 @@ int hbfp_transpose(const float *x, long batch, long m, long n, float *out, int t
         threads = 1;
     return hbfp_parallel(transpose_part, &g, batch * g.row_blocks, threads);
 }
+
+/* ---- a convolution's product a few images at a time ------------------------------------- */
+
+typedef struct {
+    const hbfp_operand *a, *b;
+    long m, k, run_images, runs;
+    const float *bias;
+    float *out;
+    int fold;
+    unsigned csr; /* the caller's fp32 environment: the bias is added in it, as torch adds it */
+    conv_job geo;
+} runs_job;
+
+/* Run `part`: images [b0, b1), positions [p0, p1) = [b0, b1) * OH*OW; its product over the
+   whole tiles of positions [q0, q1) into this thread's buffer, then its images' part of the
+   result from the buffer while it is in the cache. */
+static int run_part(void *ctx, long part)
+{
+    const runs_job *r = ctx;
+    const conv_job *g = &r->geo;
+    long per_image = g->oh * g->ow, p = g->n * per_image, tile = r->b->tw;
+    long b0 = part * r->run_images, b1 = b0 + r->run_images < g->n ? b0 + r->run_images : g->n;
+    long p0 = b0 * per_image, p1 = b1 * per_image;
+    long q0 = p0 / tile * tile, q1 = (p1 + tile - 1) / tile * tile;
+    q1 = q1 < p ? q1 : p;
+    long width = q1 - q0;
+    float *cols = hbfp_thread_buffer(HBFP_BUFFER_RUN, (size_t)(r->m * width) * sizeof(float));
+    if (cols == NULL)
+        return HBFP_ENOMEM;
+    hbfp_operand b = *r->b;
+    b.codes = (const char *)b.codes + q0 * b.cs * b.code_bytes;
+    b.exps += q0 / tile * b.ecs;
+    hbfp_output o = {cols, width, 0, 0, NULL, 0, 0, NULL, NULL};
+    int rc = hbfp_gemm(r->a, &b, &o, 1, r->m, width, r->k, 1);
+    if (rc)
+        return rc;
+    const float *run = cols + (p0 - q0);
+    if (r->fold) /* the patches' gradient (positions x C*KH*KW, by columns) onto the images */
+        return hbfp_col2im(run, 1, width, b1 - b0, g->c, g->h, g->w, g->kh, g->kw, g->sh, g->sw, g->ph, g->pw, g->dh,
+                           g->dw, g->oh, g->ow, r->out + b0 * g->c * g->h * g->w, 1);
+    unsigned fp = hbfp_fp_state();
+    hbfp_fp_leave(r->csr);
+    for (long i = b0; i < b1; i++)
+        for (long ch = 0; ch < r->m; ch++) {
+            const float *restrict src = run + ch * width + (i - b0) * per_image;
+            float *restrict dst = r->out + (i * r->m + ch) * per_image;
+            if (r->bias == NULL) {
+                memcpy(dst, src, (size_t)per_image * sizeof(float));
+            } else {
+                float bias = r->bias[ch];
+                for (long j = 0; j < per_image; j++)
+                    dst[j] = src[j] + bias;
+            }
+        }
+    hbfp_fp_leave(fp);
+    return 0;
+}
+
+int hbfp_conv_runs(const hbfp_operand *a, const hbfp_operand *b, long m, long k, long run_images, const float *bias,
+                   long n, long c, long h, long w, long kh, long kw, long sh, long sw, long ph, long pw, long dh, long dw,
+                   long oh, long ow, float *out, int fold, int threads)
+{
+    if (m < 0 || k < 0 || n < 0 || run_images < 1 || b->tw < 1 || oh < 0 || ow < 0 || !out ||
+        (fold && (m != c * kh * kw || bias != NULL)))
+        return HBFP_EINVAL;
+    runs_job r = {a, b, m, k, run_images, (n + run_images - 1) / run_images, bias, out, fold, hbfp_fp_state(),
+                  {NULL, n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow, NULL}};
+    return hbfp_parallel(run_part, &r, r.runs, threads);
+}

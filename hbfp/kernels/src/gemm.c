@@ -1181,21 +1181,8 @@ static int gemm_part(void *ctx, long part)
 /* Multiply-adds below which one thread does the whole product. */
 #define PARALLEL_MACS (1L << 23)
 
-/* The packed panels and scales of one call, kept for the next (a training step's products
-   come one after another): one call at a time uses them. */
-static pthread_mutex_t workspace_lock = PTHREAD_MUTEX_INITIALIZER;
-static void *workspace;
-static size_t workspace_bytes;
-
-static void *workspace_for(size_t bytes)
-{
-    if (bytes > workspace_bytes) {
-        free(workspace);
-        workspace = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        workspace_bytes = workspace ? bytes : 0;
-    }
-    return workspace;
-}
+/* The packed panels and scales of a call live in the calling thread's buffer HBFP_BUFFER_GEMM,
+   kept for its next call (a training step's products come one after another). */
 
 int hbfp_gemm(const hbfp_operand *a, const hbfp_operand *b, const hbfp_output *o, long batch, long m, long n, long k,
               int threads)
@@ -1285,8 +1272,7 @@ int hbfp_gemm(const hbfp_operand *a, const hbfp_operand *b, const hbfp_output *o
     size_t sa_bytes = (size_t)batch * g.pa * (g.kt > 0 ? g.kt : 1) * sizeof(scales_a_t);
     size_t sb_bytes = (size_t)batch * g.pb * (g.kt > 0 ? g.kt : 1) * sizeof(scales_b_t);
     size_t acc_bytes = g.direct ? 0 : (size_t)batch * m * n * sizeof(float);
-    pthread_mutex_lock(&workspace_lock);
-    char *mem = workspace_for(a_bytes + b_bytes + sa_bytes + sb_bytes + acc_bytes + 5 * 64);
+    char *mem = hbfp_thread_buffer(HBFP_BUFFER_GEMM, a_bytes + b_bytes + sa_bytes + sb_bytes + acc_bytes + 5 * 64);
     int rc = mem ? 0 : HBFP_ENOMEM;
     if (mem) {
         char *at = mem;
@@ -1312,6 +1298,5 @@ int hbfp_gemm(const hbfp_operand *a, const hbfp_operand *b, const hbfp_output *o
                 break;
         }
     }
-    pthread_mutex_unlock(&workspace_lock);
     return rc;
 }

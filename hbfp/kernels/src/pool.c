@@ -215,3 +215,48 @@ int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads)
     return atomic_load(&job.result);
 }
 #endif
+
+/* ---- each thread's own buffers ------------------------------------------------------------ */
+
+typedef struct {
+    void *mem[HBFP_BUFFERS];
+    size_t bytes[HBFP_BUFFERS];
+} buffers_t;
+
+static pthread_key_t buffers_key;
+static int buffers_keyed; /* the key was made (else no buffer: HBFP_ENOMEM for its users) */
+static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
+
+static void buffers_free(void *p)
+{
+    buffers_t *t = p;
+    for (int i = 0; i < HBFP_BUFFERS; i++)
+        free(t->mem[i]);
+    free(t);
+}
+
+static void buffers_init(void)
+{
+    buffers_keyed = pthread_key_create(&buffers_key, buffers_free) == 0;
+}
+
+void *hbfp_thread_buffer(int slot, size_t bytes)
+{
+    pthread_once(&buffers_once, buffers_init);
+    if (!buffers_keyed || slot < 0 || slot >= HBFP_BUFFERS)
+        return NULL;
+    buffers_t *t = pthread_getspecific(buffers_key);
+    if (t == NULL) {
+        t = calloc(1, sizeof(*t));
+        if (t == NULL || pthread_setspecific(buffers_key, t) != 0) {
+            free(t);
+            return NULL;
+        }
+    }
+    if (bytes > t->bytes[slot] || t->mem[slot] == NULL) {
+        free(t->mem[slot]);
+        t->mem[slot] = aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+        t->bytes[slot] = t->mem[slot] ? bytes : 0;
+    }
+    return t->mem[slot];
+}
