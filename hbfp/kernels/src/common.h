@@ -45,7 +45,7 @@ int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads);
    memory), kept for the thread's next call and freed when the thread ends: so that calls from
    several threads (the parts of hbfp_parallel, Python threads) never share one. Its contents
    are whatever the thread's last user left. */
-enum { HBFP_BUFFER_GEMM, HBFP_BUFFER_RUN, HBFP_BUFFERS };
+enum { HBFP_BUFFER_GEMM, HBFP_BUFFER_RUN, HBFP_BUFFER_QUANTIZE, HBFP_BUFFERS };
 void *hbfp_thread_buffer(int slot, size_t bytes);
 
 /* ---- a convolution's patches (conv.c) ---------------------------------------------------- */

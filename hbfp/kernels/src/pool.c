@@ -146,20 +146,36 @@ static int grow(int want)
 
 #ifdef _OPENMP
 #include <omp.h>
+
+/* A region whose caller, its own parts done, waited longer than this for the other threads
+   (and longer than it worked) waited for a preempted thread: another process holds a core. */
+#define STALL_NS 300000L
+/* Then the parts run on the caller's thread alone for this long, and a region tries again. */
+#define BACKOFF_NS 100000000L
+
+static atomic_long serial_until; /* now_ns() before which every job runs on the caller's thread */
+
 /* With OpenMP (built with -fopenmp): the parts on the OpenMP runtime already loaded (torch's),
-   so that the threads that run torch's operations run these too, taking parts as they come. */
+   so that the threads that run torch's operations run these too, taking parts as they come.
+   A region ends when every thread of its team has arrived, a thread the OS has not run yet
+   included: where another process keeps a core busy, each region would wait for that thread's
+   turn (a time slice, milliseconds, against a product of tens of microseconds). So a region
+   whose caller waited long for the others (STALL_NS) makes the next BACKOFF_NS of jobs run on
+   the caller's thread, at the speed of one core rather than of the busy one. */
 int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads)
 {
     if (parts <= 0)
         return 0;
     int result = 0;
-    if (threads <= 1 || parts == 1) {
+    long start = threads <= 1 || parts == 1 ? 0 : now_ns();
+    if (start == 0 || start < atomic_load_explicit(&serial_until, memory_order_relaxed)) {
         unsigned fp = hbfp_fp_enter();
         for (long p = 0; p < parts; p++)
             result |= fn(ctx, p);
         hbfp_fp_leave(fp);
         return result;
     }
+    long caller_done = 0;
 #pragma omp parallel num_threads(threads) reduction(| : result)
     {
         unsigned fp = hbfp_fp_enter();
@@ -167,7 +183,12 @@ int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads)
         for (long p = 0; p < parts; p++)
             result |= fn(ctx, p);
         hbfp_fp_leave(fp);
+        if (omp_get_thread_num() == 0)
+            caller_done = now_ns();
     }
+    long end = now_ns(), waited = end - caller_done;
+    if (waited > STALL_NS && waited > caller_done - start)
+        atomic_store_explicit(&serial_until, end + BACKOFF_NS, memory_order_relaxed);
     return result;
 }
 #else

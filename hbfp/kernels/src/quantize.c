@@ -202,20 +202,21 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
     long tc = (n + tw - 1) / tw;
     int frac = mbits - 2;
     double qmax = (double)((1LL << (mbits - 1)) - 1);
-    unsigned *colmax = malloc((size_t)n * sizeof(unsigned));
-    unsigned *posc = malloc((size_t)n * sizeof(unsigned));
-    double *sc = malloc((size_t)n * sizeof(double));
-    float *scf = malloc((size_t)n * sizeof(float));
-    if (!colmax || !posc || !sc || !scf) {
-        free(colmax);
-        free(posc);
-        free(sc);
-        free(scf);
+    /* the scratch of a band, in this thread's buffer (a call per band: no allocation each) */
+    double *sc = hbfp_thread_buffer(HBFP_BUFFER_QUANTIZE, (size_t)n * (sizeof(double) + 3 * sizeof(unsigned)));
+    if (!sc)
         return -1;
+    unsigned *colmax = (unsigned *)(sc + n), *posc = colmax + n;
+    float *scf = (float *)(posc + n);
+    /* A column's stream position within its band, less the row's: tile-major, row-major in a
+       tile (stochastic rounding's only). */
+    for (long c = 0, t = 0, i = 0; c < n && rounding == 2; c++) {
+        posc[c] = (unsigned)((unsigned long long)t * (unsigned long long)(th * tw) + (unsigned long long)i);
+        if (++i == tw) {
+            i = 0;
+            t++;
+        }
     }
-    /* A column's stream position within its band, less the row's: tile-major, row-major in a tile. */
-    for (long c = 0; c < n; c++)
-        posc[c] = (unsigned)((unsigned long long)(c / tw) * (unsigned long long)(th * tw) + (unsigned long long)(c % tw));
     /* One tile column over contiguous rows (a narrow matrix): a band is one run of rows * n
        values under one scale, quantized as a whole (nearest even and toward zero). */
     int flat = tc == 1 && rs == n && ldq == n && rounding != 2;
@@ -282,10 +283,6 @@ static int quantize_bands(const float *x, long rs, long m, long n, long th, long
             QUANTIZE_DISPATCH(QUANTIZE_ROW, narrow, scf, sc)
         }
     }
-    free(colmax);
-    free(posc);
-    free(sc);
-    free(scf);
     return 0;
 }
 
