@@ -158,7 +158,13 @@ class FrameFifo(wiring.Component):
         ok0 = Signal()
         ok1 = Signal() if trim else Const(1)
         end0 = Signal(bits + 1, init=-trim % (2 * depth)) if trim else wr
-        room_now, place_now = (wr - rd)[:bits + 1] <= depth - 3, held + push <= max_frames - 3
+        # ``room_now``: at most depth - 3 bytes in the buffer, wr - rd <= depth - 3, as one carry
+        # chain: ``limit`` (a register: rd + depth - 3 a cycle late, so never more room than
+        # there is) less wr is depth - 3 - (wr - rd) >= -3, whose sign, modulo 2 * depth, is its
+        # top bit (a subtraction, then a comparison, missed the link's 8 ns)
+        limit = Signal(bits + 1, init=depth - 3)
+        m.d.sync += limit.eq(rd + depth - 3)
+        room_now, place_now = ~(limit - wr)[bits], held + push <= max_frames - 3
         m.d.sync += [room.eq(room_now), place.eq(place_now),
                      room_place.eq(room_now & place_now)]  # w_room a register itself: no gate after it
         m.d.comb += self.w_room.eq(room_place)
