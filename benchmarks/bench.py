@@ -9,7 +9,8 @@
   interleaved rounds (a round runs one fp32 step, then one HBFP8 step) of the step's time, and
   the ratio is of the two medians;
 - the same steps at 2 threads with another process busy on core 0 (pinned there);
-- the HBFP8 steps compiled (``torch.compile``) against eager, under ``offload``;
+- the HBFP8 steps compiled (``torch.compile``) against eager, under ``offload``, beside the same
+  fp32 steps compiled against eager (what Inductor saves on that model here);
 - the golden model's HBFP8 ``gemm`` (``hbfp.golden.gemm.gemm``, operands quantized) of
   1024^3 against NumPy's fp32 ``matmul``, at 1 and 2 threads (best of interleaved calls), and
   the kernel that ran it;
@@ -166,9 +167,16 @@ def bench_compile(rounds: int, names) -> dict:
         eager, compiled = stepper(copy.deepcopy(base), x, y, dev), stepper(copy.deepcopy(base), x, y, dev, True)
         same = all(torch.equal(a, b) for a, b in zip([eager() for _ in range(3)], [compiled() for _ in range(3)]))
         e, c, r = ratio(compiled, eager, rounds)
-        out[name] = {"eager_ms": e * 1e3, "compiled_ms": c * 1e3, "ratio": r, "same_bits": same}
+        # the baseline: torch.compile of the same fp32 step, no offload (what Inductor itself
+        # saves or costs on this model and machine)
+        fe, fc, fr = ratio(stepper(copy.deepcopy(base), x, y, None, True), stepper(copy.deepcopy(base), x, y, None),
+                           rounds)
+        out[name] = {"eager_ms": e * 1e3, "compiled_ms": c * 1e3, "ratio": r, "same_bits": same,
+                     "fp32_eager_ms": fe * 1e3, "fp32_compiled_ms": fc * 1e3, "fp32_ratio": fr}
         print(f"  {DESCRIPTIONS[name]:>48}  eager {e * 1e3:8.2f} ms  compiled {c * 1e3:8.2f} ms  {r:5.2f}x  "
               f"{'same bits' if same else 'BITS DIFFER'}", flush=True)
+        print(f"  {'the same in fp32, no offload':>48}  eager {fe * 1e3:8.2f} ms  compiled {fc * 1e3:8.2f} ms  "
+              f"{fr:5.2f}x", flush=True)
     return out
 
 
@@ -229,7 +237,8 @@ def _timed(fn) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds per step figure (default 15)")
-    p.add_argument("--repeats", type=int, default=6, help="calls per gemm and quantize figure (default 6)")
+    p.add_argument("--repeats", type=int, default=6,
+                   help="calls per gemm and quantize figure, the first a warm-up (default 6, at least 2)")
     p.add_argument("--models", nargs="+", default=list(DESCRIPTIONS), choices=list(DESCRIPTIONS))
     p.add_argument("--no-load", action="store_true", help="leave out the steps beside a busy process")
     p.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
@@ -237,6 +246,9 @@ def main(argv=None) -> int:
     p.add_argument("--quantize-shape", type=int, nargs=2, default=[2048, 2048], metavar=("ROWS", "COLS"))
     p.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.repeats < 2 or args.size < 1 or min(args.quantize_shape) < 1:
+        p.error("--rounds, --size and --quantize-shape take positive numbers, --repeats at least 2 (the first "
+                "call of a figure warms up and is not timed)")
     warnings.simplefilter("ignore")
     blas = ", ".join(f"{i['internal_api']} {i.get('version')}" for i in threadpool_info() if i["user_api"] == "blas")
     impl = kernels.resolve(None)
