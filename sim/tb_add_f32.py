@@ -151,12 +151,15 @@ def vectors(seed: int, n_random: int, scale: int = 1) -> tuple[np.ndarray, np.nd
     sa = signs(n)
     parts["carry"] = (pattern(sa, ea, FRAC_MASK - rand_bits(n, 2)), pattern(sa, ea - d, rand_bits(n, F32_FRAC_BITS)))
 
-    # Near FLT_MAX: sums that stay finite, round to FLT_MAX, tie up into inf, or overflow.
+    # Near FLT_MAX: sums that stay finite, round to FLT_MAX, tie up into inf, or overflow; a
+    # fraction all ones but one bit rounds up short of inf.
     n = 400 * scale
     d = rng.integers(0, 30, n)
     sa = signs(n)
     sb = np.where(rng.random(n) < 0.8, sa, 1 - sa)
-    fa = np.where(rng.random(n) < 0.5, FRAC_MASK, rand_bits(n, F32_FRAC_BITS))
+    pick = rng.random(n)
+    one_short = FRAC_MASK ^ (np.uint64(1) << rng.integers(0, F32_FRAC_BITS, n).astype(np.uint64))
+    fa = np.where(pick < 0.4, FRAC_MASK, np.where(pick < 0.7, one_short, rand_bits(n, F32_FRAC_BITS)))
     a = pattern(sa, EXP_MAX - 1, fa)
     b = pattern(sb, EXP_MAX - 1 - d, rand_bits(n, F32_FRAC_BITS))
     half_ulp = pattern(sa, EXP_MAX - 1 - 24, 0)  # 2**103: a tie against FLT_MAX
