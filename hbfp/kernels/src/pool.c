@@ -148,20 +148,26 @@ static int grow(int want)
 #include <omp.h>
 
 /* A region whose caller, its own parts done, waited longer than this for the other threads
-   (and longer than it worked) waited for a preempted thread: another process holds a core. */
+   (and longer than it worked) stalled: a thread of its team ran late. */
 #define STALL_NS 300000L
+/* A region that starts within this of the last one's end finds the team's threads awake (an
+   OpenMP thread spins a while before it sleeps): if it stalls, a thread was preempted, another
+   process holds a core. (After a quiet spell a thread may take longer than STALL_NS to wake.) */
+#define WARM_NS 1000000L
 /* Then the parts run on the caller's thread alone for this long, and a region tries again. */
 #define BACKOFF_NS 100000000L
 
 static atomic_long serial_until; /* now_ns() before which every job runs on the caller's thread */
+static atomic_long last_end;     /* when the last region ended */
 
 /* With OpenMP (built with -fopenmp): the parts on the OpenMP runtime already loaded (torch's),
    so that the threads that run torch's operations run these too, taking parts as they come.
    A region ends when every thread of its team has arrived, a thread the OS has not run yet
    included: where another process keeps a core busy, each region would wait for that thread's
    turn (a time slice, milliseconds, against a product of tens of microseconds). So a region
-   whose caller waited long for the others (STALL_NS) makes the next BACKOFF_NS of jobs run on
-   the caller's thread, at the speed of one core rather than of the busy one. */
+   that found its team awake (WARM_NS) and whose caller waited long for the others (STALL_NS)
+   makes the next BACKOFF_NS of jobs run on the caller's thread, at the speed of one core
+   rather than of the busy one. */
 int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads)
 {
     if (parts <= 0)
@@ -187,8 +193,10 @@ int hbfp_parallel(hbfp_task fn, void *ctx, long parts, int threads)
             caller_done = now_ns();
     }
     long end = now_ns(), waited = end - caller_done;
-    if (waited > STALL_NS && waited > caller_done - start)
+    int warm = start - atomic_load_explicit(&last_end, memory_order_relaxed) < WARM_NS;
+    if (warm && waited > STALL_NS && waited > caller_done - start)
         atomic_store_explicit(&serial_until, end + BACKOFF_NS, memory_order_relaxed);
+    atomic_store_explicit(&last_end, end, memory_order_relaxed);
     return result;
 }
 #else
