@@ -86,9 +86,13 @@ class _LazyPatches:
             return kernels.im2col_quantize(self.x, *self.geometry, device.format(cfg.rounding), seed=seed)
 
     #: The columns of a product over a convolution's positions made at a time (``fold``'s patch
-    #: gradient, ``_ImageProduct``'s output): about this many bytes, so that what reads them next
-    #: (col2im, the copy into the image's layout) finds them in the cache the product wrote.
-    FOLD_BYTES = 2 << 20
+    #: gradient, ``_ImageProduct``'s output): about this many bytes (at least an image's), so
+    #: that what reads them next (col2im, the copy into the image's layout) finds them in the
+    #: cache the product wrote, and a product has runs enough to share evenly over the threads
+    #: (each run one thread's). The CNN step of ../shared/checks/faster.py at 2 threads: 16.4
+    #: and 16.5 ms against 16.9 and 17.9 with 2 MiB (the forward's 4 runs of 8 images), the
+    #: same at one thread.
+    FOLD_BYTES = 512 << 10
 
     @staticmethod
     def folds(device, grad: torch.Tensor, cfg: ProductConfig) -> bool:
