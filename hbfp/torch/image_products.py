@@ -5,8 +5,9 @@ patch matrix (``hbfp.torch.convolution``):
   gradient folded onto the image as the product makes it (``fold``);
 - ``_ImageProduct``: the product made straight into the output's layout, with its bias;
 
-each a few images at a time (``_run_images``), the runs side by side on the threads, so that what reads a product's columns next finds
-them in the cache. The same sums, bits and counts as the general path's products.
+each a few images at a time (``_run_images``), the runs side by side on the threads, so that
+what reads a product's columns next finds them in the cache. The same sums, bits and counts as
+the general path's products.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def _product_by_images(device, w, transpose_w: bool, rows, geometry: tuple, out,
     (m, k), p = ca.shape, cr.shape[0]
     check_product_size(m, p, k, code_bytes=code_bytes(fmt.mantissa_bits))
     n, per_image = geometry[0], geometry[12] * geometry[13]
+    if p != n * per_image:  # the kernel reads n * per_image rows of positions
+        raise ValueError(f"a convolution of {n} images of {per_image} positions takes {n * per_image} rows of "
+                         f"positions, got {p}")
     with _device_work():
         bounds = _code_bound(ca.numpy(), fa), _code_bound(cr.numpy(), fmt)  # of the whole operands
         lib.conv_runs(ca, ea, fa, cr.t(), er.t(), fmt.transposed(), _run_images(n, per_image, m),
