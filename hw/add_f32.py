@@ -71,11 +71,10 @@ ALIGNED = data.StructLayout({
 #: What the sum (``AddF32Sum``, stages 4-6) hands the rounding (stage 7 of ``AddF32Datapath``):
 #: the normalized significand, its exponent, guard and sticky bits, and the result's class
 #: (first match: ``nan``, ``inf``, an exact ``zero``, ``tiny`` (flushed), ``at_inf`` (overflow),
-#: ``near_inf`` (exponent field 254: overflow if the fraction is all ones and the rounding
-#: carries), else the rounded sum).
+#: ``edge`` (overflow if the rounding carries), else the rounded sum).
 NORMALIZED = data.StructLayout({
     "sign": 1, "exp": F32_EXP_BITS, "sig": _SIG_BITS, "guard": 1, "sticky": 1,
-    "nan": 1, "inf": 1, "zero": 1, "tiny": 1, "at_inf": 1, "near_inf": 1, "zero_sign": 1,
+    "nan": 1, "inf": 1, "zero": 1, "tiny": 1, "at_inf": 1, "edge": 1, "zero_sign": 1,
 })
 
 
@@ -271,10 +270,9 @@ class AddF32Sum(wiring.Component):
         tiny = exp_res[-1] | (exp_res == 0)  # below 1
         at_inf = ~exp_res[-1] & (exp_res[F32_EXP_BITS] | exp_res[:F32_EXP_BITS].all())  # _EXP_MAX or more
         sig = normal[-_SIG_BITS:]
-        # Whether the exponent is field 254 (an overflow if stage 7 finds an all-ones fraction and
-        # rounds up), from the exponent alone, beside the shifter: the fraction's test waits for
-        # the register (the shift, then a test of its 23 bits, was the slowest path of a core).
-        near_inf = exp_res == _EXP_MAX - 1
+        # The carry of the rounding increment reaches the inf field only from field 254 with an
+        # all-ones fraction: the largest finite magnitude rounds up to inf.
+        edge = (exp_res == _EXP_MAX - 1) & sig[:F32_FRAC_BITS].all()
         s6 = _stage(
             m,
             advance,
@@ -285,14 +283,13 @@ class AddF32Sum(wiring.Component):
             guard=normal[-_SIG_BITS - 1],
             sticky=normal[: -_SIG_BITS - 1] != 0,
             # The result's class, first match: NaN, inf, an exact zero, flushed to zero,
-            # overflow to inf (``at_inf``; ``near_inf`` with an all-ones fraction and the
-            # increment), else the rounded sum.
+            # overflow to inf (``at_inf``; ``edge`` with the increment), else the rounded sum.
             nan=s5.nan,
             inf=s5.inf,
             zero=~s5.nan & ~s5.inf & s5.zero,
             tiny=~s5.nan & ~s5.inf & ~s5.zero & tiny,
             at_inf=~s5.nan & ~s5.inf & ~s5.zero & ~tiny & at_inf,
-            near_inf=~s5.nan & ~s5.inf & ~s5.zero & ~tiny & ~at_inf & near_inf,
+            edge=~s5.nan & ~s5.inf & ~s5.zero & ~tiny & ~at_inf & edge,
             zero_sign=s5.zero_sign,
         )
         _drive(m, self.o, s6)
@@ -360,9 +357,6 @@ class AddF32Datapath(wiring.Component):
         # fraction together lets a carry out of the significand step the exponent (and turn the
         # largest finite magnitude into the inf pattern).
         round_up = s6.guard & (s6.sticky | s6.sig[0])
-        # The carry of the rounding increment reaches the inf field only from field 254 with an
-        # all-ones fraction: the largest finite magnitude rounds up to inf.
-        edge = s6.near_inf & s6.sig[:F32_FRAC_BITS].all()
         packed = (Cat(s6.sig[:F32_FRAC_BITS], s6.exp) + round_up)[: FP32_WIDTH - 1]
         zero_magnitude = Const(0, FP32_WIDTH - 1)
         inf_magnitude = Const(_EXP_MAX << F32_FRAC_BITS, FP32_WIDTH - 1)
@@ -370,7 +364,7 @@ class AddF32Datapath(wiring.Component):
         result = Signal(FP32_WIDTH)
         with m.If(s6.nan):
             m.d.comb += result.eq(F32_QNAN)
-        with m.Elif(s6.inf | s6.at_inf | (edge & round_up)):
+        with m.Elif(s6.inf | s6.at_inf | (s6.edge & round_up)):
             m.d.comb += result.eq(Cat(inf_magnitude, s6.sign))
         with m.Elif(s6.zero):
             m.d.comb += result.eq(Cat(zero_magnitude, s6.zero_sign))
