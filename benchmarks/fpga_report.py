@@ -112,6 +112,15 @@ SUMMARY_KEYS = (
 )
 
 
+def kept_summary(before: dict, key: str) -> dict:
+    """The summary figures of board ``key`` that a run leaving the board out keeps from
+    ``before`` (--keep-others): its ``SUMMARY_KEYS``, and the seeds' figures where an earlier
+    run built it on several seeds."""
+    keys = [k for k in SUMMARY_KEYS if k.startswith(f"board_{key}_")]
+    keys += [k for k in (f"board_{key}_seeds_timing_met", f"board_{key}_fmax_seeds_mhz") if k in before and k not in keys]
+    return {k: before.get(k) for k in keys}
+
+
 def core_8x8(args) -> dict:
     """The 8x8 core (``benchmarks/ecp5_area.py``'s default: 96x96 buffers, relu and gelu units)
     measured on its own (``ecp5_area.measure``): its summary figures; with ``--write`` also
@@ -377,8 +386,7 @@ def main(argv=None) -> int:
                 rows.append(old_row[0])
                 kept = " (An earlier run's figures: this run left the board out.)"
                 notes.extend(n.replace(kept, "") + kept for n in old_note)
-                key = board.summary_name
-                summary.update({k: before.get(k) for k in SUMMARY_KEYS if k.startswith(f"board_{key}_")})
+                summary.update(kept_summary(before, board.summary_name))
                 continue
             rows.append(f"| {name} | {board.title} | {configuration(cfg)} | not measured in this run | | | | | | "
                         f"{board.clock_hz() / 1e6:.0f} | | | |")

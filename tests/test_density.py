@@ -167,3 +167,21 @@ def test_fpga_report_keeps_each_seeds_build_record(tmp_path, monkeypatch):
         assert json.loads((kept / "nextpnr.report.json").read_text()) == {"seed": seed}
         assert gzip.decompress((kept / "nextpnr.log.gz").read_bytes()).decode().endswith(f"{70 + seed} MHz\n")
         assert f"seed {seed} {digest[:16]}" in said
+
+
+def test_fpga_report_keeps_a_left_out_boards_seed_figures():
+    """--keep-others: a board this run leaves out keeps its summary figures, the seeds' figures
+    of an earlier run on several seeds included (a run of another board once dropped them)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fpga_report
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    before = {"board_colorlight_fmax_mhz": 85.4, "board_colorlight_lut4": 16147, "board_colorlight_bitstream": True,
+              "board_colorlight_seeds_timing_met": 3, "board_colorlight_fmax_seeds_mhz": [85.4, 81.2, 86.6],
+              "board_ecpix5_fmax_mhz": 79.6}
+    kept = fpga_report.kept_summary(before, "colorlight")
+    assert kept["board_colorlight_seeds_timing_met"] == 3 and kept["board_colorlight_fmax_seeds_mhz"] == [85.4, 81.2, 86.6]
+    assert kept["board_colorlight_fmax_mhz"] == 85.4 and kept["board_colorlight_bitstream"] is True
+    assert not any(k.startswith("board_ecpix5_") for k in kept)
+    assert "board_ecpix5_seeds_timing_met" not in fpga_report.kept_summary(before, "ecpix5")

@@ -149,7 +149,7 @@ static int grow(int want)
 
 /* A region whose caller, its own parts done, waited longer than this for the other threads
    (and longer than it worked) stalled: a thread of its team ran late. */
-#define STALL_NS 300000L
+#define STALL_NS 1000000L
 /* A region that starts within this of the last one's end finds the team's threads awake (an
    OpenMP thread spins a while before it sleeps): if it stalls, a thread was preempted, another
    process holds a core. (After a quiet spell a thread may take longer than STALL_NS to wake.) */
