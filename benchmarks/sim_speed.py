@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import struct
 import time
 
 import numpy as np
@@ -120,7 +119,7 @@ def main(argv=None) -> int:
         link.send(P.Op.GEMM, P.encode_gemm(m, n, k))
         (reply,) = link.collect(1)
         runs.append((dev.cycles - c1, time.perf_counter() - w1, time.thread_time() - u1))
-        (device_cycles,) = struct.unpack_from("<I", reply.data)
+        device_cycles = P.decode_cycles(reply.data)  # after the result
         got = np.frombuffer(reply.data[:-P.CYCLES_SIZE], np.float32).reshape(m, n)  # the result, then the cycles
         if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
             print("MISMATCH against hbfp.golden.gemm.gemm")

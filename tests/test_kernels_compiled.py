@@ -276,22 +276,19 @@ def test_conv_runs_equal_the_whole_products(variant, shape, kernel, stride, padd
         q = quantize(x, fmt)
         return torch.from_numpy(q.codes), torch.from_numpy(q.exponents), q
 
-    def transposed(q):
-        return BFPTensor(q.codes.T, q.exponents.T, q.fmt.transposed())
-
     rows = (rng.standard_normal((positions, out_ch)) * 8).astype(np.float32)  # an output gradient
     wt = rng.standard_normal((ckk, out_ch)).astype(np.float32)  # W^T, C*KH*KW x OUT
     wt[:3, :2] = np.nan
     cr, er, qr = stored(rows)
     cw, ew, qw = stored(wt)
-    want_fold = kernels.col2im(np.ascontiguousarray(golden_gemm(qw, transposed(qr)).T), shape, kernel, stride,
+    want_fold = kernels.col2im(np.ascontiguousarray(golden_gemm(qw, qr.T).T), shape, kernel, stride,
                                padding, dilation)
     patches = rng.standard_normal((positions, ckk)).astype(np.float32)
     w = rng.standard_normal((out_ch, ckk)).astype(np.float32)
     bias = torch.from_numpy(rng.standard_normal(out_ch).astype(np.float32))
     cp, ep, qp = stored(patches)
     cv, ev, qv = stored(w)
-    sums = torch.from_numpy(golden_gemm(qv, transposed(qp)))  # OUT x positions
+    sums = torch.from_numpy(golden_gemm(qv, qp.T))  # OUT x positions
     want_planes = (sums + bias[:, None]).reshape(out_ch, n, -1).transpose(0, 1).reshape(n, out_ch, g[12], g[13])
     bound = kernels._code_bound(cp.numpy(), fmt)  # int8 codes: 127
     for threads in (1, 2, 3):
