@@ -77,7 +77,7 @@ def _overlap_rank(rank, world, port, rounds, out):
     hd.exit_rank(0)
 
 
-def overlap(rounds: int = 15) -> dict:
+def overlap(rounds: int = 40) -> dict:
     """The median step of a 6.3 M-parameter MLP (several DDP buckets) on 2 ranks, HBFP8
     two-step exchange overlapped with backward or not: {"True": s, "False": s}."""
     import tempfile
@@ -104,9 +104,12 @@ def main(argv=None) -> int:
     p.add_argument("--overlap", action="store_true",
                    help="instead: the median step of a 6.3 M-parameter MLP on 2 ranks, its HBFP8 exchange overlapped "
                    "with backward and not, steps alternating")
+    p.add_argument("--rounds", type=int, default=40, help="--overlap: measured steps of each (default 40)")
     args = p.parse_args(argv)
+    if args.rounds < 3:
+        p.error("--rounds: at least 3 steps of each")
     if args.overlap:
-        t = overlap()
+        t = overlap(args.rounds)
         print(f"2 ranks, MLP 1024-2048-2048-10, batch 64, HBFP8 two-step exchange: median step "
               f"{1000 * t['True']:.1f} ms overlapped, {1000 * t['False']:.1f} ms in the hook "
               f"({t['True'] / t['False']:.2f}x)")

@@ -9,16 +9,21 @@ registers the exchange as a DDP communication hook (``GradExchange``):
   number of ranks.
 - ``hbfp8`` / ``mxint8``: each rank quantizes its gradient bucket (a flat fp32 vector viewed as
   a matrix one tile wide, so that every tile shares its exponent among consecutive values: 576
-  for HBFP8's 24 x 24 tiles, 32 for MXINT8's 1 x 32) to the format, rounding to nearest even; the ranks ``all_gather`` the codes (1 byte each) and the
-  shared exponents (1 byte per tile); every rank dequantizes all contributions and adds them in
-  rank order, 0 first, in fp32, then divides by the number of ranks. Every rank forms the same
-  sum from the same bytes in the same order, so the result is bit-identical on every rank. No
-  error feedback is kept: what rounding drops from a gradient is lost, as in an HBFP8 product.
+  for HBFP8's 24 x 24 tiles, 32 for MXINT8's 1 x 32) to the format, rounding to nearest even.
+  The default exchange (``two_step``) splits the tiles into one shard per rank: an all-to-all
+  gives rank j every rank's codes and exponents of shard j, which it dequantizes and adds in
+  rank order, 0 first, in fp32, and quantizes with stochastic rounding (seeded by the exchange's
+  number and the shard, ``shard_seed``); a second all-to-all gives every rank every shard's
+  quantized sum, which it dequantizes and divides by the number of ranks. ``gather`` is the one
+  step: the ranks ``all_gather`` their whole buckets' codes and exponents, and every rank adds
+  them all in rank order. Either way every rank forms the result from the same bytes in the
+  same order, so it is bit-identical on every rank. ``error_feedback`` keeps what a rank's
+  quantization dropped from a bucket and adds it to that bucket's next gradient.
 
-Bytes: ``GradExchange.bytes_sent`` counts what each rank sends: a ring all-reduce of ``P``
-bytes sends ``2 (N - 1) / N * P``; an all-gather of a ``P``-byte contribution sends
-``(N - 1) * P``. With 2 ranks the BFP exchange sends a quarter of the fp32 one (plus one byte
-per tile); the gather's cost grows with N where the ring's does not, so its advantage is about
+Bytes: ``GradExchange.bytes_sent`` counts what each rank sends, ``bytes_fp32_ring`` what a fp32
+ring all-reduce of the same buckets sends: ``2 (N - 1) / N * P`` for a ``P``-byte bucket. The
+two-step exchange sends ``2 (N - 1) / N`` of its codes and exponents (about ``P / 4``): about 4x
+fewer at every N. The gather sends ``(N - 1)`` times its contribution, so its advantage is about
 ``8 / N`` (4x at 2 ranks, 2x at 4, none at 8).
 
 Ending a rank: DDP keeps its process group, and gloo's threads, alive past
@@ -273,8 +278,9 @@ def _tiles(flat: torch.Tensor, fmt) -> torch.Tensor:
     width = fmt.tile[1]
     n = flat.numel()
     rows = -(-n // width)
-    mat = torch.zeros(rows * width, dtype=torch.float32)
-    mat[:n] = flat.detach().to(torch.float32)
+    mat = torch.empty(rows * width, dtype=torch.float32)
+    mat[:n].copy_(flat.detach())
+    mat[n:].zero_()
     return mat.view(rows, width)
 
 

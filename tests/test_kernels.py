@@ -113,6 +113,9 @@ def test_dequantize_equals_golden(impl):
         t = quantize(x, fmt)
         t.exponents[1, 0] = 2  # values at the bottom of fp32's range: flushed as the device does
         t.exponents[2, 0] = 0  # codes under exponent code 0: below 2**-126, read as zeros
+        t.exponents[0, 1] = 254  # the top exponent: values up to 2**128 - 2**(121 or 113)
+        t.exponents[1, 1] = 127 + fmt.frac_bits - 126  # the lowest exponent whose values are all normal
+        t.exponents[2, 1] = 127 + fmt.frac_bits - 127  # one below: a code of 1 is subnormal
         got = K.dequantize(*T.from_bfp_tensor(t), fmt, impl=impl)
         assert np.array_equal(got.numpy().view(np.uint32), t.dequantize().view(np.uint32))
 

@@ -1,6 +1,8 @@
 /* BFPTensor.dequantize to fp32 by the device rules (golden/bfp.py): code * 2**(E - 127 - frac)
    exact in double, rounded to fp32 (RNE, overflow to inf), a value below 2**-126 - 2**-151 in
-   magnitude (one that rounds below 2**-126) a zero of its sign; NaN tiles give NaN. */
+   magnitude (one that rounds below 2**-126) a zero of its sign; NaN tiles give NaN. A tile whose
+   every value is a normal fp32 or zero (2**-126 <= 2**k and 2**15 * 2**k < 2**128) multiplies in
+   fp32, exactly, and vectorizes; the others take the double path. */
 
 #include "common.h"
 
@@ -30,11 +32,27 @@ static int dequantize_part(void *ctx, long p)
                     o[c] = __builtin_nanf("");
                 continue;
             }
-            union { unsigned long long u; double d; } sv = {(unsigned long long)(e - 127 - j->frac + 1023) << 52};
+            int k = e - 127 - j->frac;  /* a value is code * 2**k */
+            long at = i * j->ldq + c0;
+            if (k >= -126 && k <= 112) {  /* every value a normal fp32 (|code| < 2**15) or zero: exact in fp32 */
+                union { unsigned u; float f; } sf = {(unsigned)(k + 127) << 23};
+                float s = sf.f;
+                if (j->code_bytes == 1) {
+                    const i8 *q = (const i8 *)j->codes + at;
+                    for (long c = 0; c < c1 - c0; c++)
+                        o[c0 + c] = (float)q[c] * s;
+                } else {
+                    const i16 *q = (const i16 *)j->codes + at;
+                    for (long c = 0; c < c1 - c0; c++)
+                        o[c0 + c] = (float)q[c] * s;
+                }
+                continue;
+            }
+            union { unsigned long long u; double d; } sv = {(unsigned long long)(k + 1023) << 52};
             double s = sv.d;
             for (long c = c0; c < c1; c++) {
-                long at = i * j->ldq + c;
-                double q = j->code_bytes == 1 ? ((const i8 *)j->codes)[at] : ((const i16 *)j->codes)[at];
+                long a = i * j->ldq + c;
+                double q = j->code_bytes == 1 ? ((const i8 *)j->codes)[a] : ((const i16 *)j->codes)[a];
                 double v = q * s;
                 float f = (float)v;
                 o[c] = (v < 0 ? -v : v) < edge ? __builtin_copysignf(0.0f, f) : f;
