@@ -56,10 +56,10 @@ def _exchange_rank(rank, world, port, compression, kind, n, out):
         dist.destroy_process_group()
 
 
-def _two_step_definition(grads, fmt, n, world):
+def _two_step_definition(grads, fmt, n, world, exchange=1):
     """The two-step exchange written out with the golden model: each rank's bucket quantized
     to nearest; shard j (whole tiles, the first shards one tile more) summed over the ranks in
-    rank order, its sum quantized stochastically (``shard_seed`` of the exchange, 1, and the shard), all
+    rank order, its sum quantized stochastically (``shard_seed`` of the exchange's number and the shard), all
     dequantized and divided by the number of ranks."""
     width, tile_rows = fmt.tile[1], fmt.tile[0]
     rows = -(-n // width)
@@ -77,7 +77,7 @@ def _two_step_definition(grads, fmt, n, world):
             total = deq[0][start:end]
             for d in deq[1:]:
                 total = (total + d[start:end]).astype(np.float32)
-            out.append(quantize(total, fmt.with_rounding("stochastic"), seed=hd.shard_seed(1, j)).dequantize())
+            out.append(quantize(total, fmt.with_rounding("stochastic"), seed=hd.shard_seed(exchange, j)).dequantize())
         start = end
     return (np.concatenate(out).reshape(-1)[:n] / np.float32(world)).astype(np.float32), per
 
@@ -119,6 +119,31 @@ def test_the_exchange_is_its_definition_on_every_rank(tmp_path, compression, kin
             assert got[r]["bytes"] == (rows * width + tiles - mine) + (world - 1) * mine
         assert ring / got[0]["bytes"] > 3.5
     assert np.array_equal(got[0]["result"].numpy().view(np.int32), want.view(np.int32))
+
+
+def _sizes_rank(rank, world, port, sizes, out):
+    _init(rank, world, port)
+    try:
+        state = hd.GradExchange("hbfp8")
+        results = []
+        for n in sizes:
+            flat = _gradient(rank, n)
+            results.append(state.exchange(flat, key=n).clone())
+        torch.save(results, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_exchanges_of_other_sizes_after_each_other_are_each_their_definition(tmp_path):
+    """The buffers an exchange keeps between exchanges, grown and reused by buckets of other
+    sizes, leave each exchange its own result."""
+    sizes = (3000, 1000, 5000, 2999)
+    _ranks(_sizes_rank, 3, sizes, str(tmp_path))
+    got = [torch.load(tmp_path / f"{r}.pt") for r in range(3)]
+    for i, n in enumerate(sizes):
+        want, _ = _two_step_definition([_gradient(r, n) for r in range(3)], HBFP8, n, 3, exchange=i + 1)
+        for r in range(3):
+            assert np.array_equal(got[r][i].numpy().view(np.int32), want.view(np.int32)), (n, r)
 
 
 def _train_rank(rank, world, port, precision, compression, out):

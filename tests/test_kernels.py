@@ -120,6 +120,30 @@ def test_dequantize_equals_golden(impl):
         assert np.array_equal(got.numpy().view(np.uint32), t.dequantize().view(np.uint32))
 
 
+@pytest.mark.parametrize("impl", ALL)
+def test_dequantize_into_out(impl):
+    """``out=``: the values written into the given array or tensor (contiguous, or a strided
+    view the writes must reach) and it returned; the wrong shape or type refused."""
+    rng = np.random.default_rng(9)
+    t = quantize(spread(rng, (50, 48)), HBFP8)
+    want = t.dequantize()
+    codes, exps = T.from_bfp_tensor(t)
+    out = torch.full((50, 48), 7.0)
+    assert K.dequantize(codes, exps, HBFP8, impl=impl, out=out) is out
+    assert np.array_equal(out.numpy().view(np.uint32), want.view(np.uint32))
+    wide = torch.full((50, 96), 7.0)
+    K.dequantize(codes, exps, HBFP8, impl=impl, out=wide[:, ::2])  # a strided view
+    assert np.array_equal(wide[:, ::2].numpy().view(np.uint32), want.view(np.uint32))
+    assert (wide[:, 1::2] == 7.0).all()
+    if not impl.startswith("torch"):  # the torch kernels take tensors only
+        arr = np.full((50, 48), 7.0, np.float32)
+        K.dequantize(t.codes, t.exponents, HBFP8, impl=impl, out=arr)
+        assert np.array_equal(arr.view(np.uint32), want.view(np.uint32))
+    for bad in (torch.empty(50, 47), torch.empty(50, 48, dtype=torch.float64), np.empty((50, 48), np.float32)):
+        with pytest.raises(ValueError, match="out must be"):
+            K.dequantize(codes, exps, HBFP8, impl=impl, out=bad)
+
+
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 def test_requantize_equals_golden(rounding):
     rng = np.random.default_rng(3)

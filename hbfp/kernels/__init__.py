@@ -181,6 +181,11 @@ def _numpy(x):
     return np.ascontiguousarray(x) if any(s < 0 for s in x.strides) else x
 
 
+def _writable(x) -> np.ndarray:
+    """The NumPy view of a CPU array or tensor that writes reach (never a copy)."""
+    return x.detach().numpy() if _is_torch(x) else x
+
+
 def _like(x, arr: np.ndarray):
     """``arr`` as the kind of array ``x`` is."""
     if _is_torch(x):
@@ -516,24 +521,39 @@ def requantize(codes, exponents, src: Format, fmt: Format, *, seed: int | None =
     return t.codes, t.exponents
 
 
-def dequantize(codes, exponents, fmt: Format, *, impl: str | None = None):
-    """``BFPTensor.dequantize`` (fp32 by the device rules) of a matrix's codes and exponents."""
+def dequantize(codes, exponents, fmt: Format, *, impl: str | None = None, out=None):
+    """``BFPTensor.dequantize`` (fp32 by the device rules) of a matrix's codes and exponents.
+    ``out``: a float32 array or tensor of the codes' shape (and kind) to write the values into
+    and return, instead of a new one (the compiled kernels write it directly where it is
+    contiguous)."""
+    if out is not None and (tuple(out.shape) != tuple(codes.shape) or _is_torch(out) != _is_torch(codes)
+                            or str(out.dtype) not in ("float32", "torch.float32")):
+        raise ValueError(f"dequantize: out must be a float32 {'tensor' if _is_torch(codes) else 'array'} of the "
+                         f"codes' shape {tuple(codes.shape)}, got {type(out).__name__} {tuple(out.shape)} {out.dtype}")
     name = resolve(impl, _device(codes))
     if name in ("torch", "torch_int8"):
         from . import torch_ops
 
-        return torch_ops.dequantize(codes, exponents, fmt)
+        y = torch_ops.dequantize(codes, exponents, fmt)
+        return y if out is None else out.copy_(y)
     nc, ne = _numpy(codes), _numpy(exponents)
     if name in _COMPILED and nc.ndim == 2:
         if nc.shape[1] > 1 and nc.strides[1] != nc.itemsize:
             nc = np.ascontiguousarray(nc)
         ne = np.ascontiguousarray(ne)
-        y = np.empty(nc.shape, np.float32)
+        y = None if out is None else _writable(out)
+        if y is None or not y.flags.c_contiguous:
+            y = np.empty(nc.shape, np.float32)
         if y.size:
             _COMPILED[name].dequantize(nc, ne, fmt, y, threads=default_threads())
     else:
         y = BFPTensor(nc, ne, fmt).dequantize()
-    return _like(codes, y)
+    if out is None:
+        return _like(codes, y)
+    view = _writable(out)
+    if not np.shares_memory(y, view):
+        view[...] = y
+    return out
 
 
 # ---- convolutions ----------------------------------------------------------------------------
