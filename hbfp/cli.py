@@ -895,8 +895,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--error-feedback", action="store_true",
                     help="each rank adds what its gradient's quantization dropped to its next gradient")
     tp.add_argument("--no-grad-overlap", dest="grad_overlap", action="store_false",
-                    help="exchange each gradient bucket before backward goes on (default: on a worker thread, "
-                    "while backward goes on)")
+                    help="exchange each gradient bucket before backward goes on (default: its collectives run "
+                    "on gloo's threads while backward goes on)")
     tp.set_defaults(func=_train)
 
     from hbfp.contract import UNARY_FUNCTIONS

@@ -75,11 +75,15 @@ class GradExchange:
     group, error feedback, the bytes this rank has sent (and what a fp32 ring all-reduce of the
     same buckets would have sent) and the exchanges it has made.
 
-    ``overlap``: exchanges run on a worker thread, one bucket after another in the order DDP
-    hands them over (the same on every rank), while the backward pass goes on; False: in the
-    hook, before backward continues. The last bucket of a backward pass is exchanged in the hook
-    either way (after those queued before it): nothing is left to overlap it with, and a model
-    of one bucket then never waits for a thread.
+    A compressed exchange runs in stages (``_Bucket``): quantize and send, then (the first
+    collective done) sum this rank's shard and send it, then (the second done) write the mean.
+    The collectives are gloo's asynchronous ones: they move the bytes, and wait for the other
+    ranks, on gloo's threads. ``overlap``: the hook starts its bucket and moves each bucket
+    still under way one stage on, then returns, so backward goes on while the collectives run;
+    the hook of the last bucket of a backward pass finishes them all, a stage of each bucket at
+    a time. Which collective starts when follows the order of the hook's calls alone (the same
+    on every rank), never timing, so the ranks' collectives always match. ``overlap`` False:
+    each hook finishes its bucket before backward goes on. Both give the same bits.
     """
 
     def __init__(self, compression: str = "none", group=None, *, exchange: str = "two_step",
@@ -99,28 +103,50 @@ class GradExchange:
         self.bytes_fp32_ring = 0
         self.exchanges = 0
         self._residuals: dict = {}  # error feedback: each bucket's matrix, holding what it dropped
-        self._scratch = _Scratch()  # one exchange at a time uses it (the worker's, then the hook's)
-        self._worker = None
+        self._scratch = _Scratch()  # buffers by role (a bucket's own while its collectives run)
+        self._under_way: list[_Bucket] = []
 
     def exchange(self, flat: torch.Tensor, key=0) -> torch.Tensor:
         """The mean over the ranks of ``flat`` (a 1-D fp32 gradient bucket), in place. ``key``
         names the bucket whose rounding error feeds back into its next exchange."""
-        n, world = flat.numel(), self.world
         self._count(flat)
         if self.compression == "none":
             dist.all_reduce(flat, group=self.group)
-            return flat.div_(world)
+            return flat.div_(self.world)
+        self._start(flat, key)
+        self._finish()
+        return flat
+
+    def _start(self, flat: torch.Tensor, key) -> "_Bucket":
+        """Quantize ``flat`` and send it: stage 1 of its exchange, under way after it."""
         fmt = _format(self.compression)
         mat = self._tiles(flat, key, fmt)
         codes, exps = _quantize(mat, fmt)
         if self.error_feedback:  # what this rank's rounding dropped, added to its next gradient
             mat.sub_(_dequantize(codes, exps, fmt, out=self._scratch.get("dropped", mat.shape, torch.float32, mat.device)))
+        b = _Bucket(flat, key, self.exchanges, fmt, codes.shape[1], exps.shape[1:])
         if self.kind == "gather":
-            total = self._gather(codes, exps, fmt)
+            self._send_all(b, codes, exps)
         else:
-            total = self._two_step(codes, exps, fmt)
-        flat.copy_(total.view(-1)[:n].div_(world))
-        return flat
+            self._send_shards(b, codes, exps)
+        self._under_way.append(b)
+        return b
+
+    def _step(self, b: "_Bucket") -> None:
+        """Move bucket ``b`` one stage on (waiting for its collective)."""
+        if self.kind == "gather":
+            self._add_all(b)
+        elif b.stage == 1:
+            self._sum_shard(b)
+        else:
+            self._write_mean(b)
+
+    def _finish(self) -> None:
+        """Every bucket under way to its end, a stage of each at a time, in the order they began."""
+        while self._under_way:
+            for b in list(self._under_way):
+                self._step(b)
+            self._under_way = [b for b in self._under_way if not b.future.done()]
 
     def _tiles(self, flat: torch.Tensor, key, fmt) -> torch.Tensor:
         """``flat`` in fp32, zero-padded to whole rows, as a matrix one tile wide: every tile a
@@ -142,65 +168,83 @@ class GradExchange:
         mat.view(-1)[n:].zero_()
         return mat
 
-    def _gather(self, codes, exps, fmt):
-        """Every rank's codes to every rank, dequantized and added in rank order."""
+    # ---- gather: every rank's codes to every rank -------------------------------------------
+
+    def _send_all(self, b, codes, exps) -> None:
         world = self.world
-        all_codes = [torch.empty_like(codes) for _ in range(world)]
-        all_exps = [torch.empty_like(exps) for _ in range(world)]
-        dist.all_gather(all_codes, codes, group=self.group)
-        dist.all_gather(all_exps, exps, group=self.group)
+        b.codes = [torch.empty_like(codes) for _ in range(world)]
+        b.exps = [torch.empty_like(exps) for _ in range(world)]
+        b.works = [dist.all_gather(b.codes, codes, group=self.group, async_op=True),
+                   dist.all_gather(b.exps, exps, group=self.group, async_op=True)]
         self.bytes_sent += (world - 1) * (codes.numel() * codes.element_size() + exps.numel())
-        total = _dequantize(all_codes[0], all_exps[0], fmt)
-        for c, e in zip(all_codes[1:], all_exps[1:]):
-            total = total + _dequantize(c, e, fmt)  # rank order, fp32
-        return total
 
-    def _two_step(self, codes, exps, fmt):
-        """Shard j of every rank's codes to rank j (all-to-all), which adds them in rank order
-        and quantizes the sum (stochastic rounding, seeded by the exchange and the shard); then
-        every shard's sum to every rank (the all-to-all again, each rank's one shard to all)."""
-        world, rank = self.world, self.rank
-        tile_rows = fmt.tile[0]
-        shards = _shards(exps.shape[0], world)  # tiles per shard
-        ends = [min(sum(shards[:j + 1]) * tile_rows, codes.shape[0]) for j in range(world)]
-        rows = [e - b for b, e in zip([0] + ends[:-1], ends)]  # the last tile may be partial
-        width = codes.shape[1]
-        # each shard packed as its codes' bytes, then its exponents
-        sizes = [r * width + t for r, t in zip(rows, shards)]
-        scratch, dev = self._scratch, codes.device
-        send = scratch.get("send", (sum(sizes),), torch.uint8, dev)
-        for c, e, b in zip(codes.split(rows), exps.split(shards), send.split(sizes)):
-            _pack(b, c, e)
-        mine = sizes[rank]
-        recv = scratch.get("recv", (mine * world,), torch.uint8, dev)
-        dist.all_to_all_single(recv, send, [mine] * world, sizes, group=self.group)
-        self.bytes_sent += sum(sizes) - mine
-        r, t = rows[rank], shards[rank]
-        own = scratch.get("own", (mine * world,), torch.uint8, dev)  # this rank's quantized sum, once per rank
+    def _add_all(self, b) -> None:
+        """Every rank's contribution dequantized and added in rank order; the mean written."""
+        for w in b.works:
+            w.wait()
+        total = None
+        for c, e in zip(b.codes, b.exps):
+            d = _dequantize(c, e, b.fmt)
+            total = d if total is None else total.add_(d)  # rank order, fp32
+        self._done(b, total)
+
+    # ---- two steps: shard j of every rank's codes to rank j, its sum back to every rank -------
+
+    def _send_shards(self, b, codes, exps) -> None:
+        """Stage 1: the tiles split into one shard per rank (the last tile may be partial);
+        shard j of this rank's codes and exponents to rank j (an all-to-all)."""
+        world, tile_rows, width = self.world, b.fmt.tile[0], b.width
+        b.shards = _shards(exps.shape[0], world)  # tiles per shard
+        ends = [min(sum(b.shards[:j + 1]) * tile_rows, codes.shape[0]) for j in range(world)]
+        b.rows = [e - s for s, e in zip([0] + ends[:-1], ends)]
+        b.sizes = [r * width + t for r, t in zip(b.rows, b.shards)]  # codes' bytes, then exponents
+        b.mine = b.sizes[self.rank]
+        send = self._scratch.get(("send", b.key), (sum(b.sizes),), torch.uint8, codes.device)
+        for c, e, into in zip(codes.split(b.rows), exps.split(b.shards), send.split(b.sizes)):
+            _pack(into, c, e)
+        b.recv = self._scratch.get(("recv", b.key), (b.mine * world,), torch.uint8, codes.device)
+        b.works = [dist.all_to_all_single(b.recv, send, [b.mine] * world, b.sizes, group=self.group, async_op=True)]
+        self.bytes_sent += sum(b.sizes) - b.mine
+        b.stage = 1
+
+    def _sum_shard(self, b) -> None:
+        """Stage 2: every rank's codes of this rank's shard dequantized and added in rank order,
+        the sum quantized (stochastic rounding, seeded by the exchange and the shard) and sent
+        to every rank (the all-to-all again, this rank's one shard to all)."""
+        b.works[0].wait()
+        world, rank, dev = self.world, self.rank, b.recv.device
+        r, t = b.rows[rank], b.shards[rank]
+        own = self._scratch.get(("own", b.key), (b.mine * world,), torch.uint8, dev)
         if r:  # a shard of tiles (none when there are fewer tiles than ranks)
-            total = scratch.get("sum", (r, width), torch.float32, dev)
-            part = scratch.get("part", (r, width), torch.float32, dev)
-            for i, packed in enumerate(recv.split(mine)):  # rank order
-                c, e = _unpack(packed, r, t, width, exps.shape[1:])
+            total = self._scratch.get("sum", (r, b.width), torch.float32, dev)
+            part = self._scratch.get("part", (r, b.width), torch.float32, dev)
+            for i, packed in enumerate(b.recv.split(b.mine)):  # rank order
+                c, e = _unpack(packed, r, t, b.width, b.exp_shape)
                 if i == 0:
-                    _dequantize(c, e, fmt, out=total)
+                    _dequantize(c, e, b.fmt, out=total)
                 else:
-                    total.add_(_dequantize(c, e, fmt, out=part))
-            sc, se = _quantize(total, fmt.with_rounding("stochastic"), seed=self.seed(rank))
-            for b in own.split(mine):
-                _pack(b, sc, se)
-        gathered = scratch.get("gathered", (sum(sizes),), torch.uint8, dev)
-        dist.all_to_all_single(gathered, own, sizes, [mine] * world, group=self.group)
-        self.bytes_sent += (world - 1) * mine
-        result = scratch.get("result", codes.shape, torch.float32, dev)
-        for packed, r, t, res in zip(gathered.split(sizes), rows, shards, result.split(rows)):
-            if r:
-                _dequantize(*_unpack(packed, r, t, width, exps.shape[1:]), fmt, out=res)
-        return result
+                    total.add_(_dequantize(c, e, b.fmt, out=part))
+            sc, se = _quantize(total, b.fmt.with_rounding("stochastic"), seed=shard_seed(b.number, rank))
+            for into in own.split(b.mine):
+                _pack(into, sc, se)
+        b.gathered = self._scratch.get(("gathered", b.key), (sum(b.sizes),), torch.uint8, dev)
+        b.works = [dist.all_to_all_single(b.gathered, own, b.sizes, [b.mine] * world, group=self.group,
+                                          async_op=True)]
+        self.bytes_sent += (world - 1) * b.mine
+        b.stage = 2
 
-    def seed(self, shard: int) -> int:
-        """The seed of the stochastic rounding of ``shard``'s sum in the current exchange."""
-        return shard_seed(self.exchanges, shard)
+    def _write_mean(self, b) -> None:
+        """Stage 3: every shard's quantized sum dequantized; the mean written."""
+        b.works[0].wait()
+        result = self._scratch.get("result", (sum(b.rows), b.width), torch.float32, b.gathered.device)
+        for packed, r, t, res in zip(b.gathered.split(b.sizes), b.rows, b.shards, result.split(b.rows)):
+            if r:
+                _dequantize(*_unpack(packed, r, t, b.width, b.exp_shape), b.fmt, out=res)
+        self._done(b, result)
+
+    def _done(self, b, total) -> None:
+        b.flat.copy_(total.view(-1)[:b.flat.numel()].div_(self.world))
+        b.future.set_result(b.flat)
 
     def _count(self, flat: torch.Tensor) -> None:
         """An exchange of ``flat`` begins: counted, with what a fp32 ring all-reduce of it
@@ -213,66 +257,41 @@ class GradExchange:
     # ---- the hook ----------------------------------------------------------------------------
 
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        """DDP's communication hook: the bucket's mean, in a future (set by the worker thread
-        when ``overlap``)."""
+        """DDP's communication hook: the bucket's mean, in a future."""
         flat, key = bucket.buffer(), bucket.index()
-        if not self.overlap:
-            fut = torch.futures.Future()
-            fut.set_result(self.exchange(flat, key))
-            return fut
-        if self.compression == "none":  # gloo runs it in the background already
-            self._count(flat)
-            world = self.world
+        self._count(flat)
+        if self.compression == "none":
             work = dist.all_reduce(flat, group=self.group, async_op=True)
+            if not self.overlap:
+                work.wait()
+            world = self.world
             return work.get_future().then(lambda f: f.value()[0].div_(world))
-        if bucket.is_last():  # nothing of backward left to overlap: after those queued, here
-            if self._worker is not None:
-                self._worker.drain()
-            fut = torch.futures.Future()
-            fut.set_result(self.exchange(flat, key))
-            return fut
-        return self._start_worker().submit(self.exchange, flat, key)
+        try:
+            older = list(self._under_way)
+            b = self._start(flat, key)
+            if self.overlap and not bucket.is_last():
+                for o in older:  # one stage on each: their collectives run while backward goes on
+                    self._step(o)
+                self._under_way = [o for o in self._under_way if not o.future.done()]
+            else:
+                self._finish()
+        except BaseException as e:  # backward raises it; nothing is left under way
+            for o in self._under_way:
+                if not o.future.done():
+                    o.future.set_exception(e)
+            self._under_way = []
+            raise
+        return b.future
 
-    def _start_worker(self):
-        if self._worker is None:
-            self._worker = _Worker()
-        return self._worker
 
+class _Bucket:
+    """One bucket's exchange under way: its stage, collectives and buffers."""
 
-class _Worker:
-    """One thread that runs exchanges in the order they are submitted: collectives then follow
-    each other in the same order on every rank."""
-
-    def __init__(self):
-        import queue
-        import threading
-
-        self._jobs = queue.SimpleQueue()
-        self._last = None
-        threading.Thread(target=self._run, name="hbfp-grad-exchange", daemon=True).start()
-
-    def submit(self, fn, *args) -> torch.futures.Future:
-        fut = torch.futures.Future()
-        self._last = fut
-        self._jobs.put((fut, fn, args))
-        return fut
-
-    def drain(self) -> None:
-        """Wait until every job submitted so far has run (its error, if any, is its future's)."""
-        last = self._last
-        if last is not None and not last.done():
-            try:
-                last.wait()
-            except Exception:  # noqa: BLE001 - its error reaches backward through its own future
-                pass
-
-    def _run(self):
-        while True:
-            fut, fn, args = self._jobs.get()
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # the waiting backward pass raises it
-                fut.set_exception(e)
+    def __init__(self, flat, key, number, fmt, width, exp_shape):
+        self.flat, self.key, self.number, self.fmt = flat, key, number, fmt
+        self.width, self.exp_shape = width, exp_shape
+        self.stage = 0
+        self.future = torch.futures.Future()
 
 
 def shard_seed(exchange: int, shard: int) -> int:
@@ -307,7 +326,7 @@ class _Scratch:
     def __init__(self):
         self._bufs: dict = {}
 
-    def get(self, role: str, shape, dtype, device) -> torch.Tensor:
+    def get(self, role, shape, dtype, device) -> torch.Tensor:
         """A contiguous ``shape`` of ``dtype`` on ``device``, its contents left from before."""
         n = 1
         for d in shape:
