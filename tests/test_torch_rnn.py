@@ -61,24 +61,34 @@ def test_recurrence_with_exact_products_is_torchs_lstm(monkeypatch, batch_first,
         assert (mine - theirs).abs().max() <= 2e-6 * theirs.abs().max()
 
 
-def test_lstm_products_on_the_device_same_bits_as_the_wire():
+@pytest.mark.parametrize("given,forward", [(False, "nearest_even"), (True, "nearest_even"), (True, "stochastic")])
+def test_lstm_products_on_the_device_same_bits_as_the_wire(given, forward):
+    """The lean path (a layer's steps in one call of the compiled kernels) against the wire's
+    general path: the same losses, parameters, gradients of a given initial state, and counts;
+    with forward operands rounded stochastically too (each step's state its own seed)."""
+    from hbfp.recipes import ProductConfig, Recipe
+
+    recipe = Recipe("lstm-test", forward=ProductConfig(rounding=forward))
     torch.manual_seed(5)
     lstm = nn.LSTM(16, 24, 2, batch_first=True)
     head = nn.Linear(24, 7)
     x, y = torch.randn(6, 9, 16), torch.randint(0, 7, (6,))
+    hx = (torch.randn(2, 6, 24), torch.randn(2, 6, 24)) if given else None
 
     def train(device, steps=2):
         m, h = copy.deepcopy(lstm), copy.deepcopy(head)
         opt = torch.optim.SGD([*m.parameters(), *h.parameters()], lr=0.1)
-        losses = []
+        losses, state_grads = [], []
         for _ in range(steps):
             opt.zero_grad()
-            with ht.offload(device):
-                loss = nn.functional.cross_entropy(h(m(x)[0][:, -1]), y)
+            state = tuple(t.clone().requires_grad_() for t in hx) if given else None
+            with ht.offload(device, recipe=recipe):
+                loss = nn.functional.cross_entropy(h(m(x, state)[0][:, -1]), y)
                 loss.backward()
             opt.step()
             losses.append(loss.detach())
-        return losses, [p.detach().clone() for p in [*m.parameters(), *h.parameters()]]
+            state_grads += [t.grad for t in state] if given else []
+        return losses, [p.detach().clone() for p in [*m.parameters(), *h.parameters()]], state_grads
 
     dev = hbfp.host.open("emu")
     ht.reset_report()
@@ -87,8 +97,11 @@ def test_lstm_products_on_the_device_same_bits_as_the_wire():
         fast = train(dev)
     report = ht.report()
     assert report["lstm"].host_macs == 0 and report["lstm"].device_macs > 0
+    ht.reset_report()
     wire = train(hbfp.host.open("emu:wire=1"))
-    assert all(torch.equal(p, q) for p, q in zip(fast[0] + fast[1], wire[0] + wire[1]))
+    assert ht.report()["lstm"] == report["lstm"]
+    assert all(torch.equal(p, q) for p, q in zip(fast[0] + fast[1] + fast[2], wire[0] + wire[1] + wire[2]))
+    assert len(fast[2]) == (4 if given else 0)
 
 
 @pytest.mark.parametrize("kind", ["bidirectional", "proj_size", "packed"])

@@ -10,7 +10,7 @@ import ctypes
 
 #: Bumped whenever a signature, a struct or the meaning of an argument changes; a library that
 #: reports another number is rebuilt, never called.
-ABI = 6
+ABI = 7
 
 #: C types of the table and their ctypes.
 _CTYPES = {
@@ -25,6 +25,7 @@ _CTYPES = {
     "unsigned char *": ctypes.c_void_p,
     "const unsigned char *": ctypes.c_void_p,
     "const unsigned short *": ctypes.c_void_p,
+    "const unsigned *": ctypes.c_void_p,
     "const hbfp_operand *": ctypes.c_void_p,
     "const hbfp_output *": ctypes.c_void_p,
 }
@@ -108,6 +109,21 @@ FUNCTIONS = {
                                         ("tc", "const float *"), ("dy", "const float *"), ("dh", "const float *"),
                                         ("dc", "const float *"), ("rows", "long"), ("hid", "long"),
                                         ("dgates", "float *"), ("dc_prev", "float *"))),
+    # An LSTM layer's recurrence (src/cell.c): every step's state quantized (mbits, rounding,
+    # keys[t]: one per step) and multiplied by w (W_hh^T's codes, hid x 4 hid), then the cell;
+    # and backward, the last step first, each step's gate gradient quantized (keys: one per
+    # product, in that order) and multiplied by wt (W_hh's codes, 4 hid x hid).
+    "hbfp_lstm_steps": ("int", (("w", "const hbfp_operand *"), ("xp", "const float *"), ("h0", "const float *"),
+                                ("c0", "const float *"), ("steps", "long"), ("rows", "long"), ("hid", "long"),
+                                ("mbits", "int"), ("rounding", "int"), ("keys", "const unsigned *"),
+                                ("acts", "float *"), ("c", "float *"), ("tc", "float *"), ("h", "float *"),
+                                ("threads", "int"))),
+    "hbfp_lstm_steps_backward": ("int", (("wt", "const hbfp_operand *"), ("acts", "const float *"),
+                                         ("c0", "const float *"), ("c", "const float *"), ("tc", "const float *"),
+                                         ("dy", "const float *"), ("steps", "long"), ("rows", "long"), ("hid", "long"),
+                                         ("need_h0", "int"), ("mbits", "int"), ("rounding", "int"),
+                                         ("keys", "const unsigned *"), ("dh", "float *"), ("dc", "float *"),
+                                         ("dgates", "float *"), ("threads", "int"))),
 }
 
 

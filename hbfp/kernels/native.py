@@ -295,6 +295,38 @@ class Compiled:
                                                 dh.data_ptr(), dc.data_ptr(), rows, hid, dgates.data_ptr(),
                                                 dc_prev.data_ptr()), "lstm_cell_backward")
 
+    @staticmethod
+    def _operand_slots(codes, exps, fmt, qmax: int) -> tuple:
+        """An operand's slots of a vector entry (``capi.OPERAND``): CPU torch codes and exponents."""
+        sc, se = codes.stride(), exps.stride()
+        return (codes.data_ptr(), codes.element_size(), sc[0], sc[1], 0, exps.data_ptr(), se[0], se[1], 0, *fmt.tile,
+                fmt.frac_bits, qmax)
+
+    def lstm_steps(self, w, fmt, qmax: int, xp, h0, c0, state_fmt, keys, acts, c, tc, h, threads: int) -> None:
+        """``hbfp_lstm_steps`` (src/cell.c) of CPU torch tensors the caller has checked: ``w``
+        W_hh^T's (codes, exponents) in ``fmt``, ``xp``, ``h0``, ``c0`` and the outputs
+        contiguous fp32, ``state_fmt`` (mantissa bits, rounding) and ``keys`` (one per step)
+        how each step's state is quantized."""
+        steps, rows, g = xp.shape
+        kv = array.array("I", keys)
+        v = array.array("q", (*self._operand_slots(*w, fmt, qmax), xp.data_ptr(), h0.data_ptr(), c0.data_ptr(), steps,
+                              rows, g // 4, state_fmt.mantissa_bits, ROUNDINGS[state_fmt.rounding], kv.buffer_info()[0],
+                              acts.data_ptr(), c.data_ptr(), tc.data_ptr(), h.data_ptr(), threads))
+        _check(self.lib.hbfp_lstm_steps_v(v.buffer_info()[0]), "lstm_steps")
+
+    def lstm_steps_backward(self, wt, fmt, qmax: int, acts, c0, c, tc, dy, need_h0: bool, state_fmt, keys, dh, dc,
+                            dgates, threads: int) -> None:
+        """``hbfp_lstm_steps_backward`` (src/cell.c) of CPU torch tensors the caller has
+        checked: ``wt`` W_hh's (codes, exponents) as the forward read them, ``dh`` and ``dc``
+        (read, then written: the gradients of h0 and c0), ``keys`` one per product."""
+        steps, rows, g = acts.shape
+        kv = array.array("I", keys)
+        v = array.array("q", (*self._operand_slots(*wt, fmt, qmax), acts.data_ptr(), c0.data_ptr(), c.data_ptr(),
+                              tc.data_ptr(), dy.data_ptr(), steps, rows, g // 4, int(need_h0),
+                              state_fmt.mantissa_bits, ROUNDINGS[state_fmt.rounding], kv.buffer_info()[0],
+                              dh.data_ptr(), dc.data_ptr(), dgates.data_ptr(), threads))
+        _check(self.lib.hbfp_lstm_steps_backward_v(v.buffer_info()[0]), "lstm_steps_backward")
+
     def col2im(self, cols, geometry: tuple, out, *, threads: int = 1) -> None:
         """``col2im`` of the patch matrix ``cols`` at its strides (row-major or transposed)."""
         mc = Mem(cols, "cols")

@@ -75,15 +75,32 @@ class _Lean:
         """The product of codes ``qa`` (m x k) and ``qb`` (k x n) (``_device_gemm``'s)."""
         from hbfp.kernels import default_threads
 
-        _report.count_device(m * n * k)
+        self.count(m, n, k, transpose_a, transpose_b)
         y = torch.empty((m, n), dtype=torch.float32)
         if m and n:
-            self.device.count_tensors_product(m, n, k, transpose_a, transpose_b)
             fmt = self.fmt["nearest_even"]
-            bits = fmt.mantissa_bits  # the largest code magnitude, as kernels.gemm bounds it
-            qmax = 127 if bits <= 8 else 32767 if bits == 16 else fmt.qmax
-            lib.gemm_tensor(qa[0], qa[1], fmt, qb[0], qb[1], fmt, y, default_threads(), qmax, qmax)
+            lib.gemm_tensor(qa[0], qa[1], fmt, qb[0], qb[1], fmt, y, default_threads(), self.qmax(), self.qmax())
         return y
+
+    def count(self, m: int, n: int, k: int, transpose_a: bool = False, transpose_b: bool = False) -> None:
+        """A product of m x k by k x n counted, as ``_device_gemm`` counts it."""
+        _report.count_device(m * n * k)
+        if m and n:
+            self.device.count_tensors_product(m, n, k, transpose_a, transpose_b)
+
+    def qmax(self) -> int:
+        """The largest code magnitude of the device's codes, as ``kernels.gemm`` bounds it."""
+        fmt = self.fmt["nearest_even"]
+        bits = fmt.mantissa_bits
+        return 127 if bits <= 8 else 32767 if bits == 16 else fmt.qmax
+
+    def key(self, cfg: ProductConfig, in_use: RecipeInUse) -> int:
+        """The quantizing kernels' key of the next seed of ``in_use``'s stream under ``cfg``
+        (``_quantize``'s: 0 where it gives none)."""
+        from hbfp.kernels import _seed_key
+
+        seed = in_use.seed(cfg)
+        return 0 if seed is None else _seed_key(seed)
 
     def forward(self, lib, a: torch.Tensor, b: torch.Tensor, in_use: RecipeInUse):
         """``a @ b``, the operands' codes and whether ``b`` is a transposed view (what the

@@ -1,7 +1,9 @@
 """``nn.LSTM`` under ``offload``, a layer at a time: the input projection of every time step as
 one product, the recurrence as one product per step, and the weight gradient of the recurrence
 as one product over all steps (as cuDNN computes it), with the cell's elementwise work on the
-host in fp32, one call a step (``hbfp.kernels.lstm_cell``, forward and backward).
+host in fp32, one call a step (``hbfp.kernels.lstm_cell``, forward and backward). On the emu's
+lean path a layer's steps are one call of the compiled kernels each way (``lstm_steps``: each
+step's quantization, product and cell in a C loop, the seeds drawn before it in the loop's order).
 
 ATen's own LSTM (what the ATen-level routing sees with oneDNN off) runs each cell as a dozen
 operators, each recorded for autograd, and each step's weight gradient as a product of its own
@@ -111,15 +113,21 @@ class _Recurrence(torch.autograd.Function):
             q_w = _operand(device, w_hh.detach().t(), fwd, in_use)  # once for every step
             h, c = h0.detach().contiguous(), c0.detach().contiguous()
             lean = _lean(device, xp, in_use)
-            rows = h.shape[0]
-            for x_t, a_t, c_t, tc_t, h_t in zip(xp.unbind(0), acts.unbind(0), cell.unbind(0), tanh_c.unbind(0),
-                                                out.unbind(0)):
-                if lean is not None:
-                    p = lean[0]._gemm(lean[1], lean[0]._quantize(lean[1], h, fwd, in_use), q_w, rows, 4 * hid, hid)
-                else:
+            rows, steps = h.shape[0], xp.shape[0]
+            if lean is not None:  # every step in one call (src/cell.c), the same quantizations and products
+                keys = [lean[0].key(fwd, in_use) for _ in range(steps)]
+                for _ in range(steps):
+                    lean[0].count(rows, 4 * hid, hid)
+                lean[1].lstm_steps(q_w, lean[0].fmt["nearest_even"], lean[0].qmax(), xp, h, c, lean[0].fmt[fwd.rounding],
+                                   keys, acts, cell, tanh_c, out, kernels.default_threads())
+                if steps:
+                    h, c = out[-1], cell[-1]
+            else:
+                for x_t, a_t, c_t, tc_t, h_t in zip(xp.unbind(0), acts.unbind(0), cell.unbind(0), tanh_c.unbind(0),
+                                                    out.unbind(0)):
                     p = _product(device, _operand(device, h, fwd, in_use), q_w, fwd, in_use)
-                kernels.lstm_cell(p, x_t, c, a_t, c_t, tc_t, h_t)
-                h, c = h_t, c_t
+                    kernels.lstm_cell(p, x_t, c, a_t, c_t, tc_t, h_t)
+                    h, c = h_t, c_t
         ctx.device, ctx.in_use, ctx.q_w = device, in_use, q_w
         ctx.op = _report.current()
         ctx.save_for_backward(h0, c0, w_hh, acts, cell, tanh_c, out)
@@ -140,26 +148,29 @@ class _Recurrence(torch.autograd.Function):
         need_h0 = ctx.needs_input_grad[1]
         with _report.routing(ctx.op or "lstm"), _device_work():
             d_gates = torch.empty_like(acts)  # the gradient of the gates before their nonlinearities
-            c_prev = [c0.detach().contiguous(), *cell.unbind(0)[:-1]]
-            dc_bufs = (torch.empty_like(d_c), torch.empty_like(d_c))
             d_out = d_out.contiguous()
-            dh, dc = d_h.contiguous(), d_c.contiguous()
-            steps_ = list(zip(acts.unbind(0), tanh_c.unbind(0), d_out.unbind(0), d_gates.unbind(0)))
             lean = _lean(device, acts, in_use)
             q_wt = (ctx.q_w[0].t(), ctx.q_w[1].t())
-            for t in range(steps - 1, -1, -1):
-                a_t, tc_t, dy_t, dg_t = steps_[t]
-                dc_prev = dc_bufs[t % 2]
-                kernels.lstm_cell_backward(a_t, c_prev[t], tc_t, dy_t, dh, dc, dg_t, dc_prev)
-                dc = dc_prev
-                if not (t or need_h0):
-                    continue
-                # dh_{t-1} = dG_t @ W_hh (W_hh as the forward read it)
-                if lean is not None:
-                    dh = lean[0]._gemm(lean[1], lean[0]._quantize(lean[1], dg_t, gi, in_use), q_wt, dg_t.shape[0],
-                                       hid, 4 * hid, transpose_b=True)
-                else:
-                    dh = _product(device, _operand(device, dg_t, gi, in_use), ctx.q_w, gi, in_use, transpose_b=True)
+            if lean is not None:  # every step in one call (src/cell.c), the same quantizations and products
+                dh, dc = d_h.contiguous().clone(), d_c.contiguous().clone()  # written: the gradients of h0, c0
+                keys = [lean[0].key(gi, in_use) for t in range(steps - 1, -1, -1) if t or need_h0]
+                for _ in keys:
+                    lean[0].count(acts.shape[1], hid, 4 * hid, transpose_b=True)
+                lean[1].lstm_steps_backward(q_wt, lean[0].fmt["nearest_even"], lean[0].qmax(), acts,
+                                            c0.detach().contiguous(), cell, tanh_c, d_out, need_h0, lean[0].fmt[gi.rounding],
+                                            keys, dh, dc, d_gates, kernels.default_threads())
+            else:
+                c_prev = [c0.detach().contiguous(), *cell.unbind(0)[:-1]]
+                dc_bufs = (torch.empty_like(d_c), torch.empty_like(d_c))
+                dh, dc = d_h.contiguous(), d_c.contiguous()
+                steps_ = list(zip(acts.unbind(0), tanh_c.unbind(0), d_out.unbind(0), d_gates.unbind(0)))
+                for t in range(steps - 1, -1, -1):
+                    a_t, tc_t, dy_t, dg_t = steps_[t]
+                    dc_prev = dc_bufs[t % 2]
+                    kernels.lstm_cell_backward(a_t, c_prev[t], tc_t, dy_t, dh, dc, dg_t, dc_prev)
+                    dc = dc_prev
+                    if t or need_h0:  # dh_{t-1} = dG_t @ W_hh (W_hh as the forward read it)
+                        dh = _product(device, _operand(device, dg_t, gi, in_use), ctx.q_w, gi, in_use, transpose_b=True)
             d_w = None
             if ctx.needs_input_grad[3]:
                 # dW_hh = sum_t dG_t^T h_{t-1}: one product over every step (K = steps x batch)
