@@ -314,7 +314,8 @@ static int quantize_part(void *ctx, long p)
                               j->ldq, j->exps + bi * j->ebs, j->lde, b0, b1, base, 0);
     /* Columns apart (a transposed view): each band's rows gathered into a buffer first, reading
        down the stored rows where they are the band's columns (rs == 1), then quantized there. */
-    float *band = malloc((size_t)(j->th * j->n) * sizeof(float));
+    long ldb = j->n + 16; /* rows 64 bytes more apart than n: rows 4 KiB apart would share L1 sets */
+    float *band = malloc((size_t)(j->th * ldb) * sizeof(float));
     if (!band)
         return HBFP_ENOMEM;
     int rc = 0;
@@ -327,18 +328,18 @@ static int quantize_part(void *ctx, long p)
             for (; c + 8 <= j->n; c += 8) {
                 long r = 0;
                 for (; r + 8 <= rows; r += 8)
-                    transpose8(x + r0 + r + c * j->cs, j->cs, band + r * j->n + c, j->n);
+                    transpose8(x + r0 + r + c * j->cs, j->cs, band + r * ldb + c, ldb);
                 for (; r < rows; r++)
                     for (long i = 0; i < 8; i++)
-                        band[r * j->n + c + i] = x[r0 + r + (c + i) * j->cs];
+                        band[r * ldb + c + i] = x[r0 + r + (c + i) * j->cs];
             }
 #endif
         for (; c < j->n; c++) {
             const float *xc = x + r0 * j->rs + c * j->cs;
             for (long r = 0; r < rows; r++)
-                band[r * j->n + c] = xc[r * j->rs];
+                band[r * ldb + c] = xc[r * j->rs];
         }
-        rc = quantize_bands(band, j->n, j->m, j->n, j->th, j->tw, j->mbits, j->rounding, j->key, codes, j->code_bytes,
+        rc = quantize_bands(band, ldb, j->m, j->n, j->th, j->tw, j->mbits, j->rounding, j->key, codes, j->code_bytes,
                             j->ldq, j->exps + bi * j->ebs, j->lde, b, b + 1, base, r0);
     }
     free(band);
