@@ -91,6 +91,54 @@ static inline __m256i mix32x8(__m256i x)
     return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+/* mix32 on 16 lanes. */
+static inline __m512i mix32x16(__m512i x)
+{
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x7FEB352Du));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846CA68Bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+/* quantize_row_avx2's work 16 elements at a time, the same operations lane for lane (a dead
+   lane's product +0, stochastic rounding's sign from y's sign bit, saturating packs of values
+   already within +-qmax). Returns how many it did (a multiple of 16). */
+static long quantize_row_avx512(const float *x, long n, const float *sc, float s, int rounding, unsigned key,
+                                unsigned base, const unsigned *pos, int qmax, void *out, int code_bytes)
+{
+    const __m512i exp_mask = _mm512_set1_epi32(0xFF), zero = _mm512_setzero_si512(), top = _mm512_set1_epi32(0xFF);
+    const __m512 fmax = _mm512_set1_ps((float)qmax), fmin = _mm512_set1_ps(-(float)qmax);
+    const __m512i imax = _mm512_set1_epi32(qmax), vkey = _mm512_set1_epi32((int)key), vbase = _mm512_set1_epi32((int)base);
+    const __m512 sv = _mm512_set1_ps(s), two16 = _mm512_set1_ps(65536.0f);
+    long c = 0;
+    for (; c + 16 <= n; c += 16) {
+        __m512 v = _mm512_loadu_ps(x + c);
+        __m512i e = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), 23), exp_mask);
+        __mmask16 live = _mm512_cmpneq_epi32_mask(e, zero) & _mm512_cmpneq_epi32_mask(e, top);
+        __m512 y = _mm512_maskz_mul_ps(live, v, sc ? _mm512_loadu_ps(sc + c) : sv);
+        __m512i q;
+        if (rounding == 2) {
+            __m512i mag = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_abs_ps(y), two16));
+            __m512i at = _mm512_add_epi32(vbase, _mm512_loadu_si512((const void *)(pos + c)));
+            __m512i rnd = _mm512_srli_epi32(mix32x16(_mm512_xor_si512(at, vkey)), 16);
+            q = _mm512_min_epi32(_mm512_srli_epi32(_mm512_add_epi32(mag, rnd), 16), imax);
+            q = _mm512_mask_sub_epi32(q, _mm512_movepi32_mask(_mm512_castps_si512(y)), zero, q);
+        } else {
+            __m512 r = rounding == 0 ? _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                     : _mm512_roundscale_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            q = _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(r, fmax), fmin));
+        }
+        if (code_bytes == 2)
+            _mm256_storeu_si256((__m256i *)((i16 *)out + c), _mm512_cvtsepi32_epi16(q));
+        else
+            _mm_storeu_si128((__m128i *)((i8 *)out + c), _mm512_cvtsepi32_epi8(q));
+    }
+    return c;
+}
+#endif
+
 /* QUANTIZE_ROW's fp32 case, 8 elements at a time: values x[0 .. n) (subnormals, infinities
    and NaNs read as zero: their tiles have scale 0 or are NaN tiles), scales sc (or, where sc is
    NULL, one scale s), rounded (0: nearest even, 1: toward zero, 2: stochastic at stream
@@ -105,6 +153,9 @@ static long quantize_row_avx2(const float *x, long n, const float *sc, float s, 
     const __m256i imax = _mm256_set1_epi32(qmax), vkey = _mm256_set1_epi32((int)key), vbase = _mm256_set1_epi32((int)base);
     const __m256 sv = _mm256_set1_ps(s), two16 = _mm256_set1_ps(65536.0f), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     long c = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+    c = quantize_row_avx512(x, n, sc, s, rounding, key, base, pos, qmax, out, code_bytes);
+#endif
     for (; c + 8 <= n; c += 8) {
         __m256 v = _mm256_loadu_ps(x + c);
         __m256i e = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(v), 23), exp_mask);
