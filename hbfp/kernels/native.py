@@ -195,13 +195,8 @@ class Compiled:
         codes and exponents (m x k), ``cb``/``eb`` the positions' (k x N*OH*OW, a transposed
         view), ``geometry`` ``conv_geometry``'s, ``out`` (contiguous fp32) the image's gradient
         (``fold``) or the N x OUT x OH x OW output, ``bias`` OUT fp32 values or None."""
-        sa, sb, xa, xb = ca.stride(), cb.stride(), ea.stride(), eb.stride()
-        th, tk = fa.tile
         v = array.array("q", (
-            ca.data_ptr(), ca.element_size(), sa[0], sa[1], 0, ea.data_ptr(), xa[0], xa[1], 0, th, tk, fa.frac_bits,
-            qmax_a,
-            cb.data_ptr(), cb.element_size(), sb[0], sb[1], 0, eb.data_ptr(), xb[0], xb[1], 0, tk, fb.tile[1],
-            fb.frac_bits, qmax_b,
+            *self._operand_slots(ca, ea, fa, qmax_a), *self._operand_slots(cb, eb, fb, qmax_b),
             ca.shape[0], ca.shape[1], run_images, 0 if bias is None else bias.data_ptr(), *geometry, out.data_ptr(),
             int(fold), threads))
         rc = self.lib.hbfp_conv_runs_v(v.buffer_info()[0])

@@ -54,7 +54,7 @@ class _Lean:
 
     def _quantize(self, lib, x: torch.Tensor, cfg: ProductConfig, in_use: RecipeInUse):
         """``x``'s codes and exponents under ``cfg`` (``_operand``'s)."""
-        from hbfp.kernels import _seed_key, default_threads
+        from hbfp.kernels import default_threads
 
         seed = in_use.seed(cfg)
         fmt = self.fmt[cfg.rounding]
@@ -65,8 +65,7 @@ class _Lean:
         codes = torch.empty((m, n), dtype=torch.int8 if fmt.mantissa_bits <= 8 else torch.int16)
         exps = torch.empty((-(-m // th), -(-n // tw)), dtype=torch.uint8)
         if m and n:
-            lib.quantize_tensor(x.detach(), fmt, 0 if seed is None else _seed_key(seed), codes, exps,
-                                default_threads())
+            lib.quantize_tensor(x.detach(), fmt, _key(seed), codes, exps, default_threads())
         else:
             exps.zero_()
         return (codes.t(), exps.t()) if transposed else (codes, exps)
@@ -97,10 +96,7 @@ class _Lean:
     def key(self, cfg: ProductConfig, in_use: RecipeInUse) -> int:
         """The quantizing kernels' key of the next seed of ``in_use``'s stream under ``cfg``
         (``_quantize``'s: 0 where it gives none)."""
-        from hbfp.kernels import _seed_key
-
-        seed = in_use.seed(cfg)
-        return 0 if seed is None else _seed_key(seed)
+        return _key(in_use.seed(cfg))
 
     def forward(self, lib, a: torch.Tensor, b: torch.Tensor, in_use: RecipeInUse):
         """``a @ b``, the operands' codes and whether ``b`` is a transposed view (what the
@@ -142,6 +138,13 @@ class _Lean:
                 else:
                     grad_b = self._gemm(lib, (ca.t(), ea.t()), (cg, eg), k, n, m, transpose_a=True)
         return grad_a, grad_b
+
+
+def _key(seed: int | None) -> int:
+    """The quantizing kernels' key of a seed (0: none, rounding that draws no bits)."""
+    from hbfp.kernels import _seed_key
+
+    return 0 if seed is None else _seed_key(seed)
 
 
 _FP32_RESULTS: dict = {}

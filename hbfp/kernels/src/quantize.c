@@ -365,7 +365,7 @@ static int quantize_part(void *ctx, long p)
                               j->ldq, j->exps + bi * j->ebs, j->lde, b0, b1, base, 0);
     /* Columns apart (a transposed view): each band's rows gathered into a buffer first, reading
        down the stored rows where they are the band's columns (rs == 1), then quantized there. */
-    long ldb = j->n + 16; /* rows 64 bytes more apart than n: rows 4 KiB apart would share L1 sets */
+    long ldb = j->n + 16; /* rows 64 bytes more than n apart: rows a multiple of 4 KiB apart share L1 sets */
     float *band = malloc((size_t)(j->th * ldb) * sizeof(float));
     if (!band)
         return HBFP_ENOMEM;
