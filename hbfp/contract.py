@@ -403,8 +403,9 @@ ACTIVATION_INPUT_REGISTER = 1
 #: random generator's five, rounding, saturation, sign).
 QUANTIZE_LATENCY = 14
 #: The MAC array's cycles from a K-tile's last beat in to its first row of sums out (``hw.mac_array``):
-#: the row/column operand registers, a copy in every PE, the product, the accumulator.
-MAC_LATENCY = 4
+#: the row/column operand registers, a copy in every PE, the product, the product again (a
+#: DSP block's route to its PE's adder), the accumulator.
+MAC_LATENCY = 5
 
 
 def product_width(mantissa_bits_a: int, mantissa_bits_b: int) -> int:
@@ -423,11 +424,11 @@ def psum_width(mantissa_bits_a: int, mantissa_bits_b: int, tk: int) -> int:
 #: the lane rotation), an
 #: accumulator or bias read (the block RAM's address register, its data registered beside it
 #: (``hw.block_ram``), then in the reader), and the cycles of a K-tile's
-#: exponent prefetch beyond ``max(rows, cols)`` (address register, read, queue, release): K-tiles
-#: start every ``max(tk, max(rows, cols) + PREFETCH_CYCLES)`` cycles.
+#: exponent prefetch beyond ``max(rows, cols)`` (start register, address register, read, queue,
+#: release): K-tiles start every ``max(tk, max(rows, cols) + PREFETCH_CYCLES)`` cycles.
 OPERAND_READ_LATENCY = 3
 ACC_READ_LATENCY = 3
-PREFETCH_CYCLES = 4
+PREFETCH_CYCLES = 5
 
 
 #: The accumulate lanes' group select (``hw.accumulate``), in a core with fewer accumulate lanes

@@ -71,10 +71,10 @@ ALIGNED = data.StructLayout({
 #: What the sum (``AddF32Sum``, stages 4-6) hands the rounding (stage 7 of ``AddF32Datapath``):
 #: the normalized significand, its exponent, guard and sticky bits, and the result's class
 #: (first match: ``nan``, ``inf``, an exact ``zero``, ``tiny`` (flushed), ``at_inf`` (overflow),
-#: ``edge`` (overflow if the rounding carries), else the rounded sum).
+#: else the rounded sum, whose increment may carry into the inf pattern).
 NORMALIZED = data.StructLayout({
     "sign": 1, "exp": F32_EXP_BITS, "sig": _SIG_BITS, "guard": 1, "sticky": 1,
-    "nan": 1, "inf": 1, "zero": 1, "tiny": 1, "at_inf": 1, "edge": 1, "zero_sign": 1,
+    "nan": 1, "inf": 1, "zero": 1, "tiny": 1, "at_inf": 1, "zero_sign": 1,
 })
 
 
@@ -239,18 +239,27 @@ class AddF32Sum(wiring.Component):
         )
 
         # 5. Count the leading zeros. Padding the count's input with ones below gives a
-        # power-of-two tree and a count of _EXT_BITS + 1 for a zero total.
+        # power-of-two tree and a count of _EXT_BITS + 1 for a zero total. Beside the count,
+        # what stage 6's range tests need of the exponent and the total: the result's exponent
+        # is exp + 1 - lzc, so each test becomes one of the count against registered bits, with
+        # no carry chain after the count.
         pad = (1 << _EXT_BITS.bit_length()) - (_EXT_BITS + 1)
-        lzc, _ = _leading_zeros(Cat(Const((1 << pad) - 1, pad), s4.total))
+        lzc, lzc_bits = _leading_zeros(Cat(Const((1 << pad) - 1, pad), s4.total))
+        exp = s4.exp
         s5 = _stage(
             m,
             advance,
             "s5",
             sign=s4.sign,
-            exp=s4.exp,
+            exp=exp,
             total=s4.total,
             lzc=lzc,
             zero=s4.total == 0,
+            # tiny (exp + 1 - lzc <= 0, i.e. lzc > exp) needs an exponent below 2**lzc_bits
+            exp_small=exp[lzc_bits:] == 0,
+            # overflow (exp + 1 - lzc >= _EXP_MAX) needs the top finite field (a larger
+            # operand's field is _EXP_MAX only for inf and NaN, whose class comes first)
+            exp_top=exp == _EXP_MAX - 1,
             nan=s4.nan,
             inf=s4.inf,
             zero_sign=s4.zero_sign,
@@ -258,38 +267,37 @@ class AddF32Sum(wiring.Component):
 
         # 6. Normalize: bring the leading one to the top bit. The hidden bit of the larger
         # operand sits one below the top bit: a count of zero is a carry out of the
-        # significand, one is no change, more is cancellation. Beside the shifter, from the
-        # exponent alone, the range tests of stage 7 (bit tests of the signed exponent: LUTs,
-        # where comparisons with a constant would take carry chains): stage 7 is then the
+        # significand, one is no change, more is cancellation. Beside the shifter, the range
+        # tests of stage 7 from stage 5's bits and the count alone (a comparison of the count
+        # with the exponent's low bits, and decodes of small counts): stage 7 is then the
         # rounding increment and a multiplexer whose selects are registers.
         normal = (s5.total << s5.lzc)[: _EXT_BITS + 1]
-        exp_res = Signal(signed(F32_EXP_BITS + 2))
-        m.d.comb += exp_res.eq(s5.exp + 1 - s5.lzc)
+        exp_res = (s5.exp + 1 - s5.lzc)[:F32_EXP_BITS]  # the exponent field where no test below holds
         # A sum of two normals below 2**-126 is a multiple of 2**-149 and so exact (no guard
-        # or sticky bit), hence "below 2**-126 after rounding" is "exponent below 1" here.
-        tiny = exp_res[-1] | (exp_res == 0)  # below 1
-        at_inf = ~exp_res[-1] & (exp_res[F32_EXP_BITS] | exp_res[:F32_EXP_BITS].all())  # _EXP_MAX or more
+        # or sticky bit), hence "below 2**-126 after rounding" is "exponent below 1" here:
+        # exp + 1 - lzc <= 0.
+        tiny = s5.exp_small & (s5.lzc > s5.exp[:lzc_bits])
+        # exp + 1 - lzc >= _EXP_MAX: the top finite field with no shift (a carry out of the
+        # significand). A sum that rounds up past the largest finite magnitude needs no test:
+        # stage 7's increment carries into the exponent and makes the inf pattern.
+        at_inf = s5.exp_top & (s5.lzc == 0)
         sig = normal[-_SIG_BITS:]
-        # The carry of the rounding increment reaches the inf field only from field 254 with an
-        # all-ones fraction: the largest finite magnitude rounds up to inf.
-        edge = (exp_res == _EXP_MAX - 1) & sig[:F32_FRAC_BITS].all()
         s6 = _stage(
             m,
             advance,
             "s6",
             sign=s5.sign,
-            exp=exp_res[:F32_EXP_BITS],
+            exp=exp_res,
             sig=sig,
             guard=normal[-_SIG_BITS - 1],
             sticky=normal[: -_SIG_BITS - 1] != 0,
             # The result's class, first match: NaN, inf, an exact zero, flushed to zero,
-            # overflow to inf (``at_inf``; ``edge`` with the increment), else the rounded sum.
+            # overflow to inf (``at_inf``), else the rounded sum.
             nan=s5.nan,
             inf=s5.inf,
             zero=~s5.nan & ~s5.inf & s5.zero,
             tiny=~s5.nan & ~s5.inf & ~s5.zero & tiny,
             at_inf=~s5.nan & ~s5.inf & ~s5.zero & ~tiny & at_inf,
-            edge=~s5.nan & ~s5.inf & ~s5.zero & ~tiny & ~at_inf & edge,
             zero_sign=s5.zero_sign,
         )
         _drive(m, self.o, s6)
@@ -364,7 +372,7 @@ class AddF32Datapath(wiring.Component):
         result = Signal(FP32_WIDTH)
         with m.If(s6.nan):
             m.d.comb += result.eq(F32_QNAN)
-        with m.Elif(s6.inf | s6.at_inf | (s6.edge & round_up)):
+        with m.Elif(s6.inf | s6.at_inf):
             m.d.comb += result.eq(Cat(inf_magnitude, s6.sign))
         with m.Elif(s6.zero):
             m.d.comb += result.eq(Cat(zero_magnitude, s6.zero_sign))

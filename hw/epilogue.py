@@ -104,15 +104,20 @@ class _Column:
     def clear(self):
         return [self.word.eq(0), self.sel.eq(0), self.col.eq(0)]
 
+    def wraps(self, other: "_Column", chunks: int):
+        """Whether ``chunks`` chunks (a constant) move ``other`` past the end of a word: a
+        decode of ``sel`` (a LUT), not a comparison (a carry chain)."""
+        sels = chunks % self.per_word
+        return Array(Const(int(s + sels >= self.per_word), 1) for s in range(self.per_word))[other.sel]
+
     def word_after(self, other: "_Column", chunks: int):
         """The word of ``other`` moved on by ``chunks`` chunks (a constant)."""
-        words, sels = divmod(chunks, self.per_word)
-        return other.word + words + (other.sel + sels >= self.per_word)
+        return other.word + chunks // self.per_word + self.wraps(other, chunks)
 
     def advanced(self, other: "_Column", chunks: int):
         """Statements setting self to ``other`` moved on by ``chunks`` chunks (a constant)."""
-        words, sels = divmod(chunks, self.per_word)
-        carry = other.sel + sels >= self.per_word
+        sels = chunks % self.per_word
+        carry = self.wraps(other, chunks)
         return [
             self.word.eq(self.word_after(other, chunks)),
             self.sel.eq(Mux(carry, other.sel + sels - self.per_word, other.sel + sels)),
@@ -244,6 +249,9 @@ class EpilogueIssue(wiring.Component):
         # the two: the adder stays before a flip-flop, and the flip-flop alone drives the address
         # pins of the accumulator's block RAMs across the die.
         read_addr = Signal.like(self.acc_addr)
+        # It is row_addr + pos.word after every step, so the next chunk's address is it plus
+        # the word's wrap: one carry chain after the flip-flops.
+        next_chunk_addr = read_addr + pos.wraps(pos, 1)
         with m.If(self.start):
             m.d.sync += [going.eq(1), row.eq(0), row_addr.eq(0), chunk.eq(0), t_i.eq(0), t_j.eq(0), t_r.eq(0),
                          t_c.eq(0), band_row.eq(0), band_addr.eq(0), *pos.clear(), *tile_pos.clear(), read_addr.eq(0),
@@ -254,8 +262,7 @@ class EpilogueIssue(wiring.Component):
                 m.d.sync += going.eq(0)
             # BFP: tile by tile, each row by row.
             with m.If(on["tile_chunk"]):  # the tile row's next chunk
-                m.d.sync += [t_c.eq(t_c + 1), *pos.advanced(pos, 1),
-                             read_addr.eq(row_addr + pos.word_after(pos, 1)),
+                m.d.sync += [t_c.eq(t_c + 1), *pos.advanced(pos, 1), read_addr.eq(next_chunk_addr),
                              *flags(tc=t_c + 2 == tile_chunks)]
             with m.If(on["tile_row"]):  # the tile's next row
                 m.d.sync += [t_c.eq(0), t_r.eq(t_r + 1), row.eq(row + 1), row_addr.eq(row_addr + words_per_row),
@@ -274,8 +281,7 @@ class EpilogueIssue(wiring.Component):
                              *flags(tc=tile_chunks == 1, tr=th == 1, tj=plan.tiles_n == 1, ti=t_i + 2 == plan.tiles_m)]
             # fp32 and bf16: row by row.
             with m.If(on["chunk"]):  # the row's next chunk
-                m.d.sync += [chunk.eq(chunk + 1), *pos.advanced(pos, 1),
-                             read_addr.eq(row_addr + pos.word_after(pos, 1)),
+                m.d.sync += [chunk.eq(chunk + 1), *pos.advanced(pos, 1), read_addr.eq(next_chunk_addr),
                              *flags(ch=chunk + 2 == plan.chunks)]
             with m.If(on["row"]):  # the next row
                 m.d.sync += [chunk.eq(0), row.eq(row + 1), row_addr.eq(row_addr + words_per_row), *pos.clear(),
@@ -328,8 +334,15 @@ class EpilogueDatapath(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        cfg, desc = self.cfg, self.desc
+        cfg = self.cfg
         C, E = cfg.cols, cfg.out_lanes
+        # The command's fields that select in the lanes (bias, activation, format), from a copy
+        # registered here: ``desc`` holds from the command's start, and the datapath's first
+        # value comes many cycles after it (the read, the chunk select, the bias adders), so the
+        # copy holds the same bits whenever they select, and the route from the core's
+        # descriptor across the die has a cycle of its own.
+        desc = Signal(self.desc.shape(), name="desc_q")
+        m.d.sync += desc.eq(self.desc)
 
         # The read: data registered, then the chunk selected.
         acc_q = Signal.like(self.acc_data, reset_less=True)
@@ -382,8 +395,11 @@ class EpilogueDatapath(wiring.Component):
                     act.i.func.eq(desc.act_func),
                 ]
                 acc32 = delayed(m, b_vals[j], Lact, f"no_act{j}", reset_less=True)
+                # Its bf16 rounding made at the delay line's input (the activation's input, the
+                # same bits) and delayed beside it: the output stage keeps no carry chain.
+                acc16 = delayed(m, convert.from_f32(b_vals[j]), Lact, f"no_act_bf16_{j}", reset_less=True)
                 fp32_vals.append(Mux(desc.act_en, convert.to_f32(act.o), acc32))
-                bf16_vals.append(Mux(desc.act_en, act.o, convert.from_f32(acc32)))
+                bf16_vals.append(Mux(desc.act_en, act.o, acc16))
 
         # The format, and zeros outside M x N.
         for j in range(E):

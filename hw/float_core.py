@@ -356,7 +356,7 @@ class FloatCore(wiring.Component):
         ]
 
         rows_done, all_rows = rows_closed(m, cfg, start, cmd.k == 0, drain.closed, rows_total)
-        count_cycles(m, self, busy, all_rows)
+        count_cycles(m, self, busy, all_rows, started)
 
         # ---- epilogue: the BFP core's --------------------------------------------------------
         m.submodules.epilogue = epi = Epilogue(cfg, command_layout(cfg))

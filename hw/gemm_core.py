@@ -96,8 +96,9 @@ def core_signature(cfg: CoreConfig) -> wiring.Signature:
 def accept_command(m: Module, core: wiring.Component, desc, busy, bad):
     """A core's command acceptance (``GemmCore``, ``hw.float_core.FloatCore``): ``cmd`` is taken
     while idle and no write waits; a ``bad`` command sets ``error`` and starts nothing; a good
-    one is registered in ``desc``, sets ``busy`` and restarts ``cycles`` (``count_cycles``).
-    Returns ``(start, started)``: the accepting cycle, and the next one (``desc`` valid)."""
+    one is registered in ``desc`` and sets ``busy`` (``count_cycles`` restarts ``cycles`` from
+    ``started``). Returns ``(start, started)``: the accepting cycle, and the next one (``desc``
+    valid)."""
     m.d.comb += core.cmd.ready.eq(~busy & ~core.w.valid)
     accept = core.cmd.valid & core.cmd.ready
     start = Signal()
@@ -107,17 +108,23 @@ def accept_command(m: Module, core: wiring.Component, desc, busy, bad):
     with m.If(accept):
         m.d.sync += core.error.eq(bad)
     with m.If(start):
-        m.d.sync += [desc.eq(core.cmd.payload), busy.eq(1), core.cycles.eq(0)]
+        m.d.sync += [desc.eq(core.cmd.payload), busy.eq(1)]
     return start, started
 
 
-def count_cycles(m: Module, core: wiring.Component, busy, all_rows_next):
-    """A core's ``cycles``: from the cycle after acceptance (``accept_command`` zeroes it) while
-    some row-block's sums are still to be closed (``all_rows_next``, ``rows_closed``'s); the
-    epilogue after them goes at the reply's pace and is not counted. A K = 0 command counts 0."""
+def count_cycles(m: Module, core: wiring.Component, busy, all_rows_next, started):
+    """A core's ``cycles``: from the cycle after acceptance (``started``: the count is 0 there)
+    while some row-block's sums are still to be closed (``all_rows_next``, ``rows_closed``'s);
+    the epilogue after them goes at the reply's pace and is not counted. A K = 0 command counts
+    0. The count restarts from ``started``, a register, rather than from the accepting cycle's
+    decision (whose fan-out across the die it would lengthen): it reads as the last command's
+    in that one cycle, and the reply, which reads it, comes long after."""
     sums_in = Signal()  # every row closed (``rows_closed``'s count, registered)
     m.d.sync += sums_in.eq(all_rows_next)
-    with m.If(busy & ~sums_in):
+    counting = busy & ~sums_in
+    with m.If(started):
+        m.d.sync += core.cycles.eq(counting)
+    with m.Elif(counting):
         m.d.sync += core.cycles.eq(core.cycles + 1)
 
 
@@ -239,7 +246,9 @@ class MacIssue(wiring.Component):
 
     Where each counter stands is kept in flags beside it (registers, so that the loop's next
     state and its fan-out to the counters and the buffers' requests start from flip-flops, not
-    from compares): kk at 0 or at tk - 1, kt, jb and ib at their last value.
+    from compares): kk at 0 or at tk - 1, kt, jb and ib at their last value; and which counters
+    the next issue moves on (``kt_wrap``, ``jb_wrap``, ``ib_wrap``), so that each counter's
+    enable is the issue decision and one register.
     """
 
     def __init__(self, cfg: CoreConfig):
@@ -286,27 +295,43 @@ class MacIssue(wiring.Component):
         issue = Signal()
         m.d.comb += [self.beat.valid.eq(issuing), issue.eq(self.beat.valid & self.beat.ready)]
         single = lambda divisor: _single(D, divisor)  # noqa: E731
+        # The flags' next values; beside the flags, registered from the same next values, which
+        # counters an issue moves on: ``kt_wrap`` (kk and kt at their last), ``jb_wrap`` (and jb),
+        # ``ib_wrap`` (and ib: the last beat). Each counter's enable is then the issue decision
+        # and one register (one LUT), not a chain of the flags.
+        flags = (kk_last, kt_last, jb_last, ib_last)
+        kk_last_n, kt_last_n, jb_last_n, ib_last_n = nxt = [Signal(name=f"{f.name}_next") for f in flags]
+        kt_wrap, jb_wrap, ib_wrap = Signal(), Signal(), Signal()
+        m.d.comb += [n.eq(f) for n, f in zip(nxt, flags)]
         with m.If(start):
             m.d.sync += [issuing.eq(cmd.k != 0), ib.eq(0), jb.eq(0), kt.eq(0), kk.eq(0), k.eq(0), row0.eq(0),
-                         col0.eq(0), block_base.eq(0), row_base.eq(0), kk_first.eq(1), kk_last.eq(tk == 1),
+                         col0.eq(0), block_base.eq(0), row_base.eq(0), kk_first.eq(1),
                          one_ktile.eq(single(tk)[cmd.k]), one_block_n.eq(single(C)[cmd.n]),
-                         one_block_m.eq(single(R)[cmd.m]), kt_last.eq(single(tk)[cmd.k]),
-                         jb_last.eq(single(C)[cmd.n]), ib_last.eq(single(R)[cmd.m])]
+                         one_block_m.eq(single(R)[cmd.m])]
+            m.d.comb += [kk_last_n.eq(tk == 1), kt_last_n.eq(single(tk)[cmd.k]), jb_last_n.eq(single(C)[cmd.n]),
+                         ib_last_n.eq(single(R)[cmd.m])]
         with m.If(issue):
-            m.d.sync += [kk.eq(kk + 1), k.eq(k + 1), kk_first.eq(0), kk_last.eq(kk == tk - 2)]
+            m.d.comb += kk_last_n.eq(kk == tk - 2)
             with m.If(kk_last):
-                m.d.sync += [kk.eq(0), kt.eq(kt + 1), kk_first.eq(1), kk_last.eq(tk == 1),
-                             kt_last.eq(kt + 2 == ktiles)]
+                m.d.comb += [kk_last_n.eq(tk == 1), kt_last_n.eq(kt + 2 == ktiles)]
                 with m.If(kt_last):
-                    m.d.sync += [kt.eq(0), k.eq(0), jb.eq(jb + 1), col0.eq(col0 + C), block_base.eq(block_base + 1),
-                                 kt_last.eq(one_ktile), jb_last.eq(jb + 2 == blocks_n)]
+                    m.d.comb += [kt_last_n.eq(one_ktile), jb_last_n.eq(jb + 2 == blocks_n)]
                     with m.If(jb_last):
-                        m.d.sync += [jb.eq(0), col0.eq(0), ib.eq(ib + 1), row0.eq(row0 + R),
-                                     row_base.eq(row_base + R * words_per_row),
-                                     block_base.eq(row_base + R * words_per_row),
-                                     jb_last.eq(one_block_n), ib_last.eq(ib + 2 == blocks_m)]
-                        with m.If(ib_last):
-                            m.d.sync += issuing.eq(0)
+                        m.d.comb += [jb_last_n.eq(one_block_n), ib_last_n.eq(ib + 2 == blocks_m)]
+        m.d.sync += [*(f.eq(n) for f, n in zip(flags, nxt)), kt_wrap.eq(kk_last_n & kt_last_n),
+                     jb_wrap.eq(kk_last_n & kt_last_n & jb_last_n), ib_wrap.eq(kk_last_n & kt_last_n & jb_last_n & ib_last_n)]
+        # The counters: each later block overrides the earlier ones (a wrap implies the ones before).
+        with m.If(issue):
+            m.d.sync += [kk.eq(kk + 1), k.eq(k + 1), kk_first.eq(0)]
+        with m.If(issue & kk_last):
+            m.d.sync += [kk.eq(0), kt.eq(kt + 1), kk_first.eq(1)]
+        with m.If(issue & kt_wrap):
+            m.d.sync += [kt.eq(0), k.eq(0), jb.eq(jb + 1), col0.eq(col0 + C), block_base.eq(block_base + 1)]
+        with m.If(issue & jb_wrap):
+            m.d.sync += [jb.eq(0), col0.eq(0), ib.eq(ib + 1), row0.eq(row0 + R), row_base.eq(row_base + R * words_per_row),
+                         block_base.eq(row_base + R * words_per_row)]
+        with m.If(issue & ib_wrap):
+            m.d.sync += issuing.eq(0)
         beat = self.beat.payload
         m.d.comb += [beat.k.eq(k), beat.row0.eq(row0), beat.col0.eq(col0), beat.kt.eq(kt), beat.base.eq(block_base),
                      beat.first.eq(kk_first), beat.closes.eq(kt_last & jb_last)]
@@ -319,11 +344,14 @@ class ExponentPrefetch(wiring.Component):
     queued (``exponents_layout``) for the K-tile's drain, which starts no earlier than the
     queue can be read (tk >= max(R, C)).
 
-    Ports: ``start`` (strobe: a K-tile's first beat is issued, ``beat`` its position);
+    Ports: ``start`` (strobe: a K-tile's first beat is issued, ``beat`` its position; both
+    registered here first, so that the issue decision reaches the prefetch across the die in a
+    cycle of its own);
     ``transpose_a``, ``transpose_b`` (the command's); ``exp_a``, ``exp_b`` (read ports of the
     exponent memories, tile-grid pitch ``size / tw``); ``hold`` (the next K-tile's exponents
     cannot start yet: a prefetch runs, or the queue is full); ``o`` (stream out: the queue).
-    A prefetch takes ``max(R, C) + PREFETCH_CYCLES - 1`` cycles from ``start``.
+    A prefetch takes ``max(R, C) + PREFETCH_CYCLES - 1`` cycles from ``start``, the register
+    included.
     """
 
     def __init__(self, cfg: CoreConfig):
@@ -347,25 +375,44 @@ class ExponentPrefetch(wiring.Component):
         th, tw = cfg.tile
         grid_cols = D // tw  # tile-grid pitch of the exponent memories
         exps_layout = exponents_layout(cfg)
-        m.submodules.exps = exps = fifo.SyncFIFO(width=exps_layout.size, depth=4)
+        depth = 4
+        m.submodules.exps = exps = fifo.SyncFIFO(width=exps_layout.size, depth=depth)
         prefetch_busy = Signal()
-        m.d.comb += self.hold.eq(prefetch_busy | (exps.level >= 3))
+        # ``hold`` is prefetch_busy | (queue level >= depth - 1), computed a cycle ahead from the next
+        # values of both and registered: the MAC phase's issue decision, which spreads over the
+        # die, then starts from a flip-flop.
+        hold = Signal()
+        m.d.comb += self.hold.eq(hold)
 
         span = max(R, C)
-        pf_end = span + PREFETCH_CYCLES - 2  # the next K-tile may start PREFETCH_CYCLES after the span
+        pf_end = span + PREFETCH_CYCLES - 3  # the next K-tile may start PREFETCH_CYCLES after the span
         p = Signal(range(pf_end + 1))
         pf_row0 = Signal(range(D + pf_end + 1))
         pf_col0 = Signal(range(D + pf_end + 1))
         pf_kt = Signal.like(self.beat.kt)
         stage = Signal(exps_layout)
-        beat = self.beat
-        with m.If(self.start):
-            m.d.sync += [prefetch_busy.eq(1), p.eq(0), pf_row0.eq(beat.row0), pf_col0.eq(beat.col0), pf_kt.eq(beat.kt),
+        # The start and the beat registered (a first beat comes at most every tk >=
+        # rmw_latency cycles, so none comes while the start is in this register).
+        start = Signal()
+        beat = Signal.like(self.beat)
+        m.d.sync += [start.eq(self.start), beat.eq(self.beat)]
+        busy_next = Signal()
+        m.d.comb += busy_next.eq(prefetch_busy)
+        with m.If(start):
+            m.d.comb += busy_next.eq(1)
+            m.d.sync += [p.eq(0), pf_row0.eq(beat.row0), pf_col0.eq(beat.col0), pf_kt.eq(beat.kt),
                          stage.first.eq(beat.kt == 0), stage.closes.eq(beat.closes), stage.base.eq(beat.base)]
         with m.Elif(prefetch_busy):
             m.d.sync += [p.eq(p + 1), pf_row0.eq(pf_row0 + 1), pf_col0.eq(pf_col0 + 1)]
             with m.If(p == pf_end):
-                m.d.sync += prefetch_busy.eq(0)
+                m.d.comb += busy_next.eq(0)
+        # The queue's level (SyncFIFO's count, 0 .. depth) at least depth - 1 next cycle:
+        # decoded, no adder.
+        put, take = exps.w_en & exps.w_rdy, exps.r_en & exps.r_rdy
+        level = exps.level
+        full_next = ((level == depth) | ((level == depth - 1) & ~(take & ~put))
+                     | ((level == depth - 2) & put & ~take))
+        m.d.sync += [prefetch_busy.eq(busy_next), hold.eq(busy_next | full_next)]
         row_tile = Array(Const(min(i, D - 1) // th, range(D // th)) for i in range(D + pf_end + 1))
         col_tile = Array(Const(min(i, D - 1) // tw, range(D // tw)) for i in range(D + pf_end + 1))
         ia = pf_row0  # row0 + p and col0 + p: counted
@@ -649,7 +696,7 @@ class GemmCore(wiring.Component):
         # Rows whose accumulation is final: whole row-blocks as the lanes close them; every row
         # at once for K = 0 (the epilogue takes the counters' next values).
         rows_done, all_rows = rows_closed(m, cfg, start, cmd.k == 0, acc_lanes.closed, rows_total)
-        count_cycles(m, self, busy, all_rows)
+        count_cycles(m, self, busy, all_rows, started)
 
         # ---- epilogue ------------------------------------------------------------------------
         m.submodules.epilogue = epi = Epilogue(cfg, command_layout(cfg))

@@ -83,7 +83,7 @@ class MacArray(wiring.Component):
     close a K-tile; ``i.ready`` is always 1. Output ``o``: ``rows * groups`` beats per K-tile,
     ``{sums: cols / groups sums, row, group}`` (the sums of columns ``group * cols / groups``
     on), row-major, on consecutive cycles. Latency: the first beat of a K-tile
-    leaves ``LATENCY`` (``hbfp.contract.MAC_LATENCY`` = 4) cycles after the tile's last beat
+    leaves ``LATENCY`` (``hbfp.contract.MAC_LATENCY`` = 5) cycles after the tile's last beat
     enters. Throughput: one beat per cycle, every PE one MAC per cycle.
 
     The array never stalls, so nothing in it is enabled by a ready: ``o.ready`` is assumed to
@@ -156,7 +156,9 @@ class MacArray(wiring.Component):
         # its own; Yosys merges equal registers, so in portable Verilog it does not; elaborated
         # for an ECP5 the DSP blocks' input registers are these copies), in a LUT PE its Booth
         # partial products. Stage 3: the products (for an ECP5 the DSP blocks' output
-        # registers). Stage 4: the accumulators.
+        # registers). Stage 4: the products again, in the fabric: a DSP block sits in a column
+        # of DSP blocks, often far across the die from its PE's adder, and this register gives
+        # that route a cycle of its own. Stage 5: the accumulators.
         # Data registers have no reset and no enable (nothing stalls): tools that pack
         # registers into DSP blocks can; only the valid pipeline and the drain are reset.
         k = Signal(range(self.tk))
@@ -164,7 +166,9 @@ class MacArray(wiring.Component):
         b1 = [Signal(signed(mb), name=f"b1_{j}", reset_less=True) for j in range(C)]
         v1, first1, last1 = Signal(name="v1"), Signal(name="first1"), Signal(name="last1")
         prod = [[Signal(signed(ma + mb), name=f"prod_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
+        prod4 = [[Signal(signed(ma + mb), name=f"prod4_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
         v1b, first1b, last1b = Signal(name="v1b"), Signal(name="first1b"), Signal(name="last1b")
+        v1c, first1c, last1c = Signal(name="v1c"), Signal(name="first1c"), Signal(name="last1c")
         v2, first2, last2 = Signal(name="v2"), Signal(name="first2"), Signal(name="last2")
         acc = [[Signal(signed(W), name=f"acc_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
         shadow = [[Signal(signed(W), name=f"shadow_{i}_{j}", reset_less=True) for j in range(C)] for i in range(R)]
@@ -186,9 +190,12 @@ class MacArray(wiring.Component):
             v1b.eq(v1),
             first1b.eq(first1),
             last1b.eq(last1),
-            v2.eq(v1b),
-            first2.eq(first1b),
-            last2.eq(last1b),
+            v1c.eq(v1b),
+            first1c.eq(first1b),
+            last1c.eq(last1b),
+            v2.eq(v1c),
+            first2.eq(first1c),
+            last2.eq(last1c),
         ]
         with m.If(self.i.valid):
             m.d.sync += k.eq(Mux(k == self.tk - 1, 0, k + 1))
@@ -203,7 +210,7 @@ class MacArray(wiring.Component):
             # ``full``'s next value, which its copies take as it does.
             full_next = Mux(load, 1, Mux(full & (group == G - 1) & (row == R - 1), 0, full))
             copies = {}
-            for name, d in (("v2", v1b), ("first2", first1b), ("last2", last1b), ("full", full_next)):
+            for name, d in (("v2", v1c), ("first2", first1c), ("last2", last1c), ("full", full_next)):
                 copies[name] = [Signal(name=f"{name}_c{c}") for c in range(n)]
                 for c, q in enumerate(copies[name]):
                     control_register(m, f"{name}_c{c}", d, q, ecp5)
@@ -234,7 +241,8 @@ class MacArray(wiring.Component):
                     assert pe.LATENCY == 1
                     m.d.comb += [pe.a.eq(a1[i]), pe.neg_a.eq(na1[i]), pe.b.eq(b1[j])]
                     m.d.sync += prod[i][j].eq(pe.p)
-                nxt = Mux(first2_c[c], prod[i][j], acc[i][j] + prod[i][j])
+                m.d.sync += prod4[i][j].eq(prod[i][j])
+                nxt = Mux(first2_c[c], prod4[i][j], acc[i][j] + prod4[i][j])
                 with m.If(v2_c[c]):
                     m.d.sync += acc[i][j].eq(nxt)
                 # The shadow bank is a shift register of the drain's beats (row-major, ``groups``

@@ -21,9 +21,9 @@ INPUT_FORMATS = {"fp32": FP32_WIDTH, "bf16": BF16_WIDTH}
 #: Cycles from a change of the ``seed`` port until the quantizer may take it: the key's pipeline
 #: (two constant multiplies in five stages) where it has one (see ``SERIAL_KEY_BEATS``).
 KEY_LATENCY = 5
-#: Cycles of the serial key unit: two bit-serial constant multiplies of 32 steps each, and the
-#: cycle that writes the key into its bank.
-_SERIAL_KEY_CYCLES = 2 * 32 + 1
+#: Cycles of the serial key unit: its start's register, two bit-serial constant multiplies of 32
+#: steps each, and the cycle that writes the key into its bank.
+_SERIAL_KEY_CYCLES = 1 + 2 * 32 + 1
 #: Beats per tile from which the key is computed serially, once per tile, while the tile fills
 #: (about 130 LUT4s instead of the key pipeline's 800): a tile's fill then outlasts the key's
 #: computation, which therefore never delays the drain.
@@ -361,7 +361,7 @@ class Quantize(wiring.Component):
         next_base = Signal(32)  # stream position of the next tile's first element
         m.d.comb += go.eq(~(stage.valid & full.bit_select(wr_bank, 1)))
         write = stage.valid & go
-        first = wr_beat == 0
+        first = Signal(init=1)  # wr_beat == 0, kept as a flag beside it (no compare before the key unit's start)
         tile_max = Signal(EXP_WIDTH)
         m.d.comb += tile_max.eq(Mux(first, beat_max, max_of(beat_max, run_max)))
         start_base = Mux(stage.clear, 0, next_base)
@@ -384,10 +384,12 @@ class Quantize(wiring.Component):
                 ]
                 if not self.serial_key:  # (the serial key unit writes the key, from this seed)
                     m.d.sync += bank.key[wr_bank].eq(stage.key)
+            m.d.sync += first.eq(0)
             with m.If(wr_beat == B - 1):
                 m.d.comb += fill_done.eq(Mux(wr_bank, 0b10, 0b01))
                 m.d.sync += [
                     wr_beat.eq(0),
+                    first.eq(1),
                     wr_bank.eq(~wr_bank),
                     bank.exp[wr_bank].eq(tile_max),
                 ]
@@ -401,7 +403,9 @@ class Quantize(wiring.Component):
         the constants (32 steps each: the multiplicand shifts left a bit a step and is added
         where the constant has a one), written into the tile's bank at the end. Returns the
         banks whose key is there (a mask): ``_SERIAL_KEY_CYCLES`` cycles after the tile's
-        first write, no later than its last (a tile has at least SERIAL_KEY_BEATS beats)."""
+        first write, no later than its last (a tile has at least SERIAL_KEY_BEATS beats). The
+        start, its bank and seed are registered first: the unit then starts from flip-flops
+        (its fan-out to the multiplicand's 32 bits does not follow the fill's decision)."""
         running = Signal()
         second = Signal()  # the second multiply
         end = Signal()  # this step is its multiply's last (a flag, so that no compare precedes the adder)
@@ -412,10 +416,12 @@ class Quantize(wiring.Component):
         target = Signal()
         ready = Signal(2, init=0b11)
         total = (acc + Mux(bits[0], xs, 0))[:32]
-        with m.If(bank.start):
+        start, start_bank, start_seed = Signal(), Signal(), Signal(32)
+        m.d.sync += [start.eq(bank.start), start_bank.eq(bank.start_bank), start_seed.eq(bank.start_seed)]
+        with m.If(start):
             m.d.sync += [running.eq(1), second.eq(0), end.eq(0), count.eq(0), acc.eq(0),
-                         xs.eq(_xorshift(bank.start_seed ^ SEED_SALT, 16)), bits.eq(MIX32_MULTIPLIERS[0]),
-                         target.eq(bank.start_bank), ready.bit_select(bank.start_bank, 1).eq(0)]
+                         xs.eq(_xorshift(start_seed ^ SEED_SALT, 16)), bits.eq(MIX32_MULTIPLIERS[0]),
+                         target.eq(start_bank), ready.bit_select(start_bank, 1).eq(0)]
         with m.Elif(running):
             with m.If(end & ~second):  # the first product done: its xor-shift is the second's multiplicand
                 m.d.sync += [second.eq(1), end.eq(0), count.eq(0), acc.eq(0), xs.eq(_xorshift(total, 15)),

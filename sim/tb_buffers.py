@@ -56,11 +56,11 @@ async def write_then_read_both_ways(dut):
         for mode, r, c in reads:
             dut.r_en.value = 1
             dut.r_mode.value, dut.r_row.value, dut.r_col.value = mode, r, c
-            await RisingEdge(dut.clk)  # the banks take the address
+            await RisingEdge(dut.clk)  # the request's register
             dut.r_en.value = 0  # r_data holds while r_en is low
-            await RisingEdge(dut.clk)  # the banks
-            await RisingEdge(dut.clk)  # the banks' output register
-            await ReadOnly()  # r_data: LATENCY = 3 cycles after the request
+            for _ in range(OperandBuffer.LATENCY - 1):  # the banks, their output register
+                await RisingEdge(dut.clk)
+            await ReadOnly()  # r_data: LATENCY cycles after the request
             got = unpack(int(dut.r_data.value), width, L, signed=True)
             want = stored[r, c : c + L] if mode == READ_ROW else stored[r : r + L, c]
             assert got == want.tolist(), f"{'row' if mode == READ_ROW else 'column'} chunk at ({r}, {c}): got {got}, want {want.tolist()}"
@@ -76,7 +76,7 @@ async def write_then_read_both_ways(dut):
             await RisingEdge(dut.clk)
             taken.append(None if gap else (mode, r, c))
             await ReadOnly()
-            due = [x for x in taken[: len(taken) - (OperandBuffer.LATENCY - 1)] if x is not None]
+            due = [x for x in taken[: max(0, len(taken) - (OperandBuffer.LATENCY - 1))] if x is not None]
             if due:
                 mode_d, r_d, c_d = due[-1]
                 got = unpack(int(dut.r_data.value), width, L, signed=True)

@@ -44,7 +44,7 @@ CONFIGS = {
 if os.environ.get("HBFP_SIM_FULL"):
     # In `make sim-full` only (its build takes about 4 minutes on 2 cores): a 1 x 16 tile
     # (MXINT8-like: K along the stored rows of A and B^T) on a 16 x 16 array: the exponent
-    # prefetch, max(R, C) + 3 cycles, outlasts a K-tile of 16 (as on a 32 x 32 array with
+    # prefetch, max(R, C) + 4 cycles, outlasts a K-tile of 16 (as on a 32 x 32 array with
     # 32 x 32 tiles).
     CONFIGS["tile1x16"] = "rows=16,cols=16,tile=1x16,size=32,functions=relu"
     # Rectangular arrays (A's codes in chunks of R, B's of C, the input quantizer's beats as

@@ -97,7 +97,7 @@ def test_ecp5_elaboration_instantiates_registered_dsps():
 
 
 def test_latency_is_the_contracts():
-    assert MacArray.LATENCY == MAC_LATENCY == 4
+    assert MacArray.LATENCY == MAC_LATENCY == 5
 
 
 @pytest.mark.parametrize("args, message", [
