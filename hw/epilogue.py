@@ -250,8 +250,9 @@ class EpilogueIssue(wiring.Component):
         # pins of the accumulator's block RAMs across the die.
         read_addr = Signal.like(self.acc_addr)
         # It is row_addr + pos.word after every step, so the next chunk's address is it plus
-        # the word's wrap: one carry chain after the flip-flops.
-        next_chunk_addr = read_addr + pos.wraps(pos, 1)
+        # what a chunk adds to the word (a whole word when a word is one chunk, else the wrap):
+        # one carry chain after the flip-flops.
+        next_chunk_addr = read_addr + (pos.wraps(pos, 1) if pos.per_word > 1 else 1)
         with m.If(self.start):
             m.d.sync += [going.eq(1), row.eq(0), row_addr.eq(0), chunk.eq(0), t_i.eq(0), t_j.eq(0), t_r.eq(0),
                          t_c.eq(0), band_row.eq(0), band_addr.eq(0), *pos.clear(), *tile_pos.clear(), read_addr.eq(0),

@@ -350,8 +350,13 @@ def test_one_nan_where_an_addition_makes_one(pair):
         assert (got == want).all(), [hex(x) for x in got]
     fmt = cfg.fmt()
     a = BFPTensor(a_codes[:1].copy(), np.full((1, -(-k // tw)), 254, np.uint8), fmt)
-    b = BFPTensor(b_codes.copy(), np.full((-(-k // th), 1), 254, np.uint8), fmt)
-    golden = gemm(a, b, c=np.full((1, C), np.inf, np.float32), impl="reference")
+    # B as the golden model reads it: K x N for a square tile, else stored N x K (its tiles run
+    # along K) and multiplied transposed; every exponent is 254 either way.
+    square = th == tw
+    b_stored = b_codes if square else np.ascontiguousarray(b_codes.T)
+    b = BFPTensor(b_stored.copy(), np.full((-(-b_stored.shape[0] // th), -(-b_stored.shape[1] // tw)), 254, np.uint8),
+                  fmt)
+    golden = gemm(a, b, c=np.full((1, C), np.inf, np.float32), transpose_b=not square, impl="reference")
     assert (golden.view(np.uint32) == 0x7FC00000).all() and bf16.F32_QNAN == 0x7FC00000
 
 
