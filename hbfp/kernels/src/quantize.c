@@ -9,12 +9,16 @@
 
 /* ---- quantize (bfp.quantize of a matrix, bit for bit) ------------------------------------ */
 
+/* mix32's two multipliers (golden/bfp.py's MIX32_MULTIPLIERS), for every width below. */
+#define MIX32_M1 0x7FEB352Du
+#define MIX32_M2 0x846CA68Bu
+
 static inline unsigned mix32(unsigned x)
 {
     x ^= x >> 16;
-    x *= 0x7FEB352Du;
+    x *= MIX32_M1;
     x ^= x >> 15;
-    x *= 0x846CA68Bu;
+    x *= MIX32_M2;
     x ^= x >> 16;
     return x;
 }
@@ -85,9 +89,9 @@ static inline unsigned mix32(unsigned x)
 static inline __m256i mix32x8(__m256i x)
 {
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x7FEB352Du));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)MIX32_M1));
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846CA68Bu));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)MIX32_M2));
     return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
 
@@ -96,9 +100,9 @@ static inline __m256i mix32x8(__m256i x)
 static inline __m512i mix32x16(__m512i x)
 {
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x7FEB352Du));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)MIX32_M1));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846CA68Bu));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)MIX32_M2));
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
