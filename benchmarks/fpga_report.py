@@ -27,12 +27,13 @@ docs/reports/summary.json, the headline figures for a machine:
   on how many timing was met, and ``--write`` keeps each seed's nextpnr report and log and its
   bitstream's sha256 under docs/reports/<board>/;
 - ``density_mac_s_per_lut4_vs_fp16_core``: MAC/s per LUT4 of the BFP8 core over the fp16 core,
-  both whole cores LUT-only (the BFP8 core with its Booth LUT multipliers), from the density
-  experiment (benchmarks/density.py, run from here in its default configuration unless
-  ``--no-density``; with ``--write`` it also rewrites docs/reports/density.md); beside it
-  ``density_mac_s_per_lut4_vs_bf16_core``, ``density_lut4_per_mac_vs_fp16_core`` (LUT-only) and
-  ``density_mac_s_per_lut4_vs_fp16_core_with_dsp`` (``density.SUMMARY``), and
-  ``density_rows``, ``density_cols`` (the cores' array).
+  whole cores at the density experiment's largest array (``density_rows``, ``density_cols``),
+  in the flow ``density_flow`` names (LUT-only where both fit, every PE with a Booth LUT
+  multiplier; else with DSP blocks), beside the counts it divides; ``density_per_pe_lut4_vs_fp16``:
+  LUT4 per PE of the fp16 core over the BFP8 core's, LUT-only, from the fit over the arrays;
+  and the rest of ``density.SUMMARY``. From benchmarks/density.py, run from here in its
+  default configuration unless ``--no-density``; with ``--write`` it also rewrites
+  docs/reports/density.md.
 
 A figure that was not measured in this run (a board left out, a design that does not fit) is
 null, and a board left out (``--boards``) has a row that says so. ``--reuse`` takes an existing
@@ -153,8 +154,7 @@ def density_summary(args) -> dict:
     argv = (["--jobs", str(args.density_jobs)] + (["--write"] if args.write else [])
             + (["--reuse"] if args.reuse else []))
     fig = density.run(density.parser().parse_args(argv))
-    return {**{key: fig[key] for key in density.SUMMARY}, "density_rows": fig["config"]["rows"],
-            "density_cols": fig["config"]["cols"]}
+    return {key: fig[key] for key in (*density.SUMMARY, "density_rows", "density_cols")}
 
 
 def link_table() -> list[str]:

@@ -32,6 +32,7 @@ from .block_ram import BlockRam
 from .buffers import READ_COLUMN, READ_ROW, OperandBuffer, times_constant
 from .epilogue import Epilogue, plan_layout, rows_closed
 from .float_mac import FloatMacArray
+from .link import StreamRegister
 from .gemm_core import (AccWriteSignature, BufferReadSignature, _ceil_table, accept_command, command_layout,
                         connect_buffer, core_signature, count_cycles)
 from .params import ACC_READ_LATENCY, FP32_WIDTH, OPERAND_READ_LATENCY, CoreConfig
@@ -328,12 +329,17 @@ class FloatCore(wiring.Component):
             ]
 
         # ---- issue: runs of G * tk beats, beat n of a run step n // G of group n % G ---------
-        m.submodules.mac = mac = FloatMacArray(R, C, self.fmt, tk)
+        m.submodules.mac = mac = FloatMacArray(R, C, self.fmt, tk, dsp_macs=cfg.dsp_macs)
         m.submodules.issue = issue = FloatIssue(cfg, mac.i.payload.shape())
         m.d.comb += [issue.start.eq(start), issue.cmd.eq(cmd), issue.k.eq(desc.k)]
         connect_buffer(m, buf_a, read=issue.a_read)
         connect_buffer(m, buf_b, read=issue.b_read)
-        wiring.connect(m, issue.o, mac.i)
+        # A register stage with a registered ready between the issue and the array: the
+        # array's stall (a drain busy with a group) reaches the issue's queue a cycle later,
+        # not through the array's input handshake in the same cycle.
+        m.submodules.beats = beats = StreamRegister(mac.i.payload.shape(), registered_ready=True)
+        wiring.connect(m, issue.o, beats.i)
+        wiring.connect(m, beats.o, mac.i)
 
         # ---- drain: a group's R x C sums, one row a cycle, into C adders and the accumulator --
         m.submodules.drain = drain = FloatDrain(cfg, mac.o.signature)

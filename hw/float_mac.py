@@ -6,26 +6,33 @@ column of ``rows`` A values and a row of ``cols`` B values; PE (i, j) multiplies
 b[j]`` and accumulates), but with bf16 or fp16 operands and an fp32 accumulator per PE,
 computing ``hbfp.golden.float_mac.float_mac`` bit for bit.
 
-An fp32 adder needs ``AddF32Datapath.LATENCY`` = 5 cycles, so one accumulator cannot take a
-product every cycle. Each PE therefore runs ``INTERLEAVE`` = 5 independent accumulations
+An fp32 adder needs ``AddF32Datapath.LATENCY`` = 7 cycles, so one accumulator cannot take a
+product every cycle. Each PE therefore runs ``INTERLEAVE`` = 7 independent accumulations
 whose partial sums circulate through its adder pipeline: the adder's output is its own
 input ``INTERLEAVE`` cycles later, so the pipeline registers are the accumulators.
 Consecutive beats belong to consecutive accumulations ("groups"): beat ``n`` feeds group
 ``n % INTERLEAVE``. The array thus computes ``INTERLEAVE`` independent R x C products at
-once (in a GEMM: five output blocks, or five K-slices summed later), each a sum of ``k``
+once (in a GEMM: seven output blocks, or seven K-slices summed later), each a sum of ``k``
 products.
+
+Multipliers, as in ``MacArray``: the first ``dsp_macs`` PEs in row-major order multiply the
+significands with ``*`` (a MULT18X18D with its input and output registers, elaborated for an
+ECP5), the others with ``hbfp.hw.lut_mult.BoothProduct`` (LUTs and carry chains), so that a
+LUT-only comparison with the BFP8 core gives both the same multiplier family.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from amaranth.hdl import Cat, Const, Module, Mux, Signal, Value, signed
+from amaranth.hdl import Cat, Const, EnableInserter, Module, Mux, Signal, Value, signed
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.wiring import In, Out
 from hbfp.golden.float_mac import FORMATS, float_format
 
 from .add_f32 import AddF32Datapath, _leading_zeros
+from .lut_mult import BoothProduct
+from .mac_array import ecp5_multiplier
 from .params import (
     F32_BIAS,
     F32_EXP_BITS,
@@ -70,24 +77,33 @@ class FloatMacArray(wiring.Component):
     next beat waits ``INTERLEAVE - 1`` cycles. An output beat not taken stalls the array.
     Latency: a group's result is offered ``LATENCY`` cycles after its last beat entered.
 
-    Pipeline: the edge widens the broadcast operands to fp32 fields (``rows + cols``
-    converters, shared by a row or column of PEs) and registers them; in every PE (1) the
-    significand product (a multiplier block), exponent sum, sign and class, (2) the fp32
-    product pattern (one normalizing shift, range check, specials), then the 5-stage
+    ``dsp_macs``: how many PEs (row-major) use a DSP multiplier (None: all); the rest use
+    Booth LUT multipliers.
+
+    Pipeline (``PE_STAGES`` registers from the input to an adder's operand): the edge widens
+    the broadcast operands to fp32 fields (``rows + cols`` converters, shared by a row or
+    column of PEs) and registers them; in every PE (2, 3) the significand product (a DSP
+    block's input and output registers, or a Booth product's partial products and sum) beside
+    the exponent sum, sign, class and range tests, (4) a fabric copy of the product, (5) the
+    fp32 product pattern (one normalizing shift, specials), then the 7-stage
     ``AddF32Datapath`` whose output loops back to its second addend.
     """
 
     INTERLEAVE = AddF32Datapath.LATENCY
-    #: Cycles from a group's last beat accepted to its result valid on ``o``: edge, product,
-    #: pack, then the adder.
-    LATENCY = 3 + AddF32Datapath.LATENCY
+    #: Registers from a beat on ``i`` to its product at a PE's adder: edge, two for the
+    #: multiplier, the fabric copy, the pattern.
+    PE_STAGES = 5
+    #: Cycles from a group's last beat accepted to its result valid on ``o``.
+    LATENCY = PE_STAGES + AddF32Datapath.LATENCY
 
-    def __init__(self, rows: int, cols: int, fmt: str, k: int):
+    def __init__(self, rows: int, cols: int, fmt: str, k: int, dsp_macs: int | None = None):
         try:
             if not isinstance(rows, int) or not isinstance(cols, int) or rows < 1 or cols < 1:
                 raise ValueError(f"rows and cols must be positive integers, got {rows} x {cols}")
             if not isinstance(k, int) or k < 1:
                 raise ValueError(f"k (products per output) must be a positive integer, got {k!r}")
+            if dsp_macs is not None and not 0 <= dsp_macs <= rows * cols:
+                raise ValueError(f"dsp_macs must be 0..{rows * cols} (rows x cols), got {dsp_macs}")
             self.fmt = float_format(fmt)
         except ValueError:
             # A component that failed to construct was never meant to be elaborated: keep
@@ -95,6 +111,7 @@ class FloatMacArray(wiring.Component):
             self._MustUse__used = True
             raise
         self.rows, self.cols, self.k = rows, cols, k
+        self.dsp_macs = rows * cols if dsp_macs is None else dsp_macs
         in_layout = data.StructLayout({
             "a": data.ArrayLayout(self.fmt.width, rows),
             "b": data.ArrayLayout(self.fmt.width, cols),
@@ -137,11 +154,69 @@ class FloatMacArray(wiring.Component):
             ]
         return out
 
+    def uses_dsp(self, i: int, j: int) -> bool:
+        """Whether PE (i, j) multiplies with a DSP block (``*``) rather than a Booth LUT product."""
+        return i * self.cols + j < self.dsp_macs
+
+    def _product(self, m: Module, stage, advance: Value, platform, i: int, j: int, edge_a, b) -> Value:
+        """PE (i, j)'s fp32 product pattern of the edge's registered operands ``edge_a.x`` and
+        ``b``, ``PE_STAGES - 1`` stages after them (each enabled by ``advance``): the
+        significand product in two (a DSP block's input and output registers, or a staged
+        Booth product's partial products and sum), a fabric copy of it, then the pattern."""
+        a = edge_a.x
+        S = self.fmt.significand_bits
+        P = 2 * S  # product bits; its leading one is at bit P - 1 or P - 2
+        name = f"pe{i}_{j}"
+
+        # Sign, class and exponent beside the product. The biased exponent before
+        # normalizing lies in -127 .. 381; the range tests of both normalizations (the
+        # product's leading one at bit P - 1 adds one) are made a stage ahead of their use.
+        nan = a.nan | b.nan | (a.inf & b.zero) | (a.zero & b.inf)
+        exp_sum = Signal(signed(F32_EXP_BITS + 2), name=f"{name}_exp_sum")
+        m.d.comb += exp_sum.eq(a.exp + b.exp - F32_BIAS)
+        s1 = stage(f"{name}_side1", exp=exp_sum, sign=a.sign ^ b.sign, nan=nan, inf=(a.inf | b.inf) & ~nan,
+                   zero=a.zero | b.zero)
+        s2 = stage(f"{name}_side2", sign=s1.sign, nan=s1.nan, inf=s1.inf, zero=s1.zero,
+                   exp0=s1.exp[:F32_EXP_BITS], exp1=(s1.exp + 1)[:F32_EXP_BITS],
+                   ovf0=s1.exp >= F32_EXP_INF, ovf1=s1.exp >= F32_EXP_INF - 1, unf0=s1.exp < 1, unf1=s1.exp < 0)
+        s3 = stage(f"{name}_side3", **vars(s2))
+
+        # The exact significand product, two stages after the edge.
+        sig = Signal(P, name=f"{name}_sig")
+        if not self.uses_dsp(i, j):
+            booth = BoothProduct(S + 1, S + 1, staged=True)
+            m.submodules[f"booth_{i}_{j}"] = EnableInserter(advance)(booth)
+            m.d.comb += [booth.a.eq(a.sig), booth.neg_a.eq(edge_a.neg), booth.b.eq(b.sig)]
+            m.d.comb += sig.eq(stage(f"{name}_mul", p=booth.p).p)
+        elif getattr(platform, "family", None) == "ecp5":
+            # A MULT18X18D with its input and output registers, held with the array.
+            ecp5_multiplier(m, f"dsp_{i}_{j}", a.sig, b.sig, sig, ce=advance)
+        else:
+            ops = stage(f"{name}_ops", a=a.sig, b=b.sig)
+            m.d.comb += sig.eq(stage(f"{name}_mul", p=ops.a * ops.b).p)
+        # A fabric copy: the route from a DSP block to its PE gets a cycle of its own.
+        p3 = stage(f"{name}_prod3", sig=sig).sig
+
+        # The fp32 pattern: one normalizing shift (a product of two significands in [1, 2)
+        # lies in [1, 4)) and the range tests. The significand is exact, so "below 2**-126
+        # after rounding" is "exponent field below 1".
+        top = p3[P - 1]
+        frac = Mux(top, p3[: P - 1] << (F32_FRAC_BITS - (P - 1)), p3[: P - 2] << (F32_FRAC_BITS - (P - 2)))
+        prod = Signal(FP32_WIDTH, name=f"{name}_prod")
+        sign = Cat(Const(0, FP32_WIDTH - 1), s3.sign)
+        with m.If(s3.nan):
+            m.d.comb += prod.eq(F32_QNAN)
+        with m.Elif(s3.inf | Mux(top, s3.ovf1, s3.ovf0)):
+            m.d.comb += prod.eq(sign | (F32_EXP_INF << F32_FRAC_BITS))
+        with m.Elif(s3.zero | Mux(top, s3.unf1, s3.unf0)):
+            m.d.comb += prod.eq(sign)
+        with m.Else():
+            m.d.comb += prod.eq(Cat(frac[:F32_FRAC_BITS], Mux(top, s3.exp1, s3.exp0), s3.sign))
+        return stage(f"{name}_pack", prod=prod).prod
+
     def elaborate(self, platform):
         m = Module()
         R, C, L, K = self.rows, self.cols, self.INTERLEAVE, self.k
-        S = self.fmt.significand_bits
-        P = 2 * S  # product bits; its leading one is at bit P - 1 or P - 2
 
         # The whole array moves together unless a finished group waits at the output; the
         # adder pipelines must never skip a cycle, or the groups would leave their slots.
@@ -174,72 +249,36 @@ class FloatMacArray(wiring.Component):
                 regs[key] = reg
             return SimpleNamespace(**regs)
 
-        def control(name, value):
-            reg = Signal(name=name)
-            with m.If(advance):
-                m.d.sync += reg.eq(value)
-            return reg
-
         # Edge: widen the broadcast operands once per row and column, then register them
-        # (the register also cuts the fan-out to R * C multipliers).
-        edge_a = [stage(f"edge_a{i}", x=self._widen(m, self.i.payload.a[i])).x for i in range(R)]
+        # (the register also cuts the fan-out to R * C multipliers); a row with LUT PEs
+        # also registers its significand's negation, which their Booth products take.
+        edge_a, edge_b = [], []
+        for i in range(R):
+            x = self._widen(m, self.i.payload.a[i])
+            lut_row = not all(self.uses_dsp(i, j) for j in range(C))
+            edge_a.append(stage(f"edge_a{i}", x=x, **({"neg": -x.sig} if lut_row else {})))
         edge_b = [stage(f"edge_b{j}", x=self._widen(m, self.i.payload.b[j])).x for j in range(C)]
-        v1 = control("v1", take)
-        first1 = control("first1", step == 0)
-        last1 = control("last1", step == K - 1)
-        v2, first2, last2 = control("v2", v1), control("first2", first1), control("last2", last1)
-        v3, first3, last3 = control("v3", v2), control("first3", first2), control("last3", last2)
+        # The control bits beside the PEs' stages: valid, a group's first and last product.
+        ctl = stage("ctl1", v=take, first=step == 0, last=step == K - 1)
+        for n in range(2, self.PE_STAGES + 1):
+            ctl = stage(f"ctl{n}", v=ctl.v, first=ctl.first, last=ctl.last)
 
-        results = [[None] * C for _ in range(R)]
         out_valid = []
         for i in range(R):
             for j in range(C):
-                a, b = edge_a[i], edge_b[j]
-                # 1. Significand product (exact), exponent sum, class.
-                nan = a.nan | b.nan | (a.inf & b.zero) | (a.zero & b.inf)
-                # The biased exponent of the product before normalizing: -127 .. 381.
-                exp_sum = Signal(signed(F32_EXP_BITS + 2), name=f"pe{i}_{j}_exp_sum")
-                m.d.comb += exp_sum.eq(a.exp + b.exp - F32_BIAS)
-                s1 = stage(
-                    f"pe{i}_{j}_mul",
-                    sig=a.sig * b.sig,
-                    exp=exp_sum,
-                    sign=a.sign ^ b.sign,
-                    nan=nan,
-                    inf=(a.inf | b.inf) & ~nan,
-                    zero=a.zero | b.zero,
-                )
-                # 2. The fp32 pattern: one normalizing shift (a product of two significands
-                # in [1, 2) lies in [1, 4)), then the range check. The significand is exact,
-                # so "below 2**-126 after rounding" is "exponent field below 1".
-                top = s1.sig[P - 1]
-                frac = Mux(top, s1.sig[: P - 1] << (F32_FRAC_BITS - (P - 1)), s1.sig[: P - 2] << (F32_FRAC_BITS - (P - 2)))
-                exp = Signal(range(-F32_BIAS - 1, 2 * F32_EXP_INF), name=f"pe{i}_{j}_exp")
-                m.d.comb += exp.eq(s1.exp + top)
-                prod = Signal(FP32_WIDTH, name=f"pe{i}_{j}_prod")
-                sign = Cat(Const(0, FP32_WIDTH - 1), s1.sign)
-                with m.If(s1.nan):
-                    m.d.comb += prod.eq(F32_QNAN)
-                with m.Elif(s1.inf | (exp >= F32_EXP_INF)):
-                    m.d.comb += prod.eq(sign | (F32_EXP_INF << F32_FRAC_BITS))
-                with m.Elif(s1.zero | (exp < 1)):
-                    m.d.comb += prod.eq(sign)
-                with m.Else():
-                    m.d.comb += prod.eq(Cat(frac[:F32_FRAC_BITS], exp[:F32_EXP_BITS], s1.sign))
-                s2 = stage(f"pe{i}_{j}_pack", prod=prod)
-
-                # 3. Accumulate. A group's first product adds to +0; an empty slot adds -0,
+                prod = self._product(m, stage, advance, platform, i, j, edge_a[i], edge_b[j])
+                # Accumulate. A group's first product adds to +0; an empty slot adds -0,
                 # which leaves every partial sum unchanged (x + -0 = x, -0 + -0 = -0).
                 add = AddF32Datapath()
                 m.submodules[f"add_{i}_{j}"] = add
                 m.d.comb += [
                     add.advance.eq(advance),
-                    add.a.eq(Mux(v3, s2.prod, _SIGN)),
-                    add.b.eq(Mux(v3 & first3, 0, add.result)),
+                    add.a.eq(Mux(ctl.v, prod, _SIGN)),
+                    add.b.eq(Mux(ctl.v & ctl.first, 0, add.result)),
                     # ``in_valid`` marks a group's last product: it comes out with the final sum.
-                    add.in_valid.eq(v3 & last3),
+                    add.in_valid.eq(ctl.v & ctl.last),
                 ]
-                results[i][j] = add.result
+                m.d.comb += self.o.payload.sums[i][j].eq(add.result)
                 out_valid.append(add.out_valid)
 
         out_group = Signal(range(L))
@@ -247,7 +286,4 @@ class FloatMacArray(wiring.Component):
             m.d.sync += out_group.eq(Mux(out_group == L - 1, 0, out_group + 1))
         # Every PE's adder carries the same valid bits; PE (0, 0)'s stands for all.
         m.d.comb += [self.o.valid.eq(out_valid[0]), self.o.payload.group.eq(out_group)]
-        for i in range(R):
-            for j in range(C):
-                m.d.comb += self.o.payload.sums[i][j].eq(results[i][j])
         return m

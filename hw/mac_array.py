@@ -35,11 +35,12 @@ from .params import psum_width
 __all__ = ["CONTROL_PES", "MacArray", "control_register", "ecp5_multiplier"]
 
 
-def ecp5_multiplier(m: Module, name: str, a, b, p) -> None:
+def ecp5_multiplier(m: Module, name: str, a, b, p, ce=1) -> None:
     """Adds to ``m`` (as submodule ``name``) a signed ``p = a * b`` (``a``, ``b`` up to 18 bits, ``p`` up to 36) in an ECP5
     MULT18X18D whose A and B input registers and output register are clocked by the sync
     domain: ``p`` follows ``a`` and ``b`` two cycles later (Lattice TN1267, the DSP's
-    18x18 multiplier with REG_INPUTA/B and REG_OUTPUT on CLK0; no pipeline register)."""
+    18x18 multiplier with REG_INPUTA/B and REG_OUTPUT on CLK0; no pipeline register). The
+    registers take a new value only while ``ce`` (CE0) is high."""
     a18, b18 = Signal(signed(18)), Signal(signed(18))
     p36 = Signal(signed(36))
     ports = {f"i_A{k}": a18[k] for k in range(18)}
@@ -51,7 +52,7 @@ def ecp5_multiplier(m: Module, name: str, a, b, p) -> None:
         p_REG_INPUTA_CLK="CLK0", p_REG_INPUTB_CLK="CLK0", p_REG_OUTPUT_CLK="CLK0",
         p_REG_PIPELINE_CLK="NONE", p_REG_INPUTC_CLK="NONE",
         i_SIGNEDA=Const(1, 1), i_SIGNEDB=Const(1, 1), i_SOURCEA=Const(0, 1), i_SOURCEB=Const(0, 1),
-        i_CLK0=ClockSignal("sync"), i_CE0=Const(1, 1), i_RST0=Const(0, 1),
+        i_CLK0=ClockSignal("sync"), i_CE0=ce, i_RST0=Const(0, 1),
         **ports,
     )
     m.submodules[name] = inst

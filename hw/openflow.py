@@ -145,13 +145,15 @@ def _yosys_name(module: str) -> str:
 
 
 def synth_ecp5(verilog_path: str | Path, top: str, work: str | Path, nodsp: bool = False,
-               keep: Iterable[str] = (), *, log: Log = None) -> dict:
+               keep: Iterable[str] = (), *, xaiger1: bool = False, log: Log = None) -> dict:
     """Synthesize ``verilog_path`` (top module ``top``) with ``synth_ecp5`` in ``work``.
 
     ``nodsp``: map every multiplier to LUTs and carry chains (``synth_ecp5 -nodsp``).
     ``keep``: names of modules whose boundary survives synthesis (Yosys' ``keep_hierarchy``:
     everything else is flattened as usual; no optimization crosses a kept boundary), so that
     their cells can be counted within the design; the netlist is flattened after counting.
+    ``xaiger1``: ABC9 through the older XAIGER writer (``ABC9_XAIGER1``), as the board builds
+    run it; the default writer's ABC9 step dies on some designs with kept modules.
     Writes ``synth.ys``, ``synth.log``, ``<top>.json`` (the netlist), ``stat.txt`` and
     ``stat.json``. Returns ``{"json": netlist path, "cells": {cell type: count}, "modules":
     {kept module: {cell type: count, its submodules included}}, "stat": Yosys' statistics
@@ -167,6 +169,7 @@ def synth_ecp5(verilog_path: str | Path, top: str, work: str | Path, nodsp: bool
     tail = ("setattr -mod -unset keep_hierarchy\nflatten\n" if keep else "") + f"write_json {top}.json\n"
     (work / "synth.ys").write_text(
         f"read_verilog {verilog_path}\n"
+        + (f"{ABC9_XAIGER1}\n" if xaiger1 else "")
         + kept
         + f"synth_ecp5{flags} -top {top}\n"
         "tee -o stat.txt stat\n"

@@ -85,11 +85,13 @@ def _values(rng, fmt, kind, shape) -> np.ndarray:
         exp = np.choose(pick, [lo, hi, mid])
         return _pattern(fmt, sign, exp, frac)
     if kind == "tiny":
-        # bf16: products just above 2**-126 of both signs, whose sums cancel below it and
-        # flush to zeros of either sign. fp16: subnormal operands (exact, never flushed).
+        # bf16: products about 2**-126 of both signs (exponent fields summing to 126..130:
+        # a product flushed, or normal only when its significand product reaches 2), whose
+        # sums cancel below it and flush to zeros of either sign. fp16: subnormal operands
+        # (exact, never flushed).
         if f.subnormals:
             return _pattern(fmt, sign, np.where(rng.random(shape) < 0.5, 0, rng.integers(1, 4, shape)), frac)
-        return _pattern(fmt, sign, np.where(rng.random(shape) < 0.5, 64, 65), frac)
+        return _pattern(fmt, sign, rng.integers(63, 66, shape), frac)
     raise ValueError(f"unknown operand class {kind!r}")
 
 

@@ -21,67 +21,101 @@ def density():
     return density
 
 
-TINY = ["--rows", "2", "--cols", "2", "--size", "24", "--tile", "24", "24", "--functions", "--reduced"]
+TINY = ["--arrays", "2x2", "4x4", "--size", "24", "--tile", "24", "24", "--functions", "--reduced"]
+A, B = (2, 2), (4, 4)
 
 
-def row(lut4, fmax, dsp=0, ff=100, array=0, lanes=0, whole=None):
-    return {"fits": True, "lut4": lut4, "ff": ff, "dsp": dsp, "bram": 2, "fmax_mhz": fmax,
-            "seeds": [{"seed": 1, "fmax_mhz": fmax}], "synth_s": 10.0, "pnr_s": [20.0],
-            "yosys_lut4": whole or lut4, "array_lut4": array, "lanes_lut4": lanes}
+def row(lut4, fmax, dsp=0, ff=100, array=0, lanes=0, whole=None, fits=True):
+    out = {"fits": fits, "lut4": lut4, "ff": ff, "dsp": dsp, "bram": 2, "synth_s": 10.0, "yosys_lut4": whole or lut4,
+           "array_lut4": array, "lanes_lut4": lanes, "abc9_writer": "xaiger2"}
+    if fits:
+        return {**out, "fmax_mhz": fmax, "seeds": [{"seed": s, "fmax_mhz": fmax + s - 2} for s in (1, 2, 3)],
+                "pnr_s": [20.0] * 3}
+    return {**out, "seeds": [], "pnr_s": [], "needs": {"TRELLIS_COMB": {"used": lut4, "available": 83640}}}
 
 
 def results(over=None):
-    """A 2x2 run: BFP8 LUT-only 1,000 LUT4 at 100 MHz, fp16 3,000 at 50 MHz, bf16 2,000 at 80 MHz."""
-    res = {
-        ("bfp8", "lut"): row(1000, 100.0, array=300, lanes=200),
-        ("bf16", "lut"): row(2000, 80.0, array=1200, lanes=150),
-        ("fp16", "lut"): row(3000, 50.0, array=2000, lanes=150),
-        ("bfp8", "dsp"): row(600, 120.0, dsp=4),
-        ("bf16", "dsp"): row(1500, 60.0, dsp=4),
-        ("fp16", "dsp"): row(1600, 60.0, dsp=4),
-        ("mult18", "lut"): row(500, 150.0),
-    }
+    """2x2 and 4x4 runs. LUT-only: BFP8 1,000 + 100 per PE at 100 MHz; fp16 2,000 + 700 per PE
+    at 50 MHz; bf16 2,000 + 500 per PE at 80 MHz. With DSPs: less, 4 and 16 blocks."""
+    res = {("mult18", "lut", None): row(500, 150.0)}
+    for a, pes in ((A, 4), (B, 16)):
+        res |= {
+            ("bfp8", "lut", a): row(1000 + 100 * pes, 100.0, array=50 * pes, lanes=200),
+            ("bf16", "lut", a): row(2000 + 500 * pes, 80.0, array=400 * pes, lanes=150),
+            ("fp16", "lut", a): row(2000 + 700 * pes, 50.0, array=600 * pes, lanes=150),
+            ("bfp8", "dsp", a): row(600 + 50 * pes, 120.0, dsp=pes),
+            ("bf16", "dsp", a): row(1500 + 300 * pes, 60.0, dsp=pes),
+            ("fp16", "dsp", a): row(1600 + 400 * pes, 60.0, dsp=pes),
+        }
     res.update(over or {})
     return res
 
 
+def run_figures(density, over=None, argv=TINY):
+    args = density.parser().parse_args(argv)
+    return args, density.figures(results(over), density.configs(args))
+
+
 def test_designs_elaborate_with_booth_multipliers_lut_only(density):
     args = density.parser().parse_args(TINY)
-    cfg = density.config(args)
-    jobs = density.designs(cfg)
-    assert set(jobs) == {(f, m) for f in density.FORMATS for m in density.MODES} | {("mult18", "lut")}
-    for (name, mode), factory in jobs.items():
+    cfgs = density.configs(args)
+    assert set(cfgs) == {A, B}
+    jobs = density.designs(cfgs)
+    assert set(jobs) == ({(f, m, a) for f in density.FORMATS for m in density.MODES for a in (A, B)}
+                         | {("mult18", "lut", None)})
+    for (name, mode, a), factory in jobs.items():
+        if a == B:
+            continue
         top, component = factory()
         Fragment.get(component, None)  # elaborates the whole hierarchy
-        if name == "bfp8":
-            assert top == "gemm_core"
-            assert component.cfg.dsp_macs == (0 if mode == "lut" else None)
-        elif name != "mult18":
-            assert (top, component.fmt) == ("float_core", name)
+        if name == "mult18":
+            continue
+        # LUT-only, every core's PEs multiply with Booth LUT products; with DSPs, all in DSP blocks.
+        assert component.cfg.dsp_macs == (0 if mode == "lut" else None)
+        assert (component.cfg.rows, component.cfg.cols) == a
+        assert top == ("gemm_core" if name == "bfp8" else "float_core")
+        if name != "bfp8":
+            assert component.fmt == name
 
 
-def test_figures_ratios_and_summary_keys(density):
-    cfg = density.config(density.parser().parse_args(TINY))
-    fig = density.figures(results(), cfg)
-    # MAC/s per LUT4, LUT-only: BFP8 4 x 100 MHz / 1,000 against fp16 4 x 50 MHz / 3,000: 6x.
-    assert fig["density_mac_s_per_lut4_vs_fp16_core"] == pytest.approx(6.0)
-    assert fig["density_mac_s_per_lut4_vs_bf16_core"] == pytest.approx(2.5)
-    assert fig["density_lut4_per_mac_vs_fp16_core"] == pytest.approx(3.0)
-    assert fig["density_mac_s_per_lut4_vs_fp16_core_with_dsp"] == pytest.approx((120 / 600) / (60 / 1600))
+def test_figures_ratios_fit_and_summary_keys(density):
+    _, fig = run_figures(density)
+    # The largest array, LUT-only (both fit): BFP8 16 x 100 MHz / 2,600 against fp16 16 x 50 MHz / 13,200.
+    assert fig["density_flow"] == "lut" and (fig["density_rows"], fig["density_cols"]) == (4, 4)
+    assert fig["density_mac_s_per_lut4_vs_fp16_core"] == pytest.approx((100 / 2600) / (50 / 13200))
+    assert fig["density_mac_s_per_lut4_vs_bf16_core"] == pytest.approx((100 / 2600) / (80 / 10000))
+    assert fig["density_lut4_per_mac_vs_fp16_core"] == pytest.approx(13200 / 2600)
+    assert fig["density_mac_s_per_lut4_vs_fp16_core_with_dsp"] == pytest.approx((120 / 1400) / (60 / 8000))
+    assert (fig["density_bfp8_core_lut4"], fig["density_fp16_core_lut4"]) == (2600, 13200)
+    assert (fig["density_bfp8_core_fmax_mhz"], fig["density_fp16_core_fmax_mhz"]) == (100.0, 50.0)
+    # The fit: fixed + per PE, from the two arrays.
+    assert fig["density_per_pe_lut4_bfp8"] == pytest.approx(100)
+    assert fig["density_per_pe_lut4_fp16"] == pytest.approx(700)
+    assert fig["density_fixed_lut4_fp16"] == pytest.approx(2000)
+    assert fig["density_per_pe_lut4_vs_fp16"] == pytest.approx(7.0)
+    assert fig["density_per_pe_lut4_vs_bf16"] == pytest.approx(5.0)
     assert set(density.SUMMARY) <= set(fig)
-    d = fig["designs"]["bfp8-dsp"]
-    assert d["lut4_per_mac"] == 150
-    assert d["mac_s_per_lut4_eq"] == pytest.approx(4 * 120e6 / (600 + 500 * 4))
-    assert fig["ratios"]["mac_s_per_lut4_eq_fp16_dsp"] == pytest.approx(
-        (4 * 120e6 / 2600) / (4 * 60e6 / (1600 + 2000)))
+    d = fig["designs"]["bfp8-dsp-4x4"]
+    assert d["lut4_per_mac"] == pytest.approx(1400 / 16)
+    assert d["mac_s_per_lut4_eq"] == pytest.approx(16 * 120e6 / (1400 + 500 * 16))
+    assert fig["ratios"]["2x2"]["mac_s_per_lut4_fp16_lut"] == pytest.approx((100 / 1400) / (50 / 4800))
+
+
+def test_fit_is_least_squares_over_more_sizes(density):
+    got = density.fit([(4, 1400), (16, 2600), (64, 7400)])
+    assert got["per_pe_lut4"] == pytest.approx(100) and got["fixed_lut4"] == pytest.approx(1000)
+    assert density.fit([(16, 2600)]) is None
 
 
 def test_report_reads_the_figures(density):
-    args = density.parser().parse_args(TINY)
-    fig = density.figures(results(), density.config(args))
+    args, fig = run_figures(density)
     text = density.report(fig, args, 60.0)
-    assert "| **MAC/s per LUT4, LUT-only** (summary.json) | 2.50x | 6.00x | 8.5x (throughput) |" in text
-    assert "meets the floor of 5x" in text
+    assert "## 2x2 arrays" in text and "## 4x4 arrays" in text
+    assert "| MAC/s per LUT4, LUT-only | 4.81x | 10.15x |" in text
+    assert "**10.15x** the fp16 core's" in text and "meets the floor of 6x" in text
+    assert "**7.00x** (5.00x for bf16)" in text
+    assert "| fp16 `FloatCore` | LUT-only | 2,000 | 700.0 | 7.00x |" in text
+    assert "100.0 MHz (99.0-101.0)" in text
     assert "`dsp_macs=0`" in text and "hw/lut_mult.py" in text
     assert f"Command: `{density.command(args)}`" in text
     # The report's command line is one the parser takes back to the same options.
@@ -89,17 +123,36 @@ def test_report_reads_the_figures(density):
     assert vars(again) == {**vars(args), "write": True}
 
 
-def test_a_core_that_does_not_fit_leaves_the_ratio_null(density):
-    args = density.parser().parse_args(TINY)
-    over = {("fp16", "lut"): {**row(0, 0.0, array=9000, lanes=300, whole=90000), "fits": False,
-                              "needs": {"TRELLIS_COMB": {"used": 90000, "available": 83640}},
-                              "seeds": [], "pnr_s": []}}
-    fig = density.figures(results(over), density.config(args))
-    assert fig["density_mac_s_per_lut4_vs_fp16_core"] is None
-    assert fig["density_mac_s_per_lut4_vs_bf16_core"] == pytest.approx(2.5)
+def test_a_core_that_does_not_fit_lut_only_compares_with_dsp_blocks(density):
+    args, fig = run_figures(density, {("fp16", "lut", B): row(90000, 0.0, fits=False)})
+    assert fig["density_flow"] == "dsp"
+    assert fig["density_mac_s_per_lut4_vs_fp16_core"] == pytest.approx((120 / 1400) / (60 / 8000))
+    # Its packed count still enters the fit.
+    assert fig["density_per_pe_lut4_fp16"] == pytest.approx((90000 - 4800) / 12)
     text = density.report(fig, args, 60.0)
-    assert "**does not fit**: TRELLIS_COMB 90,000/83,640" in text
-    assert "`density_mac_s_per_lut4_vs_fp16_core` is null" in text
+    assert "90,000 (**does not fit**: TRELLIS_COMB 90,000/83,640)" in text
+    assert "LUT-only the fp16 core does not fit LFE5U-85F at 4x4" in text
+
+
+def test_a_part_of_the_experiment_leaves_the_rest_null(density):
+    argv = TINY + ["--formats", "bfp8", "fp16", "--modes", "lut"]
+    args = density.parser().parse_args(argv)
+    res = {k: v for k, v in results().items() if k[0] in ("bfp8", "fp16") and k[1] == "lut"}
+    fig = density.figures(res, density.configs(args))
+    assert fig["density_mac_s_per_lut4_vs_fp16_core"] is not None
+    assert fig["density_mac_s_per_lut4_vs_bf16_core"] is None
+    assert fig["density_mac_s_per_lut4_vs_fp16_core_with_dsp"] is None
+    assert fig["density_per_pe_lut4_vs_bf16"] is None and fig["density_per_pe_lut4_vs_fp16"] == pytest.approx(7.0)
+    text = density.report(fig, args, 60.0)
+    assert "| bf16 `FloatCore` | LUT-only | not measured |" in text
+    assert "--formats bfp8 fp16 --modes lut" in density.command(args)
+
+
+def test_an_incomplete_comparison_says_so(density):
+    args, fig = run_figures(density, {("fp16", "lut", B): row(90000, 0.0, fits=False),
+                                      ("fp16", "dsp", B): row(90000, 0.0, fits=False)})
+    assert fig["density_mac_s_per_lut4_vs_fp16_core"] is None and fig["density_flow"] is None
+    assert "`density_mac_s_per_lut4_vs_fp16_core` is null" in density.report(fig, args, 60.0)
 
 
 def test_fpga_report_takes_the_summary_from_the_whole_cores(density, monkeypatch):
@@ -108,8 +161,7 @@ def test_fpga_report_takes_the_summary_from_the_whole_cores(density, monkeypatch
         import fpga_report
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    cfg = density.config(density.parser().parse_args(TINY))
-    fig = density.figures(results(), cfg)
+    _, fig = run_figures(density)
     seen = {}
 
     def run(args):
@@ -119,20 +171,17 @@ def test_fpga_report_takes_the_summary_from_the_whole_cores(density, monkeypatch
     monkeypatch.setattr(density, "run", run)
     args = fpga_report.argparse.Namespace(write=True, reuse=True, density_jobs=1)
     got = fpga_report.density_summary(args)
-    assert got["density_mac_s_per_lut4_vs_fp16_core"] == pytest.approx(6.0)
-    assert (got["density_rows"], got["density_cols"]) == (2, 2)
+    assert got["density_per_pe_lut4_vs_fp16"] == pytest.approx(7.0)
+    assert (got["density_rows"], got["density_cols"]) == (4, 4)
     assert set(got) <= set(fpga_report.SUMMARY_KEYS)
     assert seen["write"] and seen["reuse"] and seen["jobs"] == 1
 
 
-def test_a_flattened_synthesis_is_reported_without_breakdown(density):
-    args = density.parser().parse_args(TINY)
-    over = {("bf16", "lut"): {**row(2000, 80.0), "kept": False, "array_lut4": None, "lanes_lut4": None}}
-    fig = density.figures(results(over), density.config(args))
-    assert fig["density_mac_s_per_lut4_vs_bf16_core"] == pytest.approx(2.5)
-    text = density.report(fig, args, 60.0)
-    assert "ABC9 step failed on the kept modules: bf16 `FloatCore` (LUT-only)" in text
-    assert "bf16 not broken down (synthesized flattened)" in text
+def test_bad_arrays_are_refused(density, capsys):
+    for bad, message in (("8", "an array is ROWSxCOLS"), ("0x4", "sides must be positive"), ("axb", "ROWSxCOLS")):
+        with pytest.raises(SystemExit):
+            density.parser().parse_args(["--arrays", bad])
+        assert message in capsys.readouterr().err
 
 
 def test_fpga_report_keeps_each_seeds_build_record(tmp_path, monkeypatch):

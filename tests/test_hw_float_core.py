@@ -3,6 +3,8 @@ comparison's fp16/bf16 core) under Amaranth's simulator, bit for bit against its
 composition (``float_core.reference``: ``float_mac`` per K-tile, accumulated with
 ``add_f32``), with C, a bias and both operand formats."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from amaranth.sim import Simulator
@@ -77,8 +79,9 @@ def run(cfg, fmt, a, b, c, bias, m, n, k):
     return np.array(out["beats"], dtype=np.uint32).reshape(m, -1)[:, :n].view(np.float32)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
-def test_float_core_equals_its_golden_composition(fmt):
+# DSP products (``*``), Booth LUT products (the density experiment's LUT-only cores), both.
+@pytest.mark.parametrize("fmt, dsp_macs", [("bf16", None), ("fp16", None), ("fp16", 0), ("bf16", 3)])
+def test_float_core_equals_its_golden_composition(fmt, dsp_macs):
     m, n, k = 5, 17, 20  # 6 column-blocks (two runs of 5 groups, the second mostly beyond N), 2 K-tiles
     rng = np.random.default_rng(3)
     a = patterns(rng.standard_normal((m, k)), fmt)
@@ -87,6 +90,6 @@ def test_float_core_equals_its_golden_composition(fmt):
     b[3, 4] = 0x7E01 if fmt == "fp16" else 0x7FC1
     c = rng.standard_normal((m, n)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32)
-    got = run(CFG, fmt, a, b, c, bias, m, n, k)
+    got = run(replace(CFG, dsp_macs=dsp_macs), fmt, a, b, c, bias, m, n, k)
     want = bf16.add_f32(reference(a, b, fmt, CFG.tk, c=c), bias[None, :])
     assert same_bits(got, want)

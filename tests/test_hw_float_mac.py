@@ -9,26 +9,42 @@ import os
 import pytest
 from amaranth.back import verilog
 from hbfp.hw.float_mac import FloatMacArray
+from hbfp.hw.openflow import ECP5
 from hbfp.sim import runner
 
 FULL = os.environ.get("HBFP_SIM_FULL") == "1"
 
-# Both formats on both simulators at 2x2; at 4x4 one format per simulator (a Verilator
-# build of the 4x4 array takes about half a minute).
+# Both formats on both simulators at 2x2 (DSP products, Booth products, both in one array);
+# at 4x4 one format per simulator (a Verilator build of the 4x4 array takes about half a
+# minute), one with DSP products and one with Booth products.
 CONFIGS = [
-    # rows, cols, fmt, k, sim
-    *[(2, 2, fmt, 6, sim) for fmt in ("bf16", "fp16") for sim in runner.SIMULATORS],
-    (4, 4, "bf16", 4, "icarus"),
-    (4, 4, "fp16", 4, "verilator"),
+    # rows, cols, fmt, k, dsp_macs, sim
+    *[(2, 2, fmt, 6, dsp, sim) for fmt in ("bf16", "fp16") for dsp in (None, 0) for sim in runner.SIMULATORS],
+    (2, 2, "fp16", 5, 1, "icarus"),
+    (4, 4, "bf16", 4, None, "icarus"),
+    (4, 4, "fp16", 4, 0, "verilator"),
 ]
 
 
-@pytest.mark.parametrize("rows, cols, fmt, k, sim", CONFIGS)
-def test_float_mac_array_equals_golden(rows, cols, fmt, k, sim):
+@pytest.mark.parametrize("rows, cols, fmt, k, dsp_macs, sim", CONFIGS)
+def test_float_mac_array_equals_golden(rows, cols, fmt, k, dsp_macs, sim):
     runner.require(sim)
     cfg = dict(rows=rows, cols=cols, fmt=fmt, k=k, interleave=FloatMacArray.INTERLEAVE, latency=FloatMacArray.LATENCY,
                runs=200 if FULL else 20, seed=rows * 10 + k)
-    tests, failed = runner.run(lambda: FloatMacArray(rows, cols, fmt, k), "float_mac", "tb_float_mac", sim, cfg)
+    tests, failed = runner.run(lambda: FloatMacArray(rows, cols, fmt, k, dsp_macs=dsp_macs), "float_mac",
+                               "tb_float_mac", sim, cfg)
+    assert tests == 2 and failed == 0
+
+
+@pytest.mark.parametrize("fmt, dsp_macs, sim", [("fp16", 2, "icarus"), ("bf16", None, "verilator")])
+def test_float_mac_array_for_ecp5_equals_golden(fmt, dsp_macs, sim):
+    """Elaborated for an ECP5, a DSP PE's significand product is a MULT18X18D whose registers
+    hold with the array (CE0): the behavioural model of the primitive, stalls on both sides."""
+    runner.require(sim)
+    cfg = dict(rows=2, cols=2, fmt=fmt, k=5, interleave=FloatMacArray.INTERLEAVE, latency=FloatMacArray.LATENCY,
+               runs=200 if FULL else 20, seed=7)
+    tests, failed = runner.run(lambda: FloatMacArray(2, 2, fmt, 5, dsp_macs=dsp_macs), "float_mac", "tb_float_mac",
+                               sim, cfg, platform=ECP5)
     assert tests == 2 and failed == 0
 
 
@@ -39,6 +55,8 @@ def test_float_mac_array_equals_golden(rows, cols, fmt, k, sim):
         ((4, -1, "fp16", 4), "rows and cols"),
         ((4, 4, "fp8", 4), "unknown float format"),
         ((4, 4, "bf16", 0), "k "),
+        ((2, 2, "fp16", 4, 5), "dsp_macs"),
+        ((2, 2, "fp16", 4, -1), "dsp_macs"),
     ],
 )
 def test_bad_parameters(args, message):

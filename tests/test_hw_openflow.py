@@ -2,7 +2,9 @@
 cell counts of kept submodules, LUT4s as nextpnr counts them."""
 
 import json
+from pathlib import Path
 
+import pytest
 from amaranth.back import verilog
 
 from hbfp.hw import openflow
@@ -63,3 +65,26 @@ def test_comb_cells_by_module_counts_by_hierarchical_name(tmp_path):
     got = comb_cells_by_module(path, {"array": ["core.mac"],
                                       "lanes": ["core.accumulate$5.add0", "core.accumulate$5.normalize0"]})
     assert got == {"array": 4, "lanes": 2, "outside": 2, "all": 8}
+
+
+@pytest.mark.parametrize("xaiger1", [False, True])
+def test_synth_ecp5_takes_the_older_xaiger_writer_when_told(tmp_path, monkeypatch, xaiger1):
+    """``synth_ecp5(..., xaiger1=True)`` sets ABC9's writer before ``synth_ecp5`` runs (the
+    density experiment's cores that stop on the default writer with kept modules); not told,
+    the script leaves it alone. The tool itself is not run here."""
+
+    def tool(cmd, cwd, log):
+        (Path(cwd) / "stat.json").write_text('{"modules": {"\\\\top": {"num_cells_by_type": {"LUT4": 3}}}}')
+        (Path(cwd) / "stat.txt").write_text("")
+        Path(log).write_text("")
+        return 1.0
+
+    monkeypatch.setattr(openflow, "run_tool", tool)
+    (tmp_path / "top.v").write_text("module top; endmodule\n")
+    got = openflow.synth_ecp5(tmp_path / "top.v", "top", tmp_path / "w", xaiger1=xaiger1)
+    script = (tmp_path / "w" / "synth.ys").read_text()
+    assert got["cells"] == {"LUT4": 3}
+    if xaiger1:
+        assert script.index(openflow.ABC9_XAIGER1) < script.index("synth_ecp5")
+    else:
+        assert "xaiger" not in script
