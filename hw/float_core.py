@@ -32,7 +32,6 @@ from .block_ram import BlockRam
 from .buffers import READ_COLUMN, READ_ROW, OperandBuffer, times_constant
 from .epilogue import Epilogue, plan_layout, rows_closed
 from .float_mac import FloatMacArray
-from .link import StreamRegister
 from .gemm_core import (AccWriteSignature, BufferReadSignature, _ceil_table, accept_command, command_layout,
                         connect_buffer, core_signature, count_cycles)
 from .params import ACC_READ_LATENCY, FP32_WIDTH, OPERAND_READ_LATENCY, CoreConfig
@@ -193,7 +192,8 @@ class FloatDrain(wiring.Component):
     product's first K-tile without ``accumulate``), written back; a column-block beyond N is
     not written back. The run's position is the head of ``runs``, taken with its last group.
 
-    Ports: ``i`` (stream in; not ready while a group drains: R cycles); ``runs`` (stream in,
+    Ports: ``i`` (stream in; not ready while a group drains: R cycles; ``ready_next``: its
+    ready of the next cycle, for the array's ``ready_ahead``); ``runs`` (stream in,
     ``run_layout``); ``blocks_n`` (the command's column-blocks); ``accumulate`` (the
     command's); ``acc_read`` (a read port of the accumulator); ``write`` (the write back,
     ``AccWriteSignature``); ``closed`` (strobe: a row-block's last word is written).
@@ -213,6 +213,7 @@ class FloatDrain(wiring.Component):
                                                      shape=data.ArrayLayout(FP32_WIDTH, C))),
             "write": Out(AccWriteSignature(cfg)),
             "closed": Out(1),
+            "ready_next": Out(1),
         })
 
     def elaborate(self, platform):
@@ -227,15 +228,14 @@ class FloatDrain(wiring.Component):
         group = Signal(range(G))
         row = Signal(range(R))
         row_addr = Signal(range(R * words_per_row + 1))  # row * words_per_row
-        draining = Signal()
-        m.d.comb += self.i.ready.eq(~draining)
+        draining, draining_next = Signal(), Signal()
+        m.d.comb += [self.i.ready.eq(~draining), self.ready_next.eq(~draining_next),
+                     draining_next.eq(Mux(draining, row != R - 1, self.i.valid))]
+        m.d.sync += draining.eq(draining_next)
         with m.If(self.i.valid & ~draining):
-            m.d.sync += [sums.eq(self.i.payload.sums), group.eq(self.i.payload.group), row.eq(0), row_addr.eq(0),
-                         draining.eq(1)]
+            m.d.sync += [sums.eq(self.i.payload.sums), group.eq(self.i.payload.group), row.eq(0), row_addr.eq(0)]
         with m.Elif(draining):
             m.d.sync += [row.eq(row + 1), row_addr.eq(row_addr + words_per_row)]
-            with m.If(row == R - 1):
-                m.d.sync += draining.eq(0)
         m.d.comb += self.runs.ready.eq(draining & (row == R - 1) & (group == G - 1))
         block = head.jb0 + group
         live = draining & (block < blocks_n)  # a column-block beyond N is not written back
@@ -329,21 +329,18 @@ class FloatCore(wiring.Component):
             ]
 
         # ---- issue: runs of G * tk beats, beat n of a run step n // G of group n % G ---------
-        m.submodules.mac = mac = FloatMacArray(R, C, self.fmt, tk, dsp_macs=cfg.dsp_macs)
+        # The drain's ready is a register, so the array's stall is one too (``ready_ahead``).
+        m.submodules.mac = mac = FloatMacArray(R, C, self.fmt, tk, dsp_macs=cfg.dsp_macs, ready_ahead=True)
         m.submodules.issue = issue = FloatIssue(cfg, mac.i.payload.shape())
         m.d.comb += [issue.start.eq(start), issue.cmd.eq(cmd), issue.k.eq(desc.k)]
         connect_buffer(m, buf_a, read=issue.a_read)
         connect_buffer(m, buf_b, read=issue.b_read)
-        # A register stage with a registered ready between the issue and the array: the
-        # array's stall (a drain busy with a group) reaches the issue's queue a cycle later,
-        # not through the array's input handshake in the same cycle.
-        m.submodules.beats = beats = StreamRegister(mac.i.payload.shape(), registered_ready=True)
-        wiring.connect(m, issue.o, beats.i)
-        wiring.connect(m, beats.o, mac.i)
+        wiring.connect(m, issue.o, mac.i)
 
         # ---- drain: a group's R x C sums, one row a cycle, into C adders and the accumulator --
         m.submodules.drain = drain = FloatDrain(cfg, mac.o.signature)
         wiring.connect(m, mac.o, drain.i)
+        m.d.comb += mac.o_ready_next.eq(drain.ready_next)
         wiring.connect(m, issue.runs, drain.runs)
         m.d.comb += [drain.blocks_n.eq(issue.blocks_n), drain.accumulate.eq(desc.accumulate)]
         wiring.connect(m, drain.acc_read, acc_mem.read0)

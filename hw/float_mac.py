@@ -32,7 +32,7 @@ from hbfp.golden.float_mac import FORMATS, float_format
 
 from .add_f32 import AddF32Datapath, _leading_zeros
 from .lut_mult import BoothProduct
-from .mac_array import ecp5_multiplier
+from .mac_array import control_register, ecp5_multiplier
 from .params import (
     F32_BIAS,
     F32_EXP_BITS,
@@ -80,6 +80,12 @@ class FloatMacArray(wiring.Component):
     ``dsp_macs``: how many PEs (row-major) use a DSP multiplier (None: all); the rest use
     Booth LUT multipliers.
 
+    ``ready_ahead``: the consumer gives ``o.ready``'s value of the next cycle on the input
+    ``o_ready_next`` (as a consumer whose ready is a register can: ``FloatCore``'s drain), and
+    ``o.ready`` must then follow it. The array's stall is then a register, copied into every
+    PE, rather than a gate of ``o.ready`` whose change reaches every register of the array
+    in the same cycle.
+
     Pipeline (``PE_STAGES`` registers from the input to an adder's operand): the edge widens
     the broadcast operands to fp32 fields (``rows + cols`` converters, shared by a row or
     column of PEs) and registers them; in every PE (2, 3) the significand product (a DSP
@@ -96,7 +102,8 @@ class FloatMacArray(wiring.Component):
     #: Cycles from a group's last beat accepted to its result valid on ``o``.
     LATENCY = PE_STAGES + AddF32Datapath.LATENCY
 
-    def __init__(self, rows: int, cols: int, fmt: str, k: int, dsp_macs: int | None = None):
+    def __init__(self, rows: int, cols: int, fmt: str, k: int, dsp_macs: int | None = None, *,
+                 ready_ahead: bool = False):
         try:
             if not isinstance(rows, int) or not isinstance(cols, int) or rows < 1 or cols < 1:
                 raise ValueError(f"rows and cols must be positive integers, got {rows} x {cols}")
@@ -112,6 +119,7 @@ class FloatMacArray(wiring.Component):
             raise
         self.rows, self.cols, self.k = rows, cols, k
         self.dsp_macs = rows * cols if dsp_macs is None else dsp_macs
+        self.ready_ahead = ready_ahead
         in_layout = data.StructLayout({
             "a": data.ArrayLayout(self.fmt.width, rows),
             "b": data.ArrayLayout(self.fmt.width, cols),
@@ -120,7 +128,10 @@ class FloatMacArray(wiring.Component):
             "sums": data.ArrayLayout(data.ArrayLayout(FP32_WIDTH, cols), rows),
             "group": range(self.INTERLEAVE),
         })
-        super().__init__({"i": In(stream.Signature(in_layout)), "o": Out(stream.Signature(out_layout))})
+        ports = {"i": In(stream.Signature(in_layout)), "o": Out(stream.Signature(out_layout))}
+        if ready_ahead:
+            ports["o_ready_next"] = In(1)
+        super().__init__(ports)
 
     def _widen(self, m: Module, bits: Value) -> Value:
         """Fields of one operand pattern, as ``hbfp.golden.float_mac.widen`` reads it."""
@@ -158,9 +169,10 @@ class FloatMacArray(wiring.Component):
         """Whether PE (i, j) multiplies with a DSP block (``*``) rather than a Booth LUT product."""
         return i * self.cols + j < self.dsp_macs
 
-    def _product(self, m: Module, stage, advance: Value, platform, i: int, j: int, edge_a, b) -> Value:
+    def _product(self, m: Module, stage, platform, i: int, j: int, edge_a, b) -> Value:
         """PE (i, j)'s fp32 product pattern of the edge's registered operands ``edge_a.x`` and
-        ``b``, ``PE_STAGES - 1`` stages after them (each enabled by ``advance``): the
+        ``b``, ``PE_STAGES - 1`` stages after them (``stage``: registers enabled by the PE's
+        copy of the array's advance, ``stage.en``): the
         significand product in two (a DSP block's input and output registers, or a staged
         Booth product's partial products and sum), a fabric copy of it, then the pattern."""
         a = edge_a.x
@@ -185,12 +197,12 @@ class FloatMacArray(wiring.Component):
         sig = Signal(P, name=f"{name}_sig")
         if not self.uses_dsp(i, j):
             booth = BoothProduct(S + 1, S + 1, staged=True)
-            m.submodules[f"booth_{i}_{j}"] = EnableInserter(advance)(booth)
+            m.submodules[f"booth_{i}_{j}"] = EnableInserter(stage.en)(booth)
             m.d.comb += [booth.a.eq(a.sig), booth.neg_a.eq(edge_a.neg), booth.b.eq(b.sig)]
             m.d.comb += sig.eq(stage(f"{name}_mul", p=booth.p).p)
         elif getattr(platform, "family", None) == "ecp5":
             # A MULT18X18D with its input and output registers, held with the array.
-            ecp5_multiplier(m, f"dsp_{i}_{j}", a.sig, b.sig, sig, ce=advance)
+            ecp5_multiplier(m, f"dsp_{i}_{j}", a.sig, b.sig, sig, ce=stage.en)
         else:
             ops = stage(f"{name}_ops", a=a.sig, b=b.sig)
             m.d.comb += sig.eq(stage(f"{name}_mul", p=ops.a * ops.b).p)
@@ -214,14 +226,41 @@ class FloatMacArray(wiring.Component):
             m.d.comb += prod.eq(Cat(frac[:F32_FRAC_BITS], Mux(top, s3.exp1, s3.exp0), s3.sign))
         return stage(f"{name}_pack", prod=prod).prod
 
+    def _advance(self, m: Module, platform):
+        """The array's advance (every stage moves: no finished group waits at ``o``), as the
+        edge's copy and each PE's, and ``out_valid`` (``now``: ``o.valid``; ``before``: the
+        valid bit a stage earlier, which ``o.valid`` takes on an advancing cycle), which the
+        caller drives. Without ``ready_ahead`` one gate of ``o.ready`` (every copy the same).
+        With it, a register: the stall's next value from ``out_valid`` and ``o_ready_next``,
+        in one flip-flop per PE and one for the edge (kept apart for an ECP5, as
+        ``MacArray``'s control copies are), so that no copy drives more than a PE."""
+        R, C = self.rows, self.cols
+        out_valid = SimpleNamespace(now=Signal(name="out_valid"), before=Signal(name="out_valid_before"))
+        if not self.ready_ahead:
+            advance = Signal(name="advance")
+            m.d.comb += advance.eq(~(self.o.valid & ~self.o.ready))
+            return advance, [[advance] * C for _ in range(R)], out_valid
+        ecp5 = getattr(platform, "family", None) == "ecp5"
+        # stall(t + 1) = o.valid(t + 1) & ~o.ready(t + 1); a flip-flop resets to "no stall".
+        stall_next = Signal(name="stall_next")
+        copies = []
+        for c in range(R * C + 1):
+            stall, adv = Signal(name=f"stall_c{c}"), Signal(name=f"advance_c{c}")
+            control_register(m, f"stall_c{c}", stall_next, stall, ecp5)
+            m.d.comb += adv.eq(~stall)
+            copies.append(adv)
+        advance = copies[-1]
+        m.d.comb += stall_next.eq(Mux(advance, out_valid.before, out_valid.now) & ~self.o_ready_next)
+        return advance, [copies[i * C : (i + 1) * C] for i in range(R)], out_valid
+
     def elaborate(self, platform):
         m = Module()
         R, C, L, K = self.rows, self.cols, self.INTERLEAVE, self.k
 
         # The whole array moves together unless a finished group waits at the output; the
         # adder pipelines must never skip a cycle, or the groups would leave their slots.
-        advance = Signal()
-        m.d.comb += advance.eq(~(self.o.valid & ~self.o.ready))
+        # ``advance``: the edge's and the bookkeeping's copy; ``pe_advance[i][j]``: PE (i, j)'s.
+        advance, pe_advance, out_valid = self._advance(m, platform)
 
         # Slot bookkeeping: ``phase`` counts advancing cycles (which group's partial sum is
         # due at the adders), ``group`` and ``step`` count accepted beats. A beat enters only
@@ -238,16 +277,22 @@ class FloatMacArray(wiring.Component):
             with m.If(group == L - 1):
                 m.d.sync += step.eq(Mux(step == K - 1, 0, step + 1))
 
-        def stage(name, **values):
-            # Data registers have no reset: the valid bits say what they hold.
-            regs = {}
-            for key, value in values.items():
-                shape = value.shape() if isinstance(value, data.View) else Value.cast(value).shape()
-                reg = Signal(shape, name=f"{name}_{key}", reset_less=True)
-                with m.If(advance):
-                    m.d.sync += reg.eq(value)
-                regs[key] = reg
-            return SimpleNamespace(**regs)
+        def stager(en, reset_less=True):
+            def stage(name, **values):
+                # Data registers have no reset (the valid bits say what they hold); the
+                # control bits (``control``) do.
+                regs = {}
+                for key, value in values.items():
+                    shape = value.shape() if isinstance(value, data.View) else Value.cast(value).shape()
+                    reg = Signal(shape, name=f"{name}_{key}", reset_less=reset_less)
+                    with m.If(en):
+                        m.d.sync += reg.eq(value)
+                    regs[key] = reg
+                return SimpleNamespace(**regs)
+            stage.en = en
+            return stage
+
+        stage, control = stager(advance), stager(advance, reset_less=False)
 
         # Edge: widen the broadcast operands once per row and column, then register them
         # (the register also cuts the fan-out to R * C multipliers); a row with LUT PEs
@@ -259,31 +304,36 @@ class FloatMacArray(wiring.Component):
             edge_a.append(stage(f"edge_a{i}", x=x, **({"neg": -x.sig} if lut_row else {})))
         edge_b = [stage(f"edge_b{j}", x=self._widen(m, self.i.payload.b[j])).x for j in range(C)]
         # The control bits beside the PEs' stages: valid, a group's first and last product.
-        ctl = stage("ctl1", v=take, first=step == 0, last=step == K - 1)
+        ctl = control("ctl1", v=take, first=step == 0, last=step == K - 1)
         for n in range(2, self.PE_STAGES + 1):
-            ctl = stage(f"ctl{n}", v=ctl.v, first=ctl.first, last=ctl.last)
+            ctl = control(f"ctl{n}", v=ctl.v, first=ctl.first, last=ctl.last)
 
-        out_valid = []
+        # A group's last product marks its sum on the way out: the adders' valid bits (``L``
+        # advancing cycles), kept once beside them.
+        ends = [ctl.v & ctl.last]
+        for n in range(L):
+            ends.append(control(f"end{n + 1}", v=ends[-1]).v)
+        m.d.comb += [out_valid.now.eq(ends[-1]), out_valid.before.eq(ends[-2])]
+
         for i in range(R):
             for j in range(C):
-                prod = self._product(m, stage, advance, platform, i, j, edge_a[i], edge_b[j])
+                en = pe_advance[i][j]
+                prod = self._product(m, stager(en), platform, i, j, edge_a[i], edge_b[j])
                 # Accumulate. A group's first product adds to +0; an empty slot adds -0,
                 # which leaves every partial sum unchanged (x + -0 = x, -0 + -0 = -0).
                 add = AddF32Datapath()
                 m.submodules[f"add_{i}_{j}"] = add
                 m.d.comb += [
-                    add.advance.eq(advance),
+                    add.advance.eq(en),
                     add.a.eq(Mux(ctl.v, prod, _SIGN)),
                     add.b.eq(Mux(ctl.v & ctl.first, 0, add.result)),
                     # ``in_valid`` marks a group's last product: it comes out with the final sum.
                     add.in_valid.eq(ctl.v & ctl.last),
                 ]
                 m.d.comb += self.o.payload.sums[i][j].eq(add.result)
-                out_valid.append(add.out_valid)
 
         out_group = Signal(range(L))
         with m.If(self.o.valid & self.o.ready):
             m.d.sync += out_group.eq(Mux(out_group == L - 1, 0, out_group + 1))
-        # Every PE's adder carries the same valid bits; PE (0, 0)'s stands for all.
-        m.d.comb += [self.o.valid.eq(out_valid[0]), self.o.payload.group.eq(out_group)]
+        m.d.comb += [self.o.valid.eq(out_valid.now), self.o.payload.group.eq(out_group)]
         return m

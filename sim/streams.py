@@ -87,16 +87,25 @@ class StreamSource:
 
 
 class StreamSink:
-    """Drives ``name__ready`` (randomly low with probability ``stall``) and collects payloads."""
+    """Drives ``name__ready`` (randomly low with probability ``stall``) and collects payloads.
 
-    def __init__(self, dut, name: str, *, stall: float = 0.0, rng: random.Random | None = None):
+    ``ahead``: the name of an input that takes the ready of the next cycle (a producer that
+    registers its stall, as ``FloatMacArray(ready_ahead=True)``): each cycle's ready is then
+    decided a cycle early and told there."""
+
+    def __init__(self, dut, name: str, *, stall: float = 0.0, rng: random.Random | None = None,
+                 ahead: str | None = None):
         self.dut = dut
         self.valid = getattr(dut, f"{name}__valid")
         self.ready = getattr(dut, f"{name}__ready")
         self.payload = getattr(dut, f"{name}__payload")
+        self.ahead = getattr(dut, ahead) if ahead else None
         self.stall = stall
         self.rng = rng or random.Random(1)
         self.ready.value = 0
+        if self.ahead is not None:
+            self.ahead.value = 0
+        self.told = False  # the ready told for the coming cycle
         self.beats: list[int] = []
 
     async def receive(self, count: int, *, timeout_cycles: int | None = None) -> list[int]:
@@ -106,6 +115,9 @@ class StreamSink:
         idle = 0
         while len(got) < count:
             ready = not (self.stall and self.rng.random() < self.stall)
+            if self.ahead is not None:
+                ready, self.told = self.told, ready
+                self.ahead.value = int(self.told)
             self.ready.value = int(ready)
             await ReadOnly()
             fire = ready and bool(self.valid.value)
@@ -120,6 +132,21 @@ class StreamSink:
                 if timeout_cycles is not None and idle > timeout_cycles:
                     raise TimeoutError(f"no beat on the output for {timeout_cycles} cycles ({len(got)}/{count} received)")
             await RisingEdge(clk)
-        self.ready.value = 0
         self.beats.extend(got)
+        if self.ahead is not None and self.told:
+            # Ready was told for this cycle: it is kept (in the background, so that the caller
+            # sees the last beat's cycle), then "not ready" from the next on; a beat taken in
+            # that cycle is one more than asked for, kept in ``beats``.
+            cocotb.start_soon(self._keep_told(clk))
+        else:
+            self.ready.value = 0
         return got
+
+    async def _keep_told(self, clk) -> None:
+        self.ready.value = 1
+        self.ahead.value = self.told = 0
+        await ReadOnly()
+        if self.valid.value:
+            self.beats.append(int(self.payload.value))
+        await RisingEdge(clk)
+        self.ready.value = 0

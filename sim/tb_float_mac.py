@@ -3,7 +3,7 @@
 
 Configuration (``tb_config()``): ``rows``, ``cols``, ``fmt`` ("bf16"/"fp16"), ``k``,
 ``interleave`` (the array's ``INTERLEAVE``), ``runs`` (runs of ``interleave * k`` beats in the
-stalled test), ``seed``. Every run draws its operands from one of the classes of
+stalled test), ``seed``, ``ready_ahead`` (the array's: the sink tells its ready a cycle early). Every run draws its operands from one of the classes of
 ``operands``; the results are compared bit for bit (a NaN is the contract's ``0x7FC00000``).
 """
 
@@ -150,14 +150,24 @@ def _runs(cfg: dict, count: int, seed: int):
     return [(kind, *operands(rng, cfg, kind)) for kind in (KINDS[r % len(KINDS)] for r in range(count))]
 
 
+def _ahead(dut, cfg) -> str | None:
+    """With ``ready_ahead`` the array's input that takes the next cycle's ready, held low
+    from before the reset (it feeds the stall register)."""
+    if not cfg.get("ready_ahead"):
+        return None
+    dut.o_ready_next.value = 0
+    return "o_ready_next"
+
+
 @cocotb.test()
 async def random_with_stalls(dut):
     """Every operand class, idle cycles on both sides."""
     cfg = tb_config()
+    ahead = _ahead(dut, cfg)
     await start_clock_and_reset(dut, sources=["i"], sinks=["o"])
     runs = _runs(cfg, cfg["runs"], cfg["seed"])
     src = StreamSource(dut, "i", stall=0.2, rng=random.Random(cfg["seed"]))
-    snk = StreamSink(dut, "o", stall=0.4, rng=random.Random(cfg["seed"] + 1))
+    snk = StreamSink(dut, "o", stall=0.4, rng=random.Random(cfg["seed"] + 1), ahead=ahead)
     cocotb.start_soon(src.send([beat for _, a, b in runs for beat in beats(a, b, cfg)]))
     got = await snk.receive(cfg["interleave"] * len(runs), timeout_cycles=200)
     check(got, runs, cfg)
@@ -168,11 +178,12 @@ async def full_throughput(dut):
     """No stalls: one beat per cycle in (every PE one MAC per cycle), one result out per
     group, the last ``LATENCY`` cycles after the last beat."""
     cfg = tb_config()
+    ahead = _ahead(dut, cfg)
     await start_clock_and_reset(dut, sources=["i"], sinks=["o"])
     runs = _runs(cfg, len(KINDS), cfg["seed"] + 7)
     stream = [beat for _, a, b in runs for beat in beats(a, b, cfg)]
     src = StreamSource(dut, "i")
-    snk = StreamSink(dut, "o")
+    snk = StreamSink(dut, "o", ahead=ahead)
     recv = cocotb.start_soon(snk.receive(cfg["interleave"] * len(runs), timeout_cycles=200))
     start = cocotb.utils.get_sim_time("ns")
     await src.send(stream)

@@ -91,7 +91,7 @@ SIM_FULL_ONLY = {
     "tests/test_hw_mac_array.py::test_mac_array_equals_partial_sums[4-4-24-8-8-0-4-verilator]": "its Icarus run",
     "tests/test_hw_buffers.py::test_operand_buffer_for_ecp5_reads_rows_and_columns[8-32-96-verilator]":
         "its Icarus run",
-    "tests/test_hw_float_mac.py::test_float_mac_array_equals_golden[4-4-fp16-4-0-verilator]":
+    "tests/test_hw_float_mac.py::test_float_mac_array_equals_golden[4-4-fp16-4-0-False-verilator]":
         "the 2x2 fp16 arrays (DSP and Booth products) on both simulators",
     "tests/test_boards.py::test_quartus_project_is_complete[stratix5-10.0-pins1]": "the DE10-Nano's Quartus project",
     # The Stratix board's own 32x32 configuration: two minutes to write its project.

@@ -17,34 +17,36 @@ FULL = os.environ.get("HBFP_SIM_FULL") == "1"
 # Both formats on both simulators at 2x2 (DSP products, Booth products, both in one array);
 # at 4x4 one format per simulator (a Verilator build of the 4x4 array takes about half a
 # minute), one with DSP products and one with Booth products.
+# With ``ready_ahead`` (FloatCore's array: its stall a register) as well as without.
 CONFIGS = [
-    # rows, cols, fmt, k, dsp_macs, sim
-    *[(2, 2, fmt, 6, dsp, sim) for fmt in ("bf16", "fp16") for dsp in (None, 0) for sim in runner.SIMULATORS],
-    (2, 2, "fp16", 5, 1, "icarus"),
-    (4, 4, "bf16", 4, None, "icarus"),
-    (4, 4, "fp16", 4, 0, "verilator"),
+    # rows, cols, fmt, k, dsp_macs, ready_ahead, sim
+    *[(2, 2, fmt, 6, dsp, dsp == 0, sim) for fmt in ("bf16", "fp16") for dsp in (None, 0) for sim in runner.SIMULATORS],
+    (2, 2, "fp16", 5, 1, False, "icarus"),
+    (4, 4, "bf16", 4, None, True, "icarus"),
+    (4, 4, "fp16", 4, 0, False, "verilator"),
 ]
 
 
-@pytest.mark.parametrize("rows, cols, fmt, k, dsp_macs, sim", CONFIGS)
-def test_float_mac_array_equals_golden(rows, cols, fmt, k, dsp_macs, sim):
+@pytest.mark.parametrize("rows, cols, fmt, k, dsp_macs, ready_ahead, sim", CONFIGS)
+def test_float_mac_array_equals_golden(rows, cols, fmt, k, dsp_macs, ready_ahead, sim):
     runner.require(sim)
     cfg = dict(rows=rows, cols=cols, fmt=fmt, k=k, interleave=FloatMacArray.INTERLEAVE, latency=FloatMacArray.LATENCY,
-               runs=200 if FULL else 20, seed=rows * 10 + k)
-    tests, failed = runner.run(lambda: FloatMacArray(rows, cols, fmt, k, dsp_macs=dsp_macs), "float_mac",
-                               "tb_float_mac", sim, cfg)
+               runs=200 if FULL else 20, seed=rows * 10 + k, ready_ahead=ready_ahead)
+    tests, failed = runner.run(lambda: FloatMacArray(rows, cols, fmt, k, dsp_macs=dsp_macs, ready_ahead=ready_ahead),
+                               "float_mac", "tb_float_mac", sim, cfg)
     assert tests == 2 and failed == 0
 
 
 @pytest.mark.parametrize("fmt, dsp_macs, sim", [("fp16", 2, "icarus"), ("bf16", None, "verilator")])
 def test_float_mac_array_for_ecp5_equals_golden(fmt, dsp_macs, sim):
     """Elaborated for an ECP5, a DSP PE's significand product is a MULT18X18D whose registers
-    hold with the array (CE0): the behavioural model of the primitive, stalls on both sides."""
+    hold with the array (CE0), and the stall's copies are kept flip-flops (``ready_ahead``):
+    the behavioural models of the primitives, stalls on both sides."""
     runner.require(sim)
     cfg = dict(rows=2, cols=2, fmt=fmt, k=5, interleave=FloatMacArray.INTERLEAVE, latency=FloatMacArray.LATENCY,
-               runs=200 if FULL else 20, seed=7)
-    tests, failed = runner.run(lambda: FloatMacArray(2, 2, fmt, 5, dsp_macs=dsp_macs), "float_mac", "tb_float_mac",
-                               sim, cfg, platform=ECP5)
+               runs=200 if FULL else 20, seed=7, ready_ahead=True)
+    tests, failed = runner.run(lambda: FloatMacArray(2, 2, fmt, 5, dsp_macs=dsp_macs, ready_ahead=True), "float_mac",
+                               "tb_float_mac", sim, cfg, platform=ECP5)
     assert tests == 2 and failed == 0
 
 
