@@ -169,12 +169,15 @@ class FloatMacArray(wiring.Component):
         """Whether PE (i, j) multiplies with a DSP block (``*``) rather than a Booth LUT product."""
         return i * self.cols + j < self.dsp_macs
 
-    def _product(self, m: Module, stage, platform, i: int, j: int, edge_a, b) -> Value:
+    def _product(self, m: Module, stage, platform, i: int, j: int, edge_a, b, ctl):
         """PE (i, j)'s fp32 product pattern of the edge's registered operands ``edge_a.x`` and
         ``b``, ``PE_STAGES - 1`` stages after them (``stage``: registers enabled by the PE's
         copy of the array's advance, ``stage.en``): the
         significand product in two (a DSP block's input and output registers, or a staged
-        Booth product's partial products and sum), a fabric copy of it, then the pattern."""
+        Booth product's partial products and sum), a fabric copy of it, then the pattern.
+        Returns the adder's operands as registers of the PE (``ctl``: the control bits beside
+        the pattern's inputs): ``a``, the pattern, or -0 in an empty slot; ``zero_b``, a group's
+        first product (its sum starts at +0)."""
         a = edge_a.x
         S = self.fmt.significand_bits
         P = 2 * S  # product bits; its leading one is at bit P - 1 or P - 2
@@ -224,7 +227,7 @@ class FloatMacArray(wiring.Component):
             m.d.comb += prod.eq(sign)
         with m.Else():
             m.d.comb += prod.eq(Cat(frac[:F32_FRAC_BITS], Mux(top, s3.exp1, s3.exp0), s3.sign))
-        return stage(f"{name}_pack", prod=prod).prod
+        return stage(f"{name}_pack", a=Mux(ctl.v, prod, _SIGN), zero_b=ctl.v & ctl.first)
 
     def _advance(self, m: Module, platform):
         """The array's advance (every stage moves: no finished group waits at ``o``), as the
@@ -304,9 +307,10 @@ class FloatMacArray(wiring.Component):
             edge_a.append(stage(f"edge_a{i}", x=x, **({"neg": -x.sig} if lut_row else {})))
         edge_b = [stage(f"edge_b{j}", x=self._widen(m, self.i.payload.b[j])).x for j in range(C)]
         # The control bits beside the PEs' stages: valid, a group's first and last product.
-        ctl = control("ctl1", v=take, first=step == 0, last=step == K - 1)
+        ctls = [control("ctl1", v=take, first=step == 0, last=step == K - 1)]
         for n in range(2, self.PE_STAGES + 1):
-            ctl = control(f"ctl{n}", v=ctl.v, first=ctl.first, last=ctl.last)
+            ctls.append(control(f"ctl{n}", v=ctls[-1].v, first=ctls[-1].first, last=ctls[-1].last))
+        ctl = ctls[-1]
 
         # A group's last product marks its sum on the way out: the adders' valid bits (``L``
         # advancing cycles), kept once beside them.
@@ -318,16 +322,18 @@ class FloatMacArray(wiring.Component):
         for i in range(R):
             for j in range(C):
                 en = pe_advance[i][j]
-                prod = self._product(m, stager(en), platform, i, j, edge_a[i], edge_b[j])
+                ops = self._product(m, stager(en), platform, i, j, edge_a[i], edge_b[j], ctls[-2])
                 # Accumulate. A group's first product adds to +0; an empty slot adds -0,
-                # which leaves every partial sum unchanged (x + -0 = x, -0 + -0 = -0).
+                # which leaves every partial sum unchanged (x + -0 = x, -0 + -0 = -0). Both
+                # selects are the PE's own registers (``_product``), not the array's ``ctl``.
                 add = AddF32Datapath()
                 m.submodules[f"add_{i}_{j}"] = add
                 m.d.comb += [
                     add.advance.eq(en),
-                    add.a.eq(Mux(ctl.v, prod, _SIGN)),
-                    add.b.eq(Mux(ctl.v & ctl.first, 0, add.result)),
-                    # ``in_valid`` marks a group's last product: it comes out with the final sum.
+                    add.a.eq(ops.a),
+                    add.b.eq(Mux(ops.zero_b, 0, add.result)),
+                    # A group's last product: its valid bit would come out with the final sum
+                    # (the adder's ``out_valid``; the array's ``ends`` stand for every PE's).
                     add.in_valid.eq(ctl.v & ctl.last),
                 ]
                 m.d.comb += self.o.payload.sums[i][j].eq(add.result)
