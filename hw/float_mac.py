@@ -88,17 +88,18 @@ class FloatMacArray(wiring.Component):
 
     Pipeline (``PE_STAGES`` registers from the input to an adder's operand): the edge widens
     the broadcast operands to fp32 fields (``rows + cols`` converters, shared by a row or
-    column of PEs) and registers them; in every PE (2, 3) the significand product (a DSP
-    block's input and output registers, or a Booth product's partial products and sum) beside
-    the exponent sum, sign, class and range tests, (4) a fabric copy of the product, (5) the
-    fp32 product pattern (one normalizing shift, specials), then the 7-stage
+    column of PEs) and registers them (1), then again with the negated significand for Booth
+    products (2); in every PE (3, 4) the significand product (a DSP block's input and output
+    registers, or a Booth product's partial products and sum) beside the exponent sum, sign,
+    class and range tests, (5) a fabric copy of the product, (6) the fp32 product pattern (one
+    normalizing shift, specials) and the adder's operand selects, then the 7-stage
     ``AddF32Datapath`` whose output loops back to its second addend.
     """
 
     INTERLEAVE = AddF32Datapath.LATENCY
-    #: Registers from a beat on ``i`` to its product at a PE's adder: edge, two for the
-    #: multiplier, the fabric copy, the pattern.
-    PE_STAGES = 5
+    #: Registers from a beat on ``i`` to its product at a PE's adder: two at the edge, two for
+    #: the multiplier, the fabric copy, the pattern.
+    PE_STAGES = 6
     #: Cycles from a group's last beat accepted to its result valid on ``o``.
     LATENCY = PE_STAGES + AddF32Datapath.LATENCY
 
@@ -171,7 +172,7 @@ class FloatMacArray(wiring.Component):
 
     def _product(self, m: Module, stage, platform, i: int, j: int, edge_a, b, ctl):
         """PE (i, j)'s fp32 product pattern of the edge's registered operands ``edge_a.x`` and
-        ``b``, ``PE_STAGES - 1`` stages after them (``stage``: registers enabled by the PE's
+        ``b``, ``PE_STAGES - 2`` stages after them (``stage``: registers enabled by the PE's
         copy of the array's advance, ``stage.en``): the
         significand product in two (a DSP block's input and output registers, or a staged
         Booth product's partial products and sum), a fabric copy of it, then the pattern.
@@ -297,15 +298,17 @@ class FloatMacArray(wiring.Component):
 
         stage, control = stager(advance), stager(advance, reset_less=False)
 
-        # Edge: widen the broadcast operands once per row and column, then register them
-        # (the register also cuts the fan-out to R * C multipliers); a row with LUT PEs
-        # also registers its significand's negation, which their Booth products take.
+        # Edge: widen the broadcast operands once per row and column and register them, then
+        # register them again (the second register cuts the fan-out to R * C multipliers);
+        # beside the second, a row with LUT PEs registers its significand's negation, which
+        # their Booth products take (a carry chain of its own, not after the widening's).
         edge_a, edge_b = [], []
         for i in range(R):
-            x = self._widen(m, self.i.payload.a[i])
+            x = stage(f"edge1_a{i}", x=self._widen(m, self.i.payload.a[i])).x
             lut_row = not all(self.uses_dsp(i, j) for j in range(C))
             edge_a.append(stage(f"edge_a{i}", x=x, **({"neg": -x.sig} if lut_row else {})))
-        edge_b = [stage(f"edge_b{j}", x=self._widen(m, self.i.payload.b[j])).x for j in range(C)]
+        edge_b = [stage(f"edge_b{j}", x=stage(f"edge1_b{j}", x=self._widen(m, self.i.payload.b[j])).x).x
+                  for j in range(C)]
         # The control bits beside the PEs' stages: valid, a group's first and last product.
         ctls = [control("ctl1", v=take, first=step == 0, last=step == K - 1)]
         for n in range(2, self.PE_STAGES + 1):
