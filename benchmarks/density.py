@@ -147,7 +147,8 @@ def measure(key, factory, work: Path, args, log) -> dict:
     """Synthesize design ``key`` in ``work/<format>-<mode>-<array>`` (the array and lanes kept as
     modules, as benchmarks/ecp5_area.py keeps them), then place and route it once per seed. With ``--reuse`` a saved synthesis or seed stands while the
     design's Verilog and its options are unchanged (each is saved as soon as it is done)."""
-    fmt, mode, _ = key
+    fmt, mode, a = key
+    placer = placers(args).get(a, "heap")
     nodsp = mode == "lut"
     d = work / _folder(key)
     d.mkdir(parents=True, exist_ok=True)
@@ -187,12 +188,14 @@ def measure(key, factory, work: Path, args, log) -> dict:
            "reused": bool(synth.get("reused"))}
     for seed in args.seeds:
         sd = d / f"seed{seed}"
-        seed_options = {**options, "device": args.device, "package": args.package, "freq": args.freq, "seed": seed}
+        seed_options = {**options, "device": args.device, "package": args.package, "freq": args.freq, "seed": seed,
+                        **({"placer": placer} if placer != "heap" else {})}
         res = _saved(sd / "result.json", seed_options) if args.reuse else None
         if res is None:
             sd.mkdir(parents=True, exist_ok=True)
             try:
                 pnr = pnr_ecp5(synth["json"], sd, args.device, args.package, args.freq, seed,
+                               placer=None if placer == "heap" else placer,
                                log=lambda s: log(f"{tag}: {s} (seed {seed})"))
                 util = {k: {"used": u, "available": a} for k, (u, a) in pnr["utilization"].items()}
                 res = {"fits": True, "fmax_mhz": pnr["fmax_min"], "seconds": pnr["seconds"], "utilization": util}
@@ -258,8 +261,10 @@ def fit(points: list[tuple[int, int]]) -> dict | None:
     return {"per_pe_lut4": per_pe, "fixed_lut4": my - per_pe * mx, "points": points}
 
 
-def figures(results: dict, cfgs: dict[Array, CoreConfig]) -> dict:
-    """What ``--json`` writes: ``SUMMARY``'s keys, the per-design figures, the fits, the ratios."""
+def figures(results: dict, cfgs: dict[Array, CoreConfig], placer_of: dict[Array, str] | None = None) -> dict:
+    """What ``--json`` writes: ``SUMMARY``'s keys, the per-design figures, the fits, the ratios
+    (``placer_of``: each array's placer, for the record)."""
+    placer_of = placer_of or {}
     arrays = sorted(cfgs, key=lambda a: a[0] * a[1])
     m18 = results.get(("mult18", "lut", None))
     dsp_eq = m18["lut4"] if m18 else None
@@ -298,6 +303,7 @@ def figures(results: dict, cfgs: dict[Array, CoreConfig]) -> dict:
         **summary,
         "density_rows": top[0], "density_cols": top[1],
         "config": {"arrays": [f"{a[0]}x{a[1]}" for a in arrays], "size": c.size, "tile": list(c.tile),
+                   "placers": {f"{a[0]}x{a[1]}": placer_of.get(a, "heap") for a in arrays},
                    "functions": list(c.built_functions), "bfp_output": c.bfp_output, "stochastic": c.stochastic,
                    "acc_lanes": {f"{a[0]}x{a[1]}": cfgs[a].acc_lanes for a in arrays}},
         "dsp_equivalent_lut4": dsp_eq,
@@ -365,7 +371,10 @@ def report(fig: dict, args, seconds: float) -> str:
         "input and output registers, `ecp5_multiplier`), YoWASP Yosys `synth_ecp5` with the MAC array and the "
         "lanes kept as modules (`keep_hierarchy`, the rest flattened), then nextpnr-ecp5 out of context on "
         f"{_device_name(args.device)} {args.package}, target {args.freq:g} MHz, placement seeds "
-        f"{', '.join(map(str, args.seeds))} (Fmax: the median, the range beside it). Two flows: **with DSP "
+        f"{', '.join(map(str, args.seeds))} (Fmax: the median, the range beside it), one placer for every core of "
+        "an array size: "
+        + ", ".join(f"{a} {'HeAP (the default)' if p == 'heap' else p}" for a, p in c["placers"].items())
+        + ". Two flows: **with DSP "
         "blocks** (every PE's product in a MULT18X18D) and **LUT-only** (`-nodsp`, every core built with "
         "`dsp_macs=0`: every PE multiplies with the carry-chain Booth multiplier of `hw/lut_mult.py`, "
         "`BoothProduct`, the BFP8 core's 8x8 codes and the float cores' significands alike: 11x11 for fp16, 8x8 "
@@ -380,8 +389,9 @@ def report(fig: dict, args, seconds: float) -> str:
                   "stopped on an assertion with the kept modules; those went through the older writer "
                   f"(`ABC9_XAIGER1`, as the board builds do; the same mapping): {', '.join(older)}.", ""]
     for a in arrays:
+        placer = c["placers"].get(a, "heap")
         lines += [
-            f"## {a} arrays",
+            f"## {a} arrays" + ("" if placer == "heap" else f" (nextpnr's {placer} placer)"),
             "",
             "| core | flow | LUT4 | FF | MULT18X18D | DP16KD | Fmax (seeds' range) | LUT4/MAC | MAC/s per LUT4 "
             "| MAC/s per (LUT4 + DSP-eq.) | MAC array LUT4 (Yosys) | lanes LUT4 (Yosys) | whole (Yosys) |",
@@ -522,20 +532,38 @@ def raw(fig: dict) -> list[str]:
 
 # ---- command line ----------------------------------------------------------------------------
 
+#: nextpnr's placers an array may name (``--arrays 8x8:static``); HeAP is nextpnr's default.
+PLACERS = ("heap", "static")
+
+
 def _array(text: str) -> str:
+    size, _, placer = text.lower().partition(":")
     try:
-        r, c = (int(v) for v in text.lower().split("x"))
+        r, c = (int(v) for v in size.split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"an array is ROWSxCOLS, e.g. 8x8, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"an array is ROWSxCOLS[:PLACER], e.g. 8x8, got {text!r}") from None
     if r < 1 or c < 1:
         raise argparse.ArgumentTypeError(f"an array's sides must be positive, got {text!r}")
-    return f"{r}x{c}"
+    if placer and placer not in PLACERS:
+        raise argparse.ArgumentTypeError(f"placer {placer!r} is not one of {', '.join(PLACERS)}")
+    return f"{r}x{c}" + (f":{placer}" if placer and placer != "heap" else "")
+
+
+def placers(args) -> dict[Array, str]:
+    """Each array's placer (``--arrays 8x8:static``; HeAP unless named)."""
+    out = {}
+    for text in args.arrays:
+        size, _, placer = text.partition(":")
+        r, c = (int(v) for v in size.split("x"))
+        out[(r, c)] = placer or "heap"
+    return out
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arrays", type=_array, nargs="+", default=["4x4", "8x8"],
-                   help="MAC arrays measured, ROWSxCOLS (default 4x4 8x8; two sizes or more give the per-PE fit)")
+    p.add_argument("--arrays", type=_array, nargs="+", default=["4x4", "8x8:static"],
+                   help="MAC arrays measured, ROWSxCOLS[:PLACER] (default 4x4 8x8:static; two sizes or more "
+                        "give the per-PE fit; PLACER: nextpnr's, heap unless named, for every core of that size)")
     p.add_argument("--size", type=int, default=96, help="buffer side (default 96)")
     p.add_argument("--tile", type=int, nargs=2, default=[24, 24], metavar=("ROWS", "COLS"),
                    help="BFP tile; its column side is the K-tile (default 24 24)")
@@ -562,8 +590,7 @@ def configs(args) -> dict[Array, CoreConfig]:
     """The core configuration of each array (``ConfigError`` where one is not valid)."""
     units = dict(bfp_output=False, stochastic=False) if args.reduced else {}
     out = {}
-    for text in args.arrays:
-        r, c = (int(v) for v in text.split("x"))
+    for r, c in placers(args):
         out[(r, c)] = CoreConfig(rows=r, cols=c, size=args.size, tile=tuple(args.tile),
                                  functions=tuple(args.functions), **units)
     return out
@@ -594,7 +621,7 @@ def run(args) -> dict:
                 raise f.exception()
             results[futures[f]] = f.result()
     seconds = time.perf_counter() - t0
-    fig = figures(results, cfgs)
+    fig = figures(results, cfgs, placers(args))
     (work / "figures.json").write_text(json.dumps(fig, indent=1) + "\n")
     publish(report(fig, args, seconds), "density.md", args.write)
     if args.json:

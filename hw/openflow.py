@@ -202,13 +202,15 @@ def pnr_ecp5(
     ooc: bool = True,
     *,
     routed: bool = False,
+    placer: str | None = None,
     log: Log = None,
 ) -> dict:
     """Place and route the netlist ``json_path`` with nextpnr-ecp5 in ``work``.
 
     ``device``: nextpnr's device option without dashes ("25k", "45k", "85k", "um5g-85k",
     ...); ``freq``: the target clock in MHz (timing may fail: Fmax is what is measured);
-    ``ooc``: out of context (``--out-of-context``). Writes ``pnr.log`` and ``report.json``,
+    ``ooc``: out of context (``--out-of-context``); ``placer``: nextpnr's ``--placer`` ("heap",
+    its default, "static", "sa"). Writes ``pnr.log`` and ``report.json``,
     and with ``routed`` the placed and routed netlist ``routed.json`` (``comb_cells_by_module``).
     Returns ``{"utilization": {resource: (used, available)}, "fmax": {clock: MHz},
     "fmax_min": the slowest clock's MHz (None without clocks), "seconds": run time}``."""
@@ -223,6 +225,8 @@ def pnr_ecp5(
         cmd.insert(cmd.index("--timing-allow-fail"), "--out-of-context")
     if routed:
         cmd += ["--write", "routed.json"]
+    if placer:
+        cmd += ["--placer", placer]
     if log:
         log(f"nextpnr-ecp5 --{device}{' --out-of-context' if ooc else ''} ...")
     seconds = run_tool(cmd, work, work / "pnr.log")

@@ -178,7 +178,8 @@ def test_fpga_report_takes_the_summary_from_the_whole_cores(density, monkeypatch
 
 
 def test_bad_arrays_are_refused(density, capsys):
-    for bad, message in (("8", "an array is ROWSxCOLS"), ("0x4", "sides must be positive"), ("axb", "ROWSxCOLS")):
+    for bad, message in (("8", "an array is ROWSxCOLS"), ("0x4", "sides must be positive"), ("axb", "ROWSxCOLS"),
+                         ("8x8:sa", "placer 'sa' is not one of heap, static")):
         with pytest.raises(SystemExit):
             density.parser().parse_args(["--arrays", bad])
         assert message in capsys.readouterr().err
@@ -234,3 +235,18 @@ def test_fpga_report_keeps_a_left_out_boards_seed_figures():
     assert kept["board_colorlight_fmax_mhz"] == 85.4 and kept["board_colorlight_bitstream"] is True
     assert not any(k.startswith("board_ecpix5_") for k in kept)
     assert "board_ecpix5_seeds_timing_met" not in fpga_report.kept_summary(before, "ecpix5")
+
+
+def test_an_array_may_name_its_placer(density):
+    """``--arrays 4x4 8x8:static``: every core of 8x8 placed by nextpnr's static placer, named
+    in the report, the figures and the command line."""
+    argv = ["--arrays", "2x2", "4x4:static", "--size", "24", "--tile", "24", "24", "--functions", "--reduced"]
+    args = density.parser().parse_args(argv)
+    assert density.placers(args) == {A: "heap", B: "static"}
+    assert density.parser().parse_args(["--arrays", "4x4:heap"]).arrays == ["4x4"]
+    fig = density.figures(results(), density.configs(args), density.placers(args))
+    assert fig["config"]["placers"] == {"2x2": "heap", "4x4": "static"}
+    text = density.report(fig, args, 60.0)
+    assert "## 4x4 arrays (nextpnr's static placer)" in text and "## 2x2 arrays\n" in text
+    assert "2x2 HeAP (the default), 4x4 static" in text
+    assert "--arrays 2x2 4x4:static " in density.command(args)
