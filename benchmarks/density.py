@@ -186,7 +186,26 @@ def measure(key, factory, work: Path, args, log) -> dict:
     row = {"name": fmt, "mode": mode, "top": top, "fits": True, "seeds": [], "pnr_s": [],
            **{k: synth[k] for k in ("yosys_lut4", "array_lut4", "lanes_lut4", "synth_s", "abc9_writer")},
            "reused": bool(synth.get("reused"))}
-    for seed in args.seeds:
+    # Packing first (seconds): the counts, which placement does not change; a design whose
+    # packed cells exceed the device is not placed.
+    pack_options = {**options, "device": args.device, "package": args.package}
+    pack = _saved(d / "pack" / "result.json", pack_options) if args.reuse else None
+    if pack is None:
+        out = pnr_ecp5(synth["json"], d / "pack", args.device, args.package, args.freq, pack_only=True,
+                       log=lambda s: log(f"{tag}: {s}"))
+        pack = {"options": pack_options,
+                "utilization": {k: {"used": u, "available": a} for k, (u, a) in out["utilization"].items()}}
+        (d / "pack" / "result.json").write_text(json.dumps(pack, indent=1) + "\n")
+    util = pack["utilization"]
+    row.update(lut4=util["TRELLIS_COMB"]["used"], ff=util.get("TRELLIS_FF", {}).get("used", 0),
+               dsp=util.get("MULT18X18D", {}).get("used", 0), bram=util.get("DP16KD", {}).get("used", 0))
+    over = {k: v for k, v in util.items() if v["used"] > v["available"]}
+    if over:
+        row.update(fits=False, needs=over)
+        log(f"{tag}: {row['lut4']:,} LUT4: does not fit: "
+            + ", ".join(f"{k} {v['used']:,}/{v['available']:,}" for k, v in over.items()))
+        return row
+    for seed in ([] if args.pack_only else args.seeds):
         sd = d / f"seed{seed}"
         seed_options = {**options, "device": args.device, "package": args.package, "freq": args.freq, "seed": seed,
                         **({"placer": placer} if placer != "heap" else {})}
@@ -207,16 +226,13 @@ def measure(key, factory, work: Path, args, log) -> dict:
                 res = {"fits": False, "needs": over, "utilization": util}
             res["options"] = seed_options
             (sd / "result.json").write_text(json.dumps(res, indent=1) + "\n")
-        util = res["utilization"]  # packing comes before placement: the same for every seed
-        row.update(lut4=util["TRELLIS_COMB"]["used"], ff=util.get("TRELLIS_FF", {}).get("used", 0),
-                   dsp=util.get("MULT18X18D", {}).get("used", 0), bram=util.get("DP16KD", {}).get("used", 0))
         if not res["fits"]:
             row.update(fits=False, needs=res["needs"])
             log(f"{tag}: does not fit: " + ", ".join(f"{k} {v['used']:,}/{v['available']:,}" for k, v in res["needs"].items()))
             break  # packing is the same for every seed: none of them fits
         row["seeds"].append({"seed": seed, "fmax_mhz": res["fmax_mhz"]})
         row["pnr_s"].append(res["seconds"])
-    if row["fits"]:
+    if row["fits"] and row["seeds"]:
         row["fmax_mhz"] = statistics.median(s["fmax_mhz"] for s in row["seeds"])
         log(f"{tag}: {row['lut4']:,} LUT4, {row['ff']:,} FF, {row['dsp']} MULT18X18D, {row['bram']} DP16KD, "
             f"{row['fmax_mhz']:.1f} MHz (seeds {', '.join(format(s['fmax_mhz'], '.1f') for s in row['seeds'])})")
@@ -227,15 +243,17 @@ def measure(key, factory, work: Path, args, log) -> dict:
 
 def per_design(row: dict | None, macs: int, dsp_eq: float | None) -> dict:
     """LUT4 and FF per MAC, MAC/s per LUT4 (and per LUT4 + DSP-equivalent) of one measured
-    design; None where it was not measured or did not fit."""
+    design; None where it was not measured, or (MAC/s) not placed: it did not fit, or only its
+    packing ran (``--pack-only``)."""
+    none = {"lut4_per_mac": None, "ff_per_mac": None, "mac_s_per_lut4": None, "mac_s_per_lut4_eq": None}
     if row is None or not row.get("fits", True):
-        return {"lut4_per_mac": None, "ff_per_mac": None, "mac_s_per_lut4": None, "mac_s_per_lut4_eq": None}
+        return none
+    out = {**none, "lut4_per_mac": row["lut4"] / macs, "ff_per_mac": row["ff"] / macs}
+    if row.get("fmax_mhz") is None:
+        return out
     mac_s = macs * row["fmax_mhz"] * 1e6
-    return {
-        "lut4_per_mac": row["lut4"] / macs, "ff_per_mac": row["ff"] / macs,
-        "mac_s_per_lut4": mac_s / row["lut4"],
-        "mac_s_per_lut4_eq": None if dsp_eq is None else mac_s / (row["lut4"] + dsp_eq * row["dsp"]),
-    }
+    return {**out, "mac_s_per_lut4": mac_s / row["lut4"],
+            "mac_s_per_lut4_eq": None if dsp_eq is None else mac_s / (row["lut4"] + dsp_eq * row["dsp"])}
 
 
 #: Quantities where less is better: their ratio is the format's over BFP8's (how many times
@@ -276,7 +294,7 @@ def figures(results: dict, cfgs: dict[Array, CoreConfig], placer_of: dict[Array,
             pts = [(a[0] * a[1], results[(f, m, a)]["lut4"]) for a in arrays if (f, m, a) in results]
             fits[(f, m, None)] = fit(pts) or {}
     top = arrays[-1]
-    both = lambda m: all(results.get((f, m, top), {}).get("fits") for f in ("bfp8", "fp16"))  # noqa: E731
+    both = lambda m: all(results.get((f, m, top), {}).get("fmax_mhz") for f in ("bfp8", "fp16"))  # noqa: E731
     flow = "lut" if both("lut") else ("dsp" if both("dsp") else None)
     quantities = ("lut4_per_mac", "ff_per_mac", "mac_s_per_lut4", "mac_s_per_lut4_eq")
     ratios = {f"{a[0]}x{a[1]}": {f"{q}_{fmt}_{mode}": ratio(pm, q, fmt, mode, a) for q in quantities
@@ -339,6 +357,8 @@ def command(args) -> str:
         part += f" --formats {' '.join(args.formats)}"
     if tuple(args.modes) != MODES:
         part += f" --modes {' '.join(args.modes)}"
+    if args.pack_only:
+        part += " --pack-only"
     return (f"python benchmarks/density.py --arrays {' '.join(args.arrays)} --size {args.size} "
             f"--tile {args.tile[0]} {args.tile[1]} --functions{functions}{' --reduced' if args.reduced else ''}{part} "
             f"--device {args.device} --package {args.package} --freq {args.freq:g} "
@@ -409,10 +429,11 @@ def report(fig: dict, args, seconds: float) -> str:
                     lines.append(f"| {TITLES[fmt]} | {FLOWS[mode]} | {x['lut4']:,} (**does not fit**: {needs}) | "
                                  f"{x['ff']:,} | {x['dsp']} | {x['bram']} | | | | | {yosys}")
                     continue
-                eq = x["mac_s_per_lut4_eq"]
+                eq, mac_s = x["mac_s_per_lut4_eq"], x["mac_s_per_lut4"]
                 lines.append(
                     f"| {TITLES[fmt]} | {FLOWS[mode]} | {x['lut4']:,} | {x['ff']:,} | {x['dsp']} | {x['bram']} | "
-                    f"{_fmax(x)} | {x['lut4_per_mac']:,.1f} | {x['mac_s_per_lut4'] / 1e3:,.1f} k | "
+                    + (f"{_fmax(x)}" if x.get("fmax_mhz") else "not placed") + f" | {x['lut4_per_mac']:,.1f} | "
+                    + (f"{mac_s / 1e3:,.1f} k" if mac_s else "-") + " | "
                     + (f"{eq / 1e3:,.1f} k" if mode == "dsp" and eq is not None else "") + f" | {yosys}")
         r = fig["ratios"][a]
         lines += [
@@ -581,6 +602,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="build/density", help="work folder")
     p.add_argument("--write", action="store_true", help="write docs/reports/density.md")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
+    p.add_argument("--pack-only", action="store_true",
+                   help="count each design after packing, without placing it: the per-PE fit, no Fmax")
     p.add_argument("--reuse", action="store_true",
                    help="keep each saved synthesis and seed whose design and options are unchanged")
     return p

@@ -203,6 +203,7 @@ def pnr_ecp5(
     *,
     routed: bool = False,
     placer: str | None = None,
+    pack_only: bool = False,
     log: Log = None,
 ) -> dict:
     """Place and route the netlist ``json_path`` with nextpnr-ecp5 in ``work``.
@@ -210,7 +211,9 @@ def pnr_ecp5(
     ``device``: nextpnr's device option without dashes ("25k", "45k", "85k", "um5g-85k",
     ...); ``freq``: the target clock in MHz (timing may fail: Fmax is what is measured);
     ``ooc``: out of context (``--out-of-context``); ``placer``: nextpnr's ``--placer`` ("heap",
-    its default, "static", "sa"). Writes ``pnr.log`` and ``report.json``,
+    its default, "static", "sa"); ``pack_only``: stop after packing (seconds: the
+    utilization, which placement does not change, even of a design that does not fit; no
+    Fmax). Writes ``pnr.log`` and ``report.json``,
     and with ``routed`` the placed and routed netlist ``routed.json`` (``comb_cells_by_module``).
     Returns ``{"utilization": {resource: (used, available)}, "fmax": {clock: MHz},
     "fmax_min": the slowest clock's MHz (None without clocks), "seconds": run time}``."""
@@ -227,8 +230,10 @@ def pnr_ecp5(
         cmd += ["--write", "routed.json"]
     if placer:
         cmd += ["--placer", placer]
+    if pack_only:
+        cmd.append("--pack-only")
     if log:
-        log(f"nextpnr-ecp5 --{device}{' --out-of-context' if ooc else ''} ...")
+        log(f"nextpnr-ecp5 --{device}{' --out-of-context' if ooc else ''}{' --pack-only' if pack_only else ''} ...")
     seconds = run_tool(cmd, work, work / "pnr.log")
     return {**read_nextpnr_report(work / "report.json"), "seconds": seconds}
 

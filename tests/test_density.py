@@ -250,3 +250,18 @@ def test_an_array_may_name_its_placer(density):
     assert "## 4x4 arrays (nextpnr's static placer)" in text and "## 2x2 arrays\n" in text
     assert "2x2 HeAP (the default), 4x4 static" in text
     assert "--arrays 2x2 4x4:static " in density.command(args)
+
+
+def test_packed_only_designs_enter_the_fit_without_fmax(density):
+    """``--pack-only``: counts after packing, no placement: the per-PE fit and LUT4 per MAC,
+    no MAC/s (the whole-core ratio is null)."""
+    args = density.parser().parse_args(TINY + ["--pack-only"])
+    res = {k: {kk: vv for kk, vv in v.items() if kk != "fmax_mhz"} | {"seeds": [], "pnr_s": []}
+           for k, v in results().items()}
+    fig = density.figures(res, density.configs(args))
+    assert fig["density_per_pe_lut4_vs_fp16"] == pytest.approx(7.0)
+    assert fig["density_mac_s_per_lut4_vs_fp16_core"] is None and fig["density_flow"] is None
+    assert fig["designs"]["fp16-lut-4x4"]["lut4_per_mac"] == pytest.approx(13200 / 16)
+    text = density.report(fig, args, 60.0)
+    assert "| fp16 `FloatCore` | LUT-only | 13,200 | 100 | 0 | 2 | not placed | 825.0 | - |" in text
+    assert density.command(args).endswith("--seeds 1 2 3 --write") and " --pack-only " in density.command(args)
