@@ -158,7 +158,10 @@ def measure(key, factory, work: Path, args, log) -> dict:
     text = verilog.convert(component, name=top, platform=ECP5)
     tag = f"{_folder(key)} ({FLOWS[mode]})"
     options = {"nodsp": nodsp, "kept": True, "verilog_sha256": hashlib.sha256(verilog_logic(text).encode()).hexdigest()}
-    synth = _saved(d / "synth.json", options) if args.reuse else None
+    synth = _saved(d / "synth.json", options) if args.reuse or args.saved else None
+    if args.saved and synth is None:
+        log(f"{tag}: not measured yet")
+        return None
     if synth is not None and Path(synth["json"]).exists():
         log(f"{tag}: synthesis reused")
         synth["reused"] = True
@@ -189,12 +192,16 @@ def measure(key, factory, work: Path, args, log) -> dict:
     # Packing first (seconds): the counts, which placement does not change; a design whose
     # packed cells exceed the device is not placed.
     pack_options = {**options, "device": args.device, "package": args.package}
-    pack = _saved(d / "pack" / "result.json", pack_options) if args.reuse else None
+    pack = _saved(d / "pack" / "result.json", pack_options) if args.reuse or args.saved else None
+    if args.saved and pack is None:
+        log(f"{tag}: not packed yet")
+        return None
     if pack is None:
         out = pnr_ecp5(synth["json"], d / "pack", args.device, args.package, args.freq, pack_only=True,
                        log=lambda s: log(f"{tag}: {s}"))
         pack = {"options": pack_options,
                 "utilization": {k: {"used": u, "available": a} for k, (u, a) in out["utilization"].items()}}
+        (d / "pack").mkdir(exist_ok=True)
         (d / "pack" / "result.json").write_text(json.dumps(pack, indent=1) + "\n")
     util = pack["utilization"]
     row.update(lut4=util["TRELLIS_COMB"]["used"], ff=util.get("TRELLIS_FF", {}).get("used", 0),
@@ -209,7 +216,10 @@ def measure(key, factory, work: Path, args, log) -> dict:
         sd = d / f"seed{seed}"
         seed_options = {**options, "device": args.device, "package": args.package, "freq": args.freq, "seed": seed,
                         **({"placer": placer} if placer != "heap" else {})}
-        res = _saved(sd / "result.json", seed_options) if args.reuse else None
+        res = _saved(sd / "result.json", seed_options) if args.reuse or args.saved else None
+        if res is None and args.saved:
+            row.setdefault("seeds_not_run", []).append(seed)
+            continue
         if res is None:
             sd.mkdir(parents=True, exist_ok=True)
             try:
@@ -378,9 +388,13 @@ def report(fig: dict, args, seconds: float) -> str:
     units = "BFP output with stochastic rounding" if c["bfp_output"] and c["stochastic"] else (
         "BFP output" if c["bfp_output"] else "fp32/bf16 output only")
     arrays = c["arrays"]
+    missing = {name: x["seeds_not_run"] for name, x in d.items() if x.get("seeds_not_run")}
     lines = [
         f"# Density: whole GEMM cores on ECP5, BFP8 against bf16 and fp16 ({' and '.join(arrays)} arrays)",
         "",
+        *([f"**Incomplete:** this report gives what runs of its command saved up to now (`--saved`); the placements "
+           f"of {', '.join(missing)} are not all run yet (the raw figures say which). Figures that need them are "
+           "null.", ""] if missing else []),
         f"Command: `{command(args)}` ({seconds / 60:.0f} min; place and route and new syntheses of this run "
         f"{tool / 60:.0f} min summed, {args.jobs} at a time; `--reuse` keeps each synthesis and seed whose "
         f"design and options are unchanged). Core configuration: MAC arrays {', '.join(arrays)}, "
@@ -546,6 +560,8 @@ def raw(fig: dict) -> list[str]:
     lines = ["## Raw figures", "", "| design | Fmax per seed | synthesis | place and route |", "|---|---|---:|---:|"]
     for name, x in fig["designs"].items():
         seeds = ", ".join(f"{s['fmax_mhz']:.1f} MHz (seed {s['seed']})" for s in x["seeds"]) or "-"
+        if x.get("seeds_not_run"):
+            seeds += f"; seed{'s' * (len(x['seeds_not_run']) > 1)} {', '.join(map(str, x['seeds_not_run']))} not run yet"
         lines.append(f"| {name} | {seeds} | {x['synth_s']:.0f} s | {' + '.join(f'{s:.0f}' for s in x['pnr_s']) or '-'} s |")
     lines.append("")
     return lines
@@ -602,6 +618,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="build/density", help="work folder")
     p.add_argument("--write", action="store_true", help="write docs/reports/density.md")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
+    p.add_argument("--saved", action="store_true",
+                   help="run no tool: report what earlier runs of these options saved (a design, or a seed, "
+                        "not run yet is reported so)")
     p.add_argument("--pack-only", action="store_true",
                    help="count each design after packing, without placing it: the per-PE fit, no Fmax")
     p.add_argument("--reuse", action="store_true",
@@ -642,7 +661,8 @@ def run(args) -> dict:
                 for other in futures:
                     other.cancel()
                 raise f.exception()
-            results[futures[f]] = f.result()
+            if f.result() is not None:  # None: --saved, and nothing saved
+                results[futures[f]] = f.result()
     seconds = time.perf_counter() - t0
     fig = figures(results, cfgs, placers(args))
     (work / "figures.json").write_text(json.dumps(fig, indent=1) + "\n")

@@ -265,3 +265,53 @@ def test_packed_only_designs_enter_the_fit_without_fmax(density):
     text = density.report(fig, args, 60.0)
     assert "| fp16 `FloatCore` | LUT-only | 13,200 | 100 | 0 | 2 | not placed | 825.0 | - |" in text
     assert density.command(args).endswith("--seeds 1 2 3 --write") and " --pack-only " in density.command(args)
+
+
+def test_a_saved_report_marks_the_seeds_not_run(density):
+    args = density.parser().parse_args(TINY + ["--saved"])
+    over = {("fp16", "dsp", B): {**results()[("fp16", "dsp", B)], "seeds": [], "pnr_s": [], "seeds_not_run": [1, 2, 3]}}
+    over[("fp16", "dsp", B)].pop("fmax_mhz")
+    fig = density.figures(results(over), density.configs(args))
+    text = density.report(fig, args, 1.0)
+    assert "**Incomplete:**" in text and "fp16-dsp-4x4" in text.split("**Incomplete:**")[1].split("\n")[0]
+    assert "| fp16-dsp-4x4 | -; seeds 1, 2, 3 not run yet |" in text
+    assert "--saved" not in density.command(args)
+
+
+def test_measure_saves_each_step_and_a_saved_run_takes_them(density, tmp_path, monkeypatch):
+    """``measure`` with the tools faked: synthesis, packing and each seed are saved as they are
+    done; ``--reuse`` runs only what is missing, ``--saved`` runs nothing."""
+    calls = []
+
+    def synth(src, top, d, nodsp=False, keep=(), xaiger1=False, log=None):
+        calls.append("synth")
+        (Path(d) / f"{top}.json").write_text("{}")
+        return {"json": Path(d) / f"{top}.json", "cells": {"LUT4": 400, "CCU2C": 50}, "modules": {}, "seconds": 1.0}
+
+    def pnr(json_path, work, device, package, freq, seed=1, *, placer=None, pack_only=False, log=None):
+        calls.append("pack" if pack_only else f"seed{seed}")
+        util = {"TRELLIS_COMB": (500, 83640), "TRELLIS_FF": (72, 83640)}
+        return {"utilization": util, "fmax_min": None if pack_only else 150.0 + seed, "seconds": 2.0}
+
+    monkeypatch.setattr(density, "synth_ecp5", synth)
+    monkeypatch.setattr(density, "pnr_ecp5", pnr)
+    key, factory = ("mult18", "lut", None), (lambda: ("top", density.Mult18()))
+    args = density.parser().parse_args(TINY + ["--seeds", "1", "2", "--out", str(tmp_path)])
+    row = density.measure(key, factory, tmp_path, args, lambda s: None)
+    assert calls == ["synth", "pack", "seed1", "seed2"]
+    assert (row["lut4"], row["ff"], row["yosys_lut4"], row["fmax_mhz"]) == (500, 72, 500, 151.5)
+    # --saved with a seed more than was run: nothing runs, the seed is marked.
+    calls.clear()
+    args = density.parser().parse_args(TINY + ["--seeds", "1", "2", "3", "--saved"])
+    row = density.measure(key, factory, tmp_path, args, lambda s: None)
+    assert calls == [] and row["seeds_not_run"] == [3] and row["fmax_mhz"] == 151.5
+    # --reuse runs just the missing seed.
+    args = density.parser().parse_args(TINY + ["--seeds", "1", "2", "3", "--reuse"])
+    row = density.measure(key, factory, tmp_path, args, lambda s: None)
+    assert calls == ["seed3"] and row["fmax_mhz"] == 152.0 and "seeds_not_run" not in row
+    # Nothing saved for another folder: --saved reports it as not measured.
+    assert density.measure(key, factory, tmp_path / "other", args_saved(density), lambda s: None) is None
+
+
+def args_saved(density):
+    return density.parser().parse_args(TINY + ["--saved"])
