@@ -27,7 +27,7 @@ times Fmax. The cost of a core is fitted as fixed + per PE x PEs over the array 
 
     python benchmarks/density.py [--arrays 4x4 8x8] [--size 96 --tile 24 24] [--seeds 1 2 3] [--jobs 2] [--write] [--json FILE]
 
-``--write`` writes docs/reports/density.md; ``--json FILE`` the figures for a machine
+``--write`` writes docs/reports/density.md and the density figures of summary.json; ``--json FILE`` the figures for a machine
 (``SUMMARY``'s keys, which benchmarks/fpga_report.py copies into summary.json, and every
 design's figures). ``--reuse`` keeps each synthesis and each seed's place and route whose
 design (Verilog) and options did not change, so a run that stops goes on where it stopped.
@@ -60,7 +60,7 @@ from hbfp.hw.openflow import ECP5, lut4_cells, pnr_ecp5, synth_ecp5, verilog_mod
 from hbfp.hw.params import CoreConfig
 
 from ecp5_area import ARRAY_MODULE, LANE_MODULES, measured_modules  # benchmarks/ecp5_area.py
-from report import publish, verilog_logic  # benchmarks/report.py
+from report import REPORTS, publish, verilog_logic  # benchmarks/report.py
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The paper's figures (Drumond et al., NeurIPS 2018, section 5).
@@ -616,7 +616,8 @@ def parser() -> argparse.ArgumentParser:
                    help="placement seeds (default 1 2 3); Fmax: the median")
     p.add_argument("--jobs", type=int, default=2, help="flows run at a time (default 2)")
     p.add_argument("--out", default="build/density", help="work folder")
-    p.add_argument("--write", action="store_true", help="write docs/reports/density.md")
+    p.add_argument("--write", action="store_true",
+                   help="write docs/reports/density.md and summary.json's density figures")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON to FILE")
     p.add_argument("--saved", action="store_true",
                    help="run no tool: report what earlier runs of these options saved (a design, or a seed, "
@@ -667,6 +668,14 @@ def run(args) -> dict:
     fig = figures(results, cfgs, placers(args))
     (work / "figures.json").write_text(json.dumps(fig, indent=1) + "\n")
     publish(report(fig, args, seconds), "density.md", args.write)
+    if args.write:
+        # summary.json's density figures follow the report (benchmarks/fpga_report.py writes
+        # the same keys when it runs the experiment).
+        path = REPORTS / "summary.json"
+        summary = json.loads(path.read_text()) if path.exists() else {}
+        summary.update({key: fig[key] for key in (*SUMMARY, "density_rows", "density_cols")})
+        path.write_text(json.dumps(summary, indent=1) + "\n")
+        print(f"written {path} (its density figures)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(fig, indent=1) + "\n")
