@@ -303,6 +303,11 @@ def figures(results: dict, cfgs: dict[Array, CoreConfig], placer_of: dict[Array,
         for m in MODES:
             pts = [(a[0] * a[1], results[(f, m, a)]["lut4"]) for a in arrays if (f, m, a) in results]
             fits[(f, m, None)] = fit(pts) or {}
+            # The MAC array module alone (Yosys' count of the kept module): its PEs, and the
+            # edge logic of its sides, without the lanes, buffers and epilogue.
+            pts = [(a[0] * a[1], results[(f, m, a)]["array_lut4"]) for a in arrays
+                   if results.get((f, m, a), {}).get("array_lut4") is not None]
+            fits[(f, m, "array")] = fit(pts) or {}
     top = arrays[-1]
     both = lambda m: all(results.get((f, m, top), {}).get("fmax_mhz") for f in ("bfp8", "fp16"))  # noqa: E731
     flow = "lut" if both("lut") else ("dsp" if both("dsp") else None)
@@ -336,7 +341,10 @@ def figures(results: dict, cfgs: dict[Array, CoreConfig], placer_of: dict[Array,
                    "acc_lanes": {f"{a[0]}x{a[1]}": cfgs[a].acc_lanes for a in arrays}},
         "dsp_equivalent_lut4": dsp_eq,
         "designs": {_folder(k): {**results[k], **pm[k]} for k in pm if k in results},
-        "fits": {f"{f}-{m}": v for (f, m, _), v in fits.items() if v},
+        "fits": {f"{f}-{m}": v for (f, m, part), v in fits.items() if v and part is None},
+        "array_fits": {f"{f}-{m}": v for (f, m, part), v in fits.items() if v and part == "array"},
+        "array_fit_ratios": {f"per_pe_lut4_{fmt}_{mode}": ratio(fits, "per_pe_lut4", fmt, mode, "array")
+                             for fmt in ("bf16", "fp16") for mode in MODES},
         "ratios": ratios, "fit_ratios": fit_ratios,
         "paper_throughput": PAPER_THROUGHPUT, "paper_multiplier_area": PAPER_MULTIPLIER_AREA,
         "floor_vs_fp16": FLOOR_VS_FP16,
@@ -492,18 +500,26 @@ def fit_table(fig: dict) -> list[str]:
         "",
         f"nextpnr's LUT4 of each core fitted as fixed + per PE x PEs over the arrays ({', '.join(fig['config']['arrays'])}; "
         "two sizes: the line through them). The fixed part is what does not grow with the array's PEs (control, "
-        "command and epilogue logic; buffers and lanes grow with its sides, so they fall partly in each).",
+        "command and epilogue logic); the buffers and lanes grow with the array's sides, and the BFP8 core's "
+        "accumulate lanes with its columns' rate (`acc_lanes`), so the whole-core slope counts them in. Beside it "
+        "the same fit of the MAC array module alone (Yosys' count of the kept module: the PEs and the edge "
+        "logic of the array's sides).",
         "",
-        "| core | flow | fixed LUT4 | LUT4 per PE | per PE, over BFP8's |",
-        "|---|---|---:|---:|---:|",
+        "| core | flow | fixed LUT4 | LUT4 per PE | per PE, over BFP8's | MAC array: LUT4 per PE (Yosys) "
+        "| over BFP8's |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
+    arr, ar = fig.get("array_fits", {}), fig.get("array_fit_ratios", {})
     for fmt in FORMATS:
         for mode in MODES:
             x = fits.get(f"{fmt}-{mode}")
             if not x:
                 continue
             over = "" if fmt == "bfp8" else _x(fr[f"per_pe_lut4_{fmt}_{mode}"])
-            lines.append(f"| {TITLES[fmt]} | {FLOWS[mode]} | {x['fixed_lut4']:,.0f} | {x['per_pe_lut4']:,.1f} | {over} |")
+            y = arr.get(f"{fmt}-{mode}")
+            a_over = "" if fmt == "bfp8" else _x(ar.get(f"per_pe_lut4_{fmt}_{mode}"))
+            lines.append(f"| {TITLES[fmt]} | {FLOWS[mode]} | {x['fixed_lut4']:,.0f} | {x['per_pe_lut4']:,.1f} | {over} | "
+                         + (f"{y['per_pe_lut4']:,.1f} | {a_over} |" if y else "- | |"))
     return lines + [""]
 
 

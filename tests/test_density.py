@@ -94,6 +94,9 @@ def test_figures_ratios_fit_and_summary_keys(density):
     assert fig["density_fixed_lut4_fp16"] == pytest.approx(2000)
     assert fig["density_per_pe_lut4_vs_fp16"] == pytest.approx(7.0)
     assert fig["density_per_pe_lut4_vs_bf16"] == pytest.approx(5.0)
+    # The MAC array module's own fit (Yosys): 600 per fp16 PE against 50 per BFP8 PE.
+    assert fig["array_fits"]["fp16-lut"]["per_pe_lut4"] == pytest.approx(600)
+    assert fig["array_fit_ratios"]["per_pe_lut4_fp16_lut"] == pytest.approx(12.0)
     assert set(density.SUMMARY) <= set(fig)
     d = fig["designs"]["bfp8-dsp-4x4"]
     assert d["lut4_per_mac"] == pytest.approx(1400 / 16)
@@ -114,7 +117,7 @@ def test_report_reads_the_figures(density):
     assert "| MAC/s per LUT4, LUT-only | 4.81x | 10.15x |" in text
     assert "**10.15x** the fp16 core's" in text and "meets the floor of 6x" in text
     assert "**7.00x** (5.00x for bf16)" in text
-    assert "| fp16 `FloatCore` | LUT-only | 2,000 | 700.0 | 7.00x |" in text
+    assert "| fp16 `FloatCore` | LUT-only | 2,000 | 700.0 | 7.00x | 600.0 | 12.00x |" in text
     assert "100.0 MHz (99.0-101.0)" in text
     assert "`dsp_macs=0`" in text and "hw/lut_mult.py" in text
     assert f"Command: `{density.command(args)}`" in text
