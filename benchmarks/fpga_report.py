@@ -48,7 +48,8 @@ summary figures from the existing boards.md and summary.json (each note says so)
 (the Ethernet link: ``--boards ecpix5 colorlight_5a75b``). The report always ends with the
 links' table (computed, not built: each board's link against its array on one 96^3 product).
 The ULX3S build (16x16 at 75 MHz) takes about 45 minutes on 2 cores, the core's three placements
-about 20 (two at a time), the density experiment about 70.
+about 20 (two at a time), the density experiment several hours (its 8x8 float cores' placements
+take 15-30 minutes a seed; benchmarks/density.py ``--reuse`` goes on where a run stopped).
 """
 
 from __future__ import annotations
