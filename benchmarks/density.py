@@ -392,6 +392,7 @@ def _fmax(x: dict) -> str:
 def report(fig: dict, args, seconds: float) -> str:
     c, d = fig["config"], fig["designs"]
     tool = sum(x["synth_s"] * (not x.get("reused")) + sum(x["pnr_s"]) for x in d.values())
+    synth, pnr = sum(x["synth_s"] for x in d.values()), sum(sum(x["pnr_s"]) for x in d.values())
     functions = ", ".join(c["functions"]) or "none"
     units = "BFP output with stochastic rounding" if c["bfp_output"] and c["stochastic"] else (
         "BFP output" if c["bfp_output"] else "fp32/bf16 output only")
@@ -403,8 +404,12 @@ def report(fig: dict, args, seconds: float) -> str:
         *([f"**Incomplete:** this report gives what runs of its command saved up to now (`--saved`); the placements "
            f"of {', '.join(missing)} are not all run yet (the raw figures say which). Figures that need them are "
            "null.", ""] if missing else []),
-        f"Command: `{command(args)}` ({seconds / 60:.0f} min; place and route and new syntheses of this run "
-        f"{tool / 60:.0f} min summed, {args.jobs} at a time; `--reuse` keeps each synthesis and seed whose "
+        f"Command: `{command(args)}` "
+        + (f"(this report from the results its runs saved, `--saved`: synthesis {synth / 60:.0f} min and place and "
+           f"route {pnr / 60:.0f} min, summed over the designs and seeds; " if args.saved else
+           f"({seconds / 60:.0f} min; place and route and new syntheses of this run {tool / 60:.0f} min summed, "
+           f"{args.jobs} at a time; ")
+        + "`--reuse` keeps each synthesis and seed whose "
         f"design and options are unchanged). Core configuration: MAC arrays {', '.join(arrays)}, "
         f"{c['size']}x{c['size']} buffers, tile {c['tile'][0]}x{c['tile'][1]}, activation units {functions}, {units}.",
         "",
@@ -535,7 +540,7 @@ def reading(fig: dict, args) -> list[str]:
     else:
         floor = "meets" if key >= FLOOR_VS_FP16 else "**misses**"
         why = ("" if flow == "lut" else
-               f" (with DSP blocks: LUT-only the fp16 core does not fit {_device_name(args.device)} at {size})")
+               f" (LUT-only the fp16 core does not fit {_device_name(args.device)} at {size})")
         out.append(
             f"- **Whole cores at {size}, {FLOWS[flow]}**{why} (summary.json's `density_mac_s_per_lut4_vs_fp16_core`): "
             f"BFP8 {fig['density_bfp8_core_lut4']:,} LUT4 at {fig['density_bfp8_core_fmax_mhz']:.1f} MHz, fp16 "
