@@ -25,7 +25,7 @@ MULT18X18D. MACs per second: rows x cols PEs, one MAC each per cycle at full thr
 times Fmax. The cost of a core is fitted as fixed + per PE x PEs over the array sizes
 (nextpnr's packed LUT4 count, which a design that does not fit also has).
 
-    python benchmarks/density.py [--arrays 4x4 8x8] [--size 96 --tile 24 24] [--seeds 1 2 3] [--jobs 2] [--write] [--json FILE]
+    python benchmarks/density.py [--arrays 4x4 8x8:static] [--size 96 --tile 24 24] [--seeds 1 2 3] [--jobs 2] [--write] [--json FILE]
 
 ``--write`` writes docs/reports/density.md and the density figures of summary.json; ``--json FILE`` the figures for a machine
 (``SUMMARY``'s keys, which benchmarks/fpga_report.py copies into summary.json, and every
@@ -54,6 +54,7 @@ from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 from hbfp.contract import ConfigError
 from hbfp.hw.boards import _nextpnr_utilisation
+from hbfp.hw.add_f32 import AddF32Datapath
 from hbfp.hw.float_core import FloatCore
 from hbfp.hw.gemm_core import GemmCore
 from hbfp.hw.openflow import ECP5, lut4_cells, pnr_ecp5, synth_ecp5, verilog_modules
@@ -571,7 +572,7 @@ def reading(fig: dict, args) -> list[str]:
         "- Both kinds of PE are pipelined alike: operands registered at the array's edge, the multiplier's two "
         "stages (a DSP block's input and output registers, or a Booth product's partial products and sum), a "
         "fabric copy of the product, then the accumulation (BFP8: an integer add; float: the pattern, then the "
-        "7-stage fp32 adder whose output is its own accumulator, `FloatMacArray`).",
+        f"{AddF32Datapath.LATENCY}-stage fp32 adder whose output is its own accumulator, `FloatMacArray`).",
         "",
     ]
     return out
