@@ -79,13 +79,16 @@ FLOWS = {"dsp": "with DSP blocks", "lut": "LUT-only"}
 TITLES = {"bfp8": "BFP8 `GemmCore`", "bf16": "bf16 `FloatCore`", "fp16": "fp16 `FloatCore`"}
 #: summary.json's density figures. The whole-core ones are the largest array's, in the flow
 #: ``density_flow`` names (LUT-only where both cores fit the device, else with DSP blocks);
-#: the per-PE ones come from the fit over the arrays, LUT-only (every multiplier in LUTs).
+#: the per-PE ones come from the fit over the arrays in that flow too (with DSP blocks: one
+#: MULT18X18D a PE in every core), and ``density_per_pe_lut4_vs_fp16_lut`` from the LUT-only
+#: fit (every multiplier in LUTs; a core that does not fit enters it with its packed count).
 SUMMARY = (
     "density_mac_s_per_lut4_vs_fp16_core", "density_mac_s_per_lut4_vs_bf16_core",
     "density_lut4_per_mac_vs_fp16_core", "density_mac_s_per_lut4_vs_fp16_core_with_dsp", "density_flow",
     "density_bfp8_core_lut4", "density_bfp8_core_fmax_mhz", "density_fp16_core_lut4", "density_fp16_core_fmax_mhz",
     "density_per_pe_lut4_vs_fp16", "density_per_pe_lut4_vs_bf16", "density_per_pe_lut4_bfp8",
     "density_per_pe_lut4_fp16", "density_per_pe_lut4_bf16", "density_fixed_lut4_bfp8", "density_fixed_lut4_fp16",
+    "density_per_pe_lut4_vs_fp16_lut",
 )
 
 
@@ -318,6 +321,7 @@ def figures(results: dict, cfgs: dict[Array, CoreConfig], placer_of: dict[Array,
     fit_ratios = {f"{q}_{fmt}_{mode}": ratio(fits, q, fmt, mode) for q in ("per_pe_lut4", "fixed_lut4")
                   for fmt in ("bf16", "fp16") for mode in MODES}
     core_of = lambda f: results.get((f, flow, top), {}) if flow else {}  # noqa: E731
+    pe_flow = flow or "lut"
     summary = {
         "density_mac_s_per_lut4_vs_fp16_core": flow and ratio(pm, "mac_s_per_lut4", "fp16", flow, top),
         "density_mac_s_per_lut4_vs_bf16_core": flow and ratio(pm, "mac_s_per_lut4", "bf16", flow, top),
@@ -326,10 +330,11 @@ def figures(results: dict, cfgs: dict[Array, CoreConfig], placer_of: dict[Array,
         "density_flow": flow,
         "density_bfp8_core_lut4": core_of("bfp8").get("lut4"), "density_bfp8_core_fmax_mhz": core_of("bfp8").get("fmax_mhz"),
         "density_fp16_core_lut4": core_of("fp16").get("lut4"), "density_fp16_core_fmax_mhz": core_of("fp16").get("fmax_mhz"),
-        "density_per_pe_lut4_vs_fp16": fit_ratios["per_pe_lut4_fp16_lut"],
-        "density_per_pe_lut4_vs_bf16": fit_ratios["per_pe_lut4_bf16_lut"],
-        **{f"density_per_pe_lut4_{f}": fits[(f, "lut", None)].get("per_pe_lut4") for f in FORMATS},
-        **{f"density_fixed_lut4_{f}": fits[(f, "lut", None)].get("fixed_lut4") for f in ("bfp8", "fp16")},
+        "density_per_pe_lut4_vs_fp16": fit_ratios[f"per_pe_lut4_fp16_{pe_flow}"],
+        "density_per_pe_lut4_vs_bf16": fit_ratios[f"per_pe_lut4_bf16_{pe_flow}"],
+        **{f"density_per_pe_lut4_{f}": fits[(f, pe_flow, None)].get("per_pe_lut4") for f in FORMATS},
+        **{f"density_fixed_lut4_{f}": fits[(f, pe_flow, None)].get("fixed_lut4") for f in ("bfp8", "fp16")},
+        "density_per_pe_lut4_vs_fp16_lut": fit_ratios["per_pe_lut4_fp16_lut"],
     }
     assert set(summary) == set(SUMMARY)
     c = cfgs[top]
@@ -551,13 +556,21 @@ def reading(fig: dict, args) -> list[str]:
     pe = fig["density_per_pe_lut4_vs_fp16"]
     if pe is not None:
         floor = "meets" if pe >= FLOOR_VS_FP16 else "**misses**"
+        pe_flow = flow or "lut"
+        dsp = (" (one MULT18X18D a PE in every core: the LUT4 are the rest of the PE), as the whole cores compare"
+               if pe_flow == "dsp" else "")
+        lut = fig["density_per_pe_lut4_vs_fp16_lut"]
+        lut_only = ("" if pe_flow == "lut" or lut is None else
+                    f" LUT-only (every multiplier in LUTs; `density_per_pe_lut4_vs_fp16_lut`, a core that does not "
+                    f"fit entering with its packed count) the fit gives **{lut:.2f}x**.")
         out.append(
-            f"- **Per PE, LUT-only** (summary.json's `density_per_pe_lut4_vs_fp16`, from the fit): an fp16 PE costs "
-            f"{fig['density_per_pe_lut4_fp16']:,.0f} LUT4 against a BFP8 PE's {fig['density_per_pe_lut4_bfp8']:,.0f}: "
-            f"**{pe:.2f}x** ({_x(fig['density_per_pe_lut4_vs_bf16'])} for bf16); this {floor} the floor of "
-            f"{FLOOR_VS_FP16:g}x. The paper's {PAPER_MULTIPLIER_AREA}x compares an fp16 multiplier with an 8-bit one; "
-            "a PE here is multiplier, accumulator and pipeline: a float PE's fp32 adder is most of its cost, a BFP8 "
-            "PE adds its products in an integer accumulator and leaves the fp32 additions to the lanes.")
+            f"- **Per PE, {FLOWS[pe_flow]}**{dsp} (summary.json's `density_per_pe_lut4_vs_fp16`, from the fit): an "
+            f"fp16 PE costs {fig['density_per_pe_lut4_fp16']:,.0f} LUT4 against a BFP8 PE's "
+            f"{fig['density_per_pe_lut4_bfp8']:,.0f}: **{pe:.2f}x** ({_x(fig['density_per_pe_lut4_vs_bf16'])} for "
+            f"bf16); this {floor} the floor of {FLOOR_VS_FP16:g}x.{lut_only} The paper's {PAPER_MULTIPLIER_AREA}x "
+            "compares an fp16 multiplier with an 8-bit one; a PE here is multiplier, accumulator and pipeline: a "
+            "float PE's fp32 adder is most of its cost, a BFP8 PE adds its products in an integer accumulator and "
+            "leaves the fp32 additions to the lanes.")
     out += [
         f"- The fixed logic weighs on small arrays: the fewer the PEs, the closer the whole-core ratios come to 1, "
         "and the more they approach the per-PE ratio as the array grows.",

@@ -30,8 +30,8 @@ docs/reports/summary.json, the headline figures for a machine:
   whole cores at the density experiment's largest array (``density_rows``, ``density_cols``),
   in the flow ``density_flow`` names (LUT-only where both fit, every PE with a Booth LUT
   multiplier; else with DSP blocks), beside the counts it divides; ``density_per_pe_lut4_vs_fp16``:
-  LUT4 per PE of the fp16 core over the BFP8 core's, LUT-only, from the fit over the arrays;
-  and the rest of ``density.SUMMARY``. From benchmarks/density.py, run from here in its
+  LUT4 per PE of the fp16 core over the BFP8 core's, from the fit over the arrays in the same
+  flow (``density_per_pe_lut4_vs_fp16_lut``: LUT-only); and the rest of ``density.SUMMARY``. From benchmarks/density.py, run from here in its
   default configuration unless ``--no-density``; with ``--write`` it also rewrites
   docs/reports/density.md.
 

@@ -150,18 +150,21 @@ class OperandBuffer(wiring.Component):
         is_row = self.r_mode == READ_ROW
         read1, read2 = Signal(), Signal()
         base1 = Signal(range(depth))
-        row1 = Signal()
+        r_rot = Signal(lane)
         rot1, rot2, rot3 = Signal(lane), Signal(lane), Signal(lane)
+        m.d.comb += r_rot.eq(Mux(is_row, wrap(r_rem + rc_rem), rc_rem))
         m.d.sync += [read1.eq(self.r_en), read2.eq(read1)]
         with m.If(self.r_en):
-            m.d.sync += [base1.eq(times_constant(r_quot, self.cols) + self.r_col), row1.eq(is_row),
-                         rot1.eq(Mux(is_row, wrap(r_rem + rc_rem), rc_rem))]
+            m.d.sync += [base1.eq(times_constant(r_quot, self.cols) + self.r_col), rot1.eq(r_rot)]
         for b, (rp, _) in enumerate(banks):
-            offset = Signal(lane, name=f"r_offset{b}")
+            # Bank b's offset from base1 (0 in a column chunk), registered with the request: a
+            # bank's address is then one adder from flip-flops of its own.
+            offset1 = Signal(lane, name=f"r_offset{b}")
+            with m.If(self.r_en):
+                m.d.sync += offset1.eq(Mux(is_row, wrap(b - r_rot), 0))
             m.d.comb += [
-                offset.eq(wrap(b - rot1)),
                 rp.en.eq(read1),
-                rp.addr.eq(base1 + Mux(row1, offset, 0)),
+                rp.addr.eq(base1 + offset1),
             ]
         with m.If(read1):
             m.d.sync += rot2.eq(rot1)

@@ -116,7 +116,7 @@ def icarus_compat(text: str) -> str:
 #: Behavioural models of the vendor primitives that a component elaborated for a platform
 #: instantiates, by the platform's family (``run(..., platform=...)``).
 PRIMITIVE_MODELS = {"ecp5": [Path(__file__).with_name(f) for f in ("mult18x18d_model.v", "dp16kd_model.v", "trellis_ff_model.v",
-                                                                    "ecp5_io_model.v")]}
+                                                                    "ccu2c_model.v", "ecp5_io_model.v")]}
 
 
 def write_verilog(component, name: str, path: Path, *, icarus: bool = False, platform=None) -> Path:

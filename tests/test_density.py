@@ -92,7 +92,7 @@ def test_figures_ratios_fit_and_summary_keys(density):
     assert fig["density_per_pe_lut4_bfp8"] == pytest.approx(100)
     assert fig["density_per_pe_lut4_fp16"] == pytest.approx(700)
     assert fig["density_fixed_lut4_fp16"] == pytest.approx(2000)
-    assert fig["density_per_pe_lut4_vs_fp16"] == pytest.approx(7.0)
+    assert fig["density_per_pe_lut4_vs_fp16"] == pytest.approx(7.0) == fig["density_per_pe_lut4_vs_fp16_lut"]
     assert fig["density_per_pe_lut4_vs_bf16"] == pytest.approx(5.0)
     # The MAC array module's own fit (Yosys): 600 per fp16 PE against 50 per BFP8 PE.
     assert fig["array_fits"]["fp16-lut"]["per_pe_lut4"] == pytest.approx(600)
@@ -130,9 +130,15 @@ def test_a_core_that_does_not_fit_lut_only_compares_with_dsp_blocks(density):
     args, fig = run_figures(density, {("fp16", "lut", B): row(90000, 0.0, fits=False)})
     assert fig["density_flow"] == "dsp"
     assert fig["density_mac_s_per_lut4_vs_fp16_core"] == pytest.approx((120 / 1400) / (60 / 8000))
-    # Its packed count still enters the fit.
-    assert fig["density_per_pe_lut4_fp16"] == pytest.approx((90000 - 4800) / 12)
+    # The per-PE figures follow: the fit with DSP blocks (fp16 400 a PE, BFP8 50).
+    assert fig["density_per_pe_lut4_fp16"] == pytest.approx(400) and fig["density_per_pe_lut4_bfp8"] == pytest.approx(50)
+    assert fig["density_per_pe_lut4_vs_fp16"] == pytest.approx(8.0)
+    # LUT-only, its packed count still enters the fit.
+    assert fig["fits"]["fp16-lut"]["per_pe_lut4"] == pytest.approx((90000 - 4800) / 12)
+    assert fig["density_per_pe_lut4_vs_fp16_lut"] == pytest.approx(fig["fit_ratios"]["per_pe_lut4_fp16_lut"])
     text = density.report(fig, args, 60.0)
+    assert "**Per PE, with DSP blocks** (one MULT18X18D a PE in every core" in text
+    assert "LUT-only (every multiplier in LUTs; `density_per_pe_lut4_vs_fp16_lut`" in text
     assert "90,000 (**does not fit**: TRELLIS_COMB 90,000/83,640)" in text
     assert "LUT-only the fp16 core does not fit LFE5U-85F at 4x4" in text
 
