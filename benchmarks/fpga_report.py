@@ -31,9 +31,9 @@ docs/reports/summary.json, the headline figures for a machine:
   in the flow ``density_flow`` names (LUT-only where both fit, every PE with a Booth LUT
   multiplier; else with DSP blocks), beside the counts it divides; ``density_per_pe_lut4_vs_fp16``:
   LUT4 per PE of the fp16 core over the BFP8 core's, from the fit over the arrays in the same
-  flow (``density_per_pe_lut4_vs_fp16_lut``: LUT-only); and the rest of ``density.SUMMARY``. From benchmarks/density.py, run from here in its
-  default configuration unless ``--no-density``; with ``--write`` it also rewrites
-  docs/reports/density.md.
+  flow (``density_per_pe_lut4_vs_fp16_lut``: LUT-only); and the rest of ``density.SUMMARY``.
+  From benchmarks/density.py, run from here in its default configuration unless
+  ``--no-density``; with ``--write`` it also rewrites docs/reports/density.md.
 
 A figure that was not measured in this run (a board left out, a design that does not fit) is
 null, and a board left out (``--boards``) has a row that says so. ``--reuse`` takes an existing
