@@ -90,6 +90,8 @@ SUMMARY = (
     "density_per_pe_lut4_fp16", "density_per_pe_lut4_bf16", "density_fixed_lut4_bfp8", "density_fixed_lut4_fp16",
     "density_per_pe_lut4_vs_fp16_lut",
 )
+#: What summary.json takes from the experiment: ``SUMMARY`` and the array it compares at.
+SUMMARY_FIGURES = (*SUMMARY, "density_rows", "density_cols")
 
 
 class Mult18(wiring.Component):
@@ -341,6 +343,7 @@ def figures(results: dict, cfgs: dict[Array, CoreConfig], placer_of: dict[Array,
     return {
         **summary,
         "density_rows": top[0], "density_cols": top[1],
+        "density_per_pe_flow": pe_flow,
         "config": {"arrays": [f"{a[0]}x{a[1]}" for a in arrays], "size": c.size, "tile": list(c.tile),
                    "placers": {f"{a[0]}x{a[1]}": placer_of.get(a, "heap") for a in arrays},
                    "functions": list(c.built_functions), "bfp_output": c.bfp_output, "stochastic": c.stochastic,
@@ -556,7 +559,7 @@ def reading(fig: dict, args) -> list[str]:
     pe = fig["density_per_pe_lut4_vs_fp16"]
     if pe is not None:
         floor = "meets" if pe >= FLOOR_VS_FP16 else "**misses**"
-        pe_flow = flow or "lut"
+        pe_flow = fig["density_per_pe_flow"]
         dsp = (" (one MULT18X18D a PE in every core: the LUT4 are the rest of the PE), as the whole cores compare"
                if pe_flow == "dsp" else "")
         lut = fig["density_per_pe_lut4_vs_fp16_lut"]
@@ -708,7 +711,7 @@ def run(args) -> dict:
         # the same keys when it runs the experiment).
         path = REPORTS / "summary.json"
         summary = json.loads(path.read_text()) if path.exists() else {}
-        summary.update({key: fig[key] for key in (*SUMMARY, "density_rows", "density_cols")})
+        summary.update({key: fig[key] for key in SUMMARY_FIGURES})
         path.write_text(json.dumps(summary, indent=1) + "\n")
         print(f"written {path} (its density figures)")
     if args.json:

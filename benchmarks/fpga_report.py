@@ -110,7 +110,7 @@ SUMMARY_KEYS = (
     "board_icebreaker_macs", "board_icebreaker_fmax_mhz", "board_icebreaker_cells",
     *(f"board_{b.summary_name}_bitstream" for b in boards.BOARDS.values() if b.flow != "quartus"),
     # The whole-core density comparison (benchmarks/density.py): BFP8 core over the float cores.
-    *density.SUMMARY, "density_rows", "density_cols",
+    *density.SUMMARY_FIGURES,
 )
 
 
@@ -155,7 +155,7 @@ def density_summary(args) -> dict:
     argv = (["--jobs", str(args.density_jobs)] + (["--write"] if args.write else [])
             + (["--reuse"] if args.reuse else []))
     fig = density.run(density.parser().parse_args(argv))
-    return {key: fig[key] for key in (*density.SUMMARY, "density_rows", "density_cols")}
+    return {key: fig[key] for key in density.SUMMARY_FIGURES}
 
 
 def link_table() -> list[str]:
@@ -400,7 +400,7 @@ def main(argv=None) -> int:
         summary.update(density_summary(args))
     elif args.keep_density:
         before = json.loads((REPORTS / "summary.json").read_text())
-        summary.update({k: before.get(k) for k in (*density.SUMMARY, "density_rows", "density_cols")})
+        summary.update({k: before.get(k) for k in density.SUMMARY_FIGURES})
 
     lines = [
         "# FPGA boards: area, Fmax and throughput",
